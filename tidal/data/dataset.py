@@ -1,0 +1,219 @@
+"""Prompt datasets: read rows from JSONL / JSON / Parquet and turn them into tokenized prompts.
+
+Reading and building are split so that anything yielding `(row number, row dict)` pairs (files,
+the built-in environments in `tidal.data.envs`) goes through the same prompt construction and
+the same error messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class PromptRecord:
+    """One prompt ready for generation.
+
+    `prompt` is the raw input (a string or a list of `{"role", "content"}` messages), `text` the
+    exact string that was tokenized (after the chat template when one was applied) and `index`
+    the row's 0-based position among the rows of the source.
+    """
+
+    index: int
+    prompt: str | list[dict]
+    text: str
+    input_ids: list[int]
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+
+
+def _json_type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                # Without the newline a truncated line is reported at its own column, not "line 2".
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {_json_type_name(row)}")
+            yield lineno, row
+
+
+def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
+    # `.json` files in the wild are either one array of objects or JSON Lines under the wrong
+    # extension; try the whole document first and fall back to line-by-line parsing.
+    text = path.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        yield from _iter_json_lines(path)
+        return
+    if isinstance(doc, dict):
+        # A single object is also a valid one-line JSON Lines file.
+        yield from _iter_json_lines(path)
+        return
+    if not isinstance(doc, list):
+        raise ValueError(
+            f"{path}: expected a JSON array of objects or JSON Lines, got {_json_type_name(doc)}"
+        )
+    for number, row in enumerate(doc, start=1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {_json_type_name(row)}")
+        yield number, row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+    import pyarrow.parquet as pq
+
+    # Batches keep memory bounded on large files; row numbers run across batches.
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield `(number, row)` for every row of a `.jsonl`, `.json` or `.parquet` file.
+
+    `number` is the 1-based line for JSON Lines (blank lines are skipped but still counted, so it
+    matches what an editor shows), the 1-based element for a JSON array and the 1-based row for
+    Parquet. Errors name `path:number`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _iter_json_lines(path)
+    if suffix == ".json":
+        return _iter_json(path)
+    if suffix == ".parquet":
+        return _iter_parquet(path)
+    raise ValueError(
+        f"{path}: unsupported file extension {suffix or '(none)'!r}; "
+        f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+    )
+
+
+def _check_messages(messages: list, where: str) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content'")
+
+
+def build_prompts(
+    rows: Iterable[tuple[int, dict]],
+    tokenizer: Any,
+    *,
+    source: str,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    max_prompt_length: int | None = None,
+) -> tuple[list[PromptRecord], int]:
+    """Turn `(number, row)` pairs into tokenized `PromptRecord`s.
+
+    Returns the records and how many rows were dropped for having more than `max_prompt_length`
+    prompt tokens. `source` is only used to name `source:number` in error messages.
+    """
+    if system_prompt is not None and not apply_chat_template:
+        # Without a template there is no place to put a system message; fail rather than drop it.
+        raise ValueError("system_prompt needs apply_chat_template=True")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
+
+    records: list[PromptRecord] = []
+    dropped = 0
+    for index, (number, row) in enumerate(rows):
+        where = f"{source}:{number}"
+        if input_key not in row:
+            raise ValueError(
+                f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)"
+            )
+        prompt = row[input_key]
+        metadata = row.get(metadata_key)
+        # Parquet fills a missing struct with None, so None means "no metadata" rather than an error.
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
+
+        if isinstance(prompt, str):
+            if apply_chat_template:
+                messages = [{"role": "user", "content": prompt}]
+                if system_prompt is not None:
+                    messages.insert(0, {"role": "system", "content": system_prompt})
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                text = prompt
+        elif isinstance(prompt, list):
+            if not apply_chat_template:
+                raise ValueError(
+                    f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True"
+                )
+            _check_messages(prompt, where)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        else:
+            raise ValueError(
+                f"{where}: {input_key!r} must be a string or a list of messages, "
+                f"got {_json_type_name(prompt)}"
+            )
+
+        # The template already carries any special tokens the model expects; adding a BOS again
+        # would make prompts differ from what the engine sees.
+        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if max_prompt_length is not None and len(input_ids) > max_prompt_length:
+            dropped += 1
+            continue
+        records.append(
+            PromptRecord(
+                index=index,
+                prompt=prompt,
+                text=text,
+                input_ids=input_ids,
+                label=row.get(label_key),
+                metadata=dict(metadata),
+            )
+        )
+    return records, dropped
+
+
+def load_prompts(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    max_prompt_length: int | None = None,
+) -> tuple[list[PromptRecord], int]:
+    """Read a data file and build its prompts; see `read_rows` and `build_prompts`."""
+    return build_prompts(
+        read_rows(path),
+        tokenizer,
+        source=str(path),
+        input_key=input_key,
+        label_key=label_key,
+        metadata_key=metadata_key,
+        apply_chat_template=apply_chat_template,
+        system_prompt=system_prompt,
+        max_prompt_length=max_prompt_length,
+    )
