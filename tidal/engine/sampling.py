@@ -1,0 +1,201 @@
+"""Token sampling over a batch of logits: temperature, top-k, top-p, per-row seeds.
+
+Pure tensor code with no model or engine state, so the rollout engine and tests share one
+definition of "the distribution a token was drawn from". The log-prob returned for each token
+is taken under exactly that distribution, because RL losses compare it with the trainer's
+log-probs of the same token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SamplingParams", "sample_tokens"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings.
+
+    `temperature == 0` means greedy decoding. `top_k == 0` and `top_p == 1` switch those filters
+    off. `seed` makes one request reproducible whatever else shares its batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first bad field and its valid range; return self."""
+        # `not (x >= 0)` rather than `x < 0` so NaN is rejected too.
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (self.temperature >= 0) or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a config mapping and validate it; unknown keys raise ValueError naming them,
+        so a typo such as `top-p` or `temprature` fails loudly instead of being ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s): {', '.join(unknown)}; "
+                f"valid keys are {', '.join(sorted(known))}"
+            )
+        kwargs = dict(d)
+        # Copy the lists so later edits to the caller's config do not reach into this object.
+        for name in ("stop_token_ids", "stop"):
+            if name in kwargs and kwargs[name] is not None:
+                kwargs[name] = list(kwargs[name])
+        return cls(**kwargs).validate()
+
+
+def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Broadcast a scalar or [B] parameter to a [B] tensor on the logits' device."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    if t.dim() == 0:
+        return t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"per-row sampling parameter must have shape ({batch},), got {tuple(t.shape)}")
+    return t
+
+
+def _uniform_noise(
+    batch: int,
+    vocab: int,
+    generators: Sequence[torch.Generator | None] | None,
+    rows: Tensor,
+    device: torch.device,
+) -> Tensor:
+    """Uniform(0, 1) noise of shape [len(rows), V], one row per sampled batch row.
+
+    A row with a generator draws its own V numbers from it, so its noise depends only on its own
+    seed and how many tokens it has drawn so far, never on the other rows of the batch.
+    """
+    n = rows.numel()
+    if generators is None:
+        return torch.rand(n, vocab, device=device)
+    if len(generators) != batch:
+        raise ValueError(f"generators must have one entry per row ({batch}), got {len(generators)}")
+    noise = torch.empty(n, vocab, device=device)
+    row_list = rows.tolist()
+    unseeded = [j for j, r in enumerate(row_list) if generators[r] is None]
+    if unseeded:
+        noise[unseeded] = torch.rand(len(unseeded), vocab, device=device)
+    for j, r in enumerate(row_list):
+        g = generators[r]
+        if g is not None:
+            # Draw on the generator's own device (a CPU generator may drive CUDA logits).
+            noise[j] = torch.rand(vocab, generator=g, device=g.device).to(device)
+    return noise
+
+
+@torch.no_grad()
+def sample_tokens(
+    logits: Tensor,
+    temperature: Tensor | float,
+    top_p: Tensor | float,
+    top_k: Tensor | int,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of `logits` [B, V].
+
+    Parameters may be scalars or per-row [B] tensors, so one batch can mix requests.
+    Rows with temperature 0 are greedy: the token is the argmax and its log-prob comes from the
+    plain softmax of the raw logits. Other rows divide the logits by the temperature, keep the
+    `top_k` most likely tokens (0 = all), then keep the smallest set of most likely tokens whose
+    probability sums to at least `top_p` (always at least one token), and sample from that set
+    renormalised. `generators[i]`, when given and not None, is the only randomness used for row i.
+
+    Returns `(tokens [B] long, log_probs [B] float32)`, where each log-prob is that of the chosen
+    token under the exact (tempered, filtered, renormalised) distribution it was drawn from.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    device = logits.device
+    # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
+    logits = logits.float()
+    temp = _per_row(temperature, batch, torch.float32, device)
+    p = _per_row(top_p, batch, torch.float32, device)
+    k = _per_row(top_k, batch, torch.long, device)
+    if bool((temp < 0).any()) or bool(((p <= 0) | (p > 1)).any()) or bool((k < 0).any()):
+        raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
+
+    tokens = torch.empty(batch, dtype=torch.long, device=device)
+    log_probs = torch.empty(batch, dtype=torch.float32, device=device)
+
+    greedy = temp == 0
+    if bool(greedy.any()):
+        g_rows = greedy.nonzero(as_tuple=True)[0]
+        g_logits = logits[g_rows]
+        g_tok = g_logits.argmax(dim=-1)
+        tokens[g_rows] = g_tok
+        log_probs[g_rows] = torch.log_softmax(g_logits, dim=-1).gather(-1, g_tok[:, None])[:, 0]
+
+    if bool(greedy.all()):
+        return tokens, log_probs
+
+    rows = (~greedy).nonzero(as_tuple=True)[0]
+    scaled = logits[rows] / temp[rows, None]
+    rk = k[rows]
+    rp = p[rows]
+    needs_filter = bool(((rk > 0) & (rk < vocab)).any()) or bool((rp < 1).any())
+    if needs_filter:
+        # Filter in sorted order, then scatter the keep-mask back to vocab order: the noise is
+        # then indexed by token id, so a seeded row's draw does not depend on sort tie-breaking.
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        pos = torch.arange(vocab, device=device)
+        k_eff = torch.where(rk > 0, rk.clamp(max=vocab), torch.full_like(rk, vocab))
+        keep_sorted = pos[None, :] < k_eff[:, None]
+        # top-p acts on the distribution left after top-k, renormalised.
+        probs_k = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+        mass_before = probs_k.cumsum(dim=-1) - probs_k
+        # A token is kept while the mass strictly above it is still short of top_p; this is the
+        # smallest prefix reaching top_p. top_p == 1 keeps everything (no float-rounding losses).
+        keep_p = (mass_before < rp[:, None]) | (rp[:, None] >= 1)
+        keep_sorted = keep_sorted & keep_p
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        scaled = scaled.masked_fill(~keep, -math.inf)
+
+    final_logp = torch.log_softmax(scaled, dim=-1)
+    # Gumbel-max: argmax(log p + Gumbel noise) is an exact draw from p; filtered tokens stay -inf.
+    u = _uniform_noise(batch, vocab, generators, rows, device)
+    u = u.clamp_min(torch.finfo(torch.float32).tiny)
+    gumbel = -torch.log(-torch.log(u))
+    s_tok = (final_logp + gumbel).argmax(dim=-1)
+    tokens[rows] = s_tok
+    log_probs[rows] = final_logp.gather(-1, s_tok[:, None])[:, 0]
+    return tokens, log_probs
