@@ -1,0 +1,149 @@
+"""Small helpers shared across tidal: loading user objects by dotted path and atomic file writes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import uuid
+from typing import Any
+
+__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "load_object"]
+
+
+def _is_missing(err: ModuleNotFoundError, candidate: str) -> bool:
+    """True when `err` says `candidate` itself (or one of its parent packages) does not exist.
+
+    Any other ModuleNotFoundError comes from inside a module that does exist (a missing dependency)
+    and must be reported as such rather than silently tried as an attribute path.
+    """
+    name = err.name or ""
+    return bool(name) and (candidate == name or candidate.startswith(name + "."))
+
+
+def load_object(path: str, *, callable_required: bool = False) -> Any:
+    """Import and return the object named by `path`.
+
+    Two spellings are accepted:
+
+    * ``pkg.mod:obj.attr`` -- everything before the colon is the module, the rest an attribute chain;
+    * ``pkg.mod.obj`` -- the longest prefix that imports as a module is taken as the module and the
+      remaining parts are looked up as attributes.
+
+    Raises:
+        ValueError: `path` is malformed (empty, no module/attribute separator, empty parts), or the
+            object is not callable while `callable_required=True`.
+        ImportError: the module cannot be found, importing it failed, or an attribute is missing.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'")
+    path = path.strip()
+
+    if ":" in path:
+        module_name, _, attr_chain = path.partition(":")
+        attrs = attr_chain.split(".")
+        if not module_name or any(not p for p in module_name.split(".")) or any(not a for a in attrs):
+            raise ValueError(
+                f"cannot load object from {path!r}: expected 'pkg.module:name' with non-empty parts"
+            )
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if _is_missing(e, module_name):
+                raise ImportError(f"cannot load {path!r}: module {module_name!r} not found ({e})") from e
+            raise ImportError(f"cannot load {path!r}: importing module {module_name!r} failed: {e}") from e
+        except ImportError as e:
+            raise ImportError(f"cannot load {path!r}: importing module {module_name!r} failed: {e}") from e
+    else:
+        parts = path.split(".")
+        if len(parts) < 2 or any(not p for p in parts):
+            raise ValueError(
+                f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'"
+            )
+        module = None
+        # Longest module prefix first: `a.b.c` is more likely module `a.b` + attribute `c` than
+        # module `a` + attributes `b.c`, and a real submodule must win over a same-named attribute.
+        for split in range(len(parts) - 1, 0, -1):
+            candidate = ".".join(parts[:split])
+            try:
+                module = importlib.import_module(candidate)
+            except ModuleNotFoundError as e:
+                if _is_missing(e, candidate):
+                    continue
+                raise ImportError(f"cannot load {path!r}: importing module {candidate!r} failed: {e}") from e
+            except ImportError as e:
+                raise ImportError(f"cannot load {path!r}: importing module {candidate!r} failed: {e}") from e
+            module_name, attrs = candidate, parts[split:]
+            break
+        if module is None:
+            raise ImportError(f"cannot load {path!r}: module {parts[0]!r} not found")
+
+    obj: Any = module
+    owner = module_name
+    for attr in attrs:
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise ImportError(f"cannot load {path!r}: {owner!r} has no attribute {attr!r}") from e
+        owner = f"{owner}.{attr}"
+
+    if callable_required and not callable(obj):
+        raise ValueError(f"cannot load {path!r}: object of type {type(obj).__name__} is not callable")
+    return obj
+
+
+def _fsync_dir(directory: str) -> None:
+    """Flush the directory entry so the rename itself survives a crash (POSIX only; best effort)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows cannot open directories; the rename is still atomic there
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace the file at `path` with `data` so readers see either the old or the new contents.
+
+    The bytes go to a temporary file in the same directory (same filesystem, so the final
+    `os.replace` is an atomic rename), are fsynced, then renamed over `path`. On any error the
+    temporary file is removed and an existing file at `path` is left untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    # A hidden, uniquely named sibling: concurrent writers never share a temp file, and os.open with
+    # O_EXCL + mode 0o666 honours the umask (tempfile.mkstemp would force 0o600 on the result).
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # BaseException so a KeyboardInterrupt mid-write does not leave a stray temp file either.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """Atomically replace `path` with `text` encoded as `encoding` (see `atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
+    """Atomically replace `path` with `obj` serialised as JSON plus a trailing newline.
+
+    Serialisation happens before anything touches the disk, so an object that cannot be encoded
+    raises without creating or damaging any file.
+    """
+    atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
