@@ -76,3 +76,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     make_model().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def token_parity_reward(sample) -> float:
+    """A reward a random tiny model earns about half the time, so GRPO has signal in loop tests
+    (used as `rollout.reward: conftest:token_parity_reward`)."""
+    return float(sample.response_tokens[0] % 2 == 0)

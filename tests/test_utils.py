@@ -64,9 +64,7 @@ def test_load_object_callable_required():
 
 def test_load_object_reports_broken_dependency(tmp_path, monkeypatch):
     """A module that exists but fails to import is reported as such, not as 'not found'."""
-    (tmp_path / "tidal_test_broken_mod.py").write_text(
-        "import tidal_missing_dep_xyz\n\ndef fn():\n    pass\n"
-    )
+    (tmp_path / "tidal_test_broken_mod.py").write_text("import tidal_missing_dep_xyz\n\ndef fn():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "tidal_test_broken_mod", raising=False)
     for path in ("tidal_test_broken_mod:fn", "tidal_test_broken_mod.fn"):

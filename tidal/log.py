@@ -59,9 +59,7 @@ def _to_number(key: str, value: Any) -> int | float:
         torch = None  # type: ignore[assignment]
     if torch is not None and isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex():
-            raise TypeError(
-                f"metric {key!r} must be a real 0-d tensor, got shape {tuple(value.shape)} {value.dtype}"
-            )
+            raise TypeError(f"metric {key!r} must be a real 0-d tensor, got shape {tuple(value.shape)} {value.dtype}")
         value = value.item()
     # numbers.Real covers bool/int/float and numpy scalars; complex and Decimal-like types are not
     # numbers TensorBoard can plot.
@@ -220,8 +218,7 @@ class MetricsLogger:
             if not _tb_warned:
                 _tb_warned = True
                 warnings.warn(
-                    f"TensorBoard logging disabled ({type(e).__name__}: {e}); "
-                    f"metrics still go to {self.path}",
+                    f"TensorBoard logging disabled ({type(e).__name__}: {e}); metrics still go to {self.path}",
                     RuntimeWarning,
                     stacklevel=4,
                 )

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     COMPLETED = "completed"  # the engine stopped on an eos / stop token or stop string
     TRUNCATED = "truncated"  # hit max_new_tokens or the context limit
     ABORTED = "aborted"  # cut off by an abort; tokens so far are kept
@@ -51,7 +51,7 @@ class Sample:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Sample":
+    def from_dict(cls, d: dict) -> Sample:
         d = dict(d)
         d["status"] = Status(d.get("status", Status.COMPLETED))
         return cls(**d)
@@ -64,6 +64,4 @@ class Sample:
         for name in ("loss_mask", "rollout_log_probs"):
             got = len(getattr(self, name))
             if got != n:
-                raise ValueError(
-                    f"sample {self.index}: {name} has {got} entries, expected response_length={n}"
-                )
+                raise ValueError(f"sample {self.index}: {name} has {got} entries, expected response_length={n}")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "load_object"]
@@ -43,9 +48,7 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
         module_name, _, attr_chain = path.partition(":")
         attrs = attr_chain.split(".")
         if not module_name or any(not p for p in module_name.split(".")) or any(not a for a in attrs):
-            raise ValueError(
-                f"cannot load object from {path!r}: expected 'pkg.module:name' with non-empty parts"
-            )
+            raise ValueError(f"cannot load object from {path!r}: expected 'pkg.module:name' with non-empty parts")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -57,9 +60,7 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
     else:
         parts = path.split(".")
         if len(parts) < 2 or any(not p for p in parts):
-            raise ValueError(
-                f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'"
-            )
+            raise ValueError(f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'")
         module = None
         # Longest module prefix first: `a.b.c` is more likely module `a.b` + attribute `c` than
         # module `a` + attributes `b.c`, and a real submodule must win over a same-named attribute.
@@ -147,3 +148,22 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None
     raises without creating or damaging any file.
     """
     atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary folder beside `final`; on success it replaces `final` in one rename,
+    on error it is removed and `final` (if any) is left as it was."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(str(final.parent))
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

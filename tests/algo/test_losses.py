@@ -111,15 +111,11 @@ def test_kl_estimators_exact_values():
     delta = torch.tensor([0.0, 1.0, -1.0, 0.5], dtype=torch.float64)
     lp = ref + delta
     torch.testing.assert_close(kl_estimate(lp, ref, "k1"), delta)
-    torch.testing.assert_close(
-        kl_estimate(lp, ref, "k2"), torch.tensor([0.0, 0.5, 0.5, 0.125], dtype=torch.float64)
-    )
+    torch.testing.assert_close(kl_estimate(lp, ref, "k2"), torch.tensor([0.0, 0.5, 0.5, 0.125], dtype=torch.float64))
     # exp(-d) - 1 + d: d=1 -> e^-1 = 0.36787944; d=-1 -> e - 2 = 0.71828183; d=0.5 -> 0.10653066
     torch.testing.assert_close(
         kl_estimate(lp, ref, "k3"),
-        torch.tensor(
-            [0.0, 0.36787944117144233, 0.7182818284590451, 0.10653065971263342], dtype=torch.float64
-        ),
+        torch.tensor([0.0, 0.36787944117144233, 0.7182818284590451, 0.10653065971263342], dtype=torch.float64),
     )
 
 
@@ -198,9 +194,7 @@ def test_masked_sum_and_mean_values():
     torch.testing.assert_close(masked_sum(x, mask, dim=0), torch.tensor([1.0, 7.0, 0.0]))
     # nothing kept -> 0, not NaN
     assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
-    torch.testing.assert_close(
-        masked_mean(x, torch.tensor([[1, 0, 0], [0, 0, 0]]), dim=1), torch.tensor([1.0, 0.0])
-    )
+    torch.testing.assert_close(masked_mean(x, torch.tensor([[1, 0, 0], [0, 0, 0]]), dim=1), torch.tensor([1.0, 0.0]))
     # a broadcast [B, 1] mask counts every covered position
     assert masked_mean(x, torch.tensor([[1], [0]])).item() == pytest.approx(2.0)
 

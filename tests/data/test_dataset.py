@@ -93,9 +93,7 @@ def test_system_prompt(jsonl_file, tokenizer):
     records, _ = load_prompts(jsonl_file, tokenizer, system_prompt="Be brief.")
     assert records[2].text == chatml(("system", "Be brief."), ("user", "Say hi."))
     assert records[2].text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nSay hi.<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert records[2].prompt == "Say hi."
 
@@ -125,9 +123,7 @@ def test_message_list_without_chat_template_is_an_error(tokenizer):
 
 
 def test_malformed_message_is_an_error(tokenizer):
-    with pytest.raises(
-        ValueError, match=r"^f.jsonl:2: message 0 must be an object with 'role' and 'content'$"
-    ):
+    with pytest.raises(ValueError, match=r"^f.jsonl:2: message 0 must be an object with 'role' and 'content'$"):
         build_prompts([(2, {"prompt": [{"role": "user"}]})], tokenizer, source="f.jsonl")
 
 
@@ -144,9 +140,7 @@ def test_max_prompt_length_drops_long_prompts(tokenizer):
         (3, {"prompt": "abcdef"}),
         (4, {"prompt": "x" * 20}),
     ]
-    records, dropped = build_prompts(
-        rows, tokenizer, source="mem", apply_chat_template=False, max_prompt_length=5
-    )
+    records, dropped = build_prompts(rows, tokenizer, source="mem", apply_chat_template=False, max_prompt_length=5)
     assert dropped == 2
     assert [r.text for r in records] == ["abc", "abcde"]  # a prompt of exactly the limit is kept
     assert [r.index for r in records] == [0, 1]
@@ -156,9 +150,7 @@ def test_max_prompt_length_drops_long_prompts(tokenizer):
 
 def test_dropped_rows_keep_source_indices(tokenizer):
     rows = [(1, {"prompt": "x" * 9}), (2, {"prompt": "ab"}), (3, {"prompt": "x" * 9}), (4, {"prompt": "cd"})]
-    records, dropped = build_prompts(
-        rows, tokenizer, source="mem", apply_chat_template=False, max_prompt_length=4
-    )
+    records, dropped = build_prompts(rows, tokenizer, source="mem", apply_chat_template=False, max_prompt_length=4)
     assert dropped == 2
     assert [(r.index, r.text) for r in records] == [(1, "ab"), (3, "cd")]
 
@@ -206,14 +198,10 @@ def test_metadata_must_be_an_object(tmp_path, tokenizer):
 
 
 def test_missing_input_key(tmp_path, tokenizer):
-    path = write_jsonl(
-        tmp_path / "missing.jsonl", [json.dumps({"prompt": "p"}), json.dumps({"question": "q"})]
-    )
+    path = write_jsonl(tmp_path / "missing.jsonl", [json.dumps({"prompt": "p"}), json.dumps({"question": "q"})])
     with pytest.raises(ValueError) as exc:
         load_prompts(path, tokenizer)
-    assert str(exc.value) == (
-        f"{path}:2: missing key 'prompt' (set data.input_key to the field that holds the prompt)"
-    )
+    assert str(exc.value) == (f"{path}:2: missing key 'prompt' (set data.input_key to the field that holds the prompt)")
 
 
 def test_malformed_json_line(tmp_path, tokenizer):
@@ -221,14 +209,11 @@ def test_malformed_json_line(tmp_path, tokenizer):
     with pytest.raises(ValueError) as exc:
         load_prompts(path, tokenizer)
     assert str(exc.value) == (
-        f"{path}:3: invalid JSON: "
-        "Expecting property name enclosed in double quotes: line 1 column 16 (char 15)"
+        f"{path}:3: invalid JSON: Expecting property name enclosed in double quotes: line 1 column 16 (char 15)"
     )
 
 
-@pytest.mark.parametrize(
-    ("line", "kind"), [("[1, 2]", "list"), ('"text"', "str"), ("5", "int"), ("null", "null")]
-)
+@pytest.mark.parametrize(("line", "kind"), [("[1, 2]", "list"), ('"text"', "str"), ("5", "int"), ("null", "null")])
 def test_non_object_line(tmp_path, line, kind):
     path = write_jsonl(tmp_path / "nonobj.jsonl", [json.dumps(ROWS[0]), line])
     with pytest.raises(ValueError) as exc:

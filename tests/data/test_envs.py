@@ -94,9 +94,7 @@ def test_make_env_rows_shape_and_kwargs():
 
 
 def test_env_rows_feed_build_prompts(tokenizer):
-    records, dropped = build_prompts(
-        make_env_rows("arithmetic", n=3, seed=1), tokenizer, source="env:arithmetic"
-    )
+    records, dropped = build_prompts(make_env_rows("arithmetic", n=3, seed=1), tokenizer, source="env:arithmetic")
     problems = make_problems(n=3, seed=1)
     assert dropped == 0
     assert [r.label for r in records] == [p["label"] for p in problems]

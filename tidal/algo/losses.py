@@ -55,9 +55,7 @@ def policy_loss(
         here; reduce with `masked_mean` / `token_mean_loss`.
     """
     if log_probs.shape != old_log_probs.shape:
-        raise ValueError(
-            f"log_probs {tuple(log_probs.shape)} and old_log_probs {tuple(old_log_probs.shape)} differ"
-        )
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} and old_log_probs {tuple(old_log_probs.shape)} differ")
     if eps_clip_high is None:
         eps_clip_high = eps_clip
     if eps_clip < 0 or eps_clip_high < 0:

@@ -66,9 +66,7 @@ def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
         yield from _iter_json_lines(path)
         return
     if not isinstance(doc, list):
-        raise ValueError(
-            f"{path}: expected a JSON array of objects or JSON Lines, got {_json_type_name(doc)}"
-        )
+        raise ValueError(f"{path}: expected a JSON array of objects or JSON Lines, got {_json_type_name(doc)}")
     for number, row in enumerate(doc, start=1):
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number}: expected a JSON object, got {_json_type_name(row)}")
@@ -104,8 +102,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
     if suffix == ".parquet":
         return _iter_parquet(path)
     raise ValueError(
-        f"{path}: unsupported file extension {suffix or '(none)'!r}; "
-        f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+        f"{path}: unsupported file extension {suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
     )
 
 
@@ -164,15 +161,12 @@ def build_prompts(
                 text = prompt
         elif isinstance(prompt, list):
             if not apply_chat_template:
-                raise ValueError(
-                    f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True"
-                )
+                raise ValueError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
             _check_messages(prompt, where)
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         else:
             raise ValueError(
-                f"{where}: {input_key!r} must be a string or a list of messages, "
-                f"got {_json_type_name(prompt)}"
+                f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}"
             )
 
         # The template already carries any special tokens the model expects; adding a BOS again

@@ -69,9 +69,7 @@ class DataSource:
         n = int(state["num_records"])
         if n != len(self.records):
             # A different dataset would silently remap every index; refuse rather than mislead.
-            raise ValueError(
-                f"cannot resume data source: checkpoint has {n} records, dataset has {len(self.records)}"
-            )
+            raise ValueError(f"cannot resume data source: checkpoint has {n} records, dataset has {len(self.records)}")
         position = int(state["position"])
         if not 0 <= position < n:
             raise ValueError(f"cannot resume data source: position {position} outside 0..{n - 1}")

@@ -48,11 +48,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if (
-            isinstance(self.max_new_tokens, bool)
-            or not isinstance(self.max_new_tokens, int)
-            or self.max_new_tokens < 1
-        ):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
@@ -70,8 +66,7 @@ class SamplingParams:
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
             raise ValueError(
-                f"unknown sampling parameter(s): {', '.join(unknown)}; "
-                f"valid keys are {', '.join(sorted(known))}"
+                f"unknown sampling parameter(s): {', '.join(unknown)}; valid keys are {', '.join(sorted(known))}"
             )
         kwargs = dict(d)
         # Copy the lists so later edits to the caller's config do not reach into this object.

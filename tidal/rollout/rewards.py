@@ -295,8 +295,6 @@ def scalar_reward(sample: Sample, key: str = "score") -> float:
         raise ValueError(f"sample {sample.index} has no reward; score it first")
     if isinstance(reward, dict):
         if key not in reward:
-            raise KeyError(
-                f"reward of sample {sample.index} has no key {key!r}; available keys: {sorted(reward)}"
-            )
+            raise KeyError(f"reward of sample {sample.index} has no key {key!r}; available keys: {sorted(reward)}")
         return float(reward[key])
     return float(reward)

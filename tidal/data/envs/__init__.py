@@ -25,7 +25,5 @@ def make_env_rows(name: str, **kwargs) -> list[tuple[int, dict]]:
     # Checked up front so a typo in a config names the bad key instead of a bare TypeError.
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        raise ValueError(
-            f"env {name!r} got unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}"
-        )
+        raise ValueError(f"env {name!r} got unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}")
     return list(enumerate(fn(**kwargs), start=1))

@@ -1,0 +1,169 @@
+"""tidal.cli: `tidal train --help`, overrides, error exits; training itself is replaced by a stub."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+
+from tidal.cli import main
+from tidal.config import GROUPS, Config, _field_types, _type_name
+
+
+@pytest.fixture
+def fake_loop(monkeypatch):
+    """Stand-in for `tidal.loop` (imported inside main), recording each train() call.
+
+    A fake module instead of patching the real one keeps torch/transformers out of these tests."""
+    calls: list[tuple[Config, bool]] = []
+    mod = types.ModuleType("tidal.loop")
+    mod.train = lambda cfg, resume=False: calls.append((cfg, resume))
+    mod.setup_logging = lambda: None
+    monkeypatch.setitem(sys.modules, "tidal.loop", mod)
+    return calls
+
+
+def collapse(text: str) -> str:
+    """argparse wraps help text at the terminal width; compare with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+def test_train_help_lists_every_option_with_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flat = collapse(out)
+    defaults = Config()
+    n = 0
+    for group in GROUPS:
+        assert f"{group} options:" in out
+        group_cfg = getattr(defaults, group)
+        hints = _field_types(type(group_cfg))
+        for f in dataclasses.fields(group_cfg):
+            option = f"--{group}.{f.name}"
+            assert option in out
+            metavar = _type_name(hints[f.name]).upper()
+            default = getattr(group_cfg, f.name)
+            assert f"{option} {metavar} {f.metadata['help']} (default: {default!r})" in flat
+            n += 1
+    assert n == 48
+    assert "--train.lr FLOAT AdamW learning rate (default: 1e-06)" in flat
+    assert "(default: 1e-06)" in flat
+    assert "--algo.eps_clip_high FLOAT OR NULL" in flat
+    assert "--config CONFIG" in flat
+    assert "--resume" in flat
+
+
+def test_invalid_override_exits_2_without_training(fake_loop, capsys):
+    assert main(["train", "--train.num_steps=0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "tidal train: invalid config:\n  train.num_steps: must be >= 1, got 0\n"
+    assert fake_loop == []
+
+
+def test_wrong_type_override_exits_2(fake_loop, capsys):
+    assert main(["train", "--train.num_steps=ten"]) == 2
+    assert capsys.readouterr().err == "tidal train: command line: train.num_steps: expected int, got 'ten'\n"
+    assert fake_loop == []
+
+
+def test_unknown_option_rejected_by_argparse(fake_loop, capsys):
+    # argparse itself rejects an unknown `--group.key` (no did-you-mean; that is for YAML keys).
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--train.lrr=1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: --train.lrr=1" in err
+    assert fake_loop == []
+
+
+@pytest.mark.parametrize("arg", ["--train.num=1", "--train.num_step=1"])
+def test_option_prefixes_are_not_accepted(fake_loop, capsys, arg):
+    # even a unique prefix is refused: a typo must not silently set some other option
+    with pytest.raises(SystemExit) as exc:
+        main(["train", arg])
+    assert exc.value.code == 2
+    assert f"error: unrecognized arguments: {arg}" in capsys.readouterr().err
+    assert fake_loop == []
+
+
+@pytest.mark.parametrize("argv", [["--train.lr=1e-5"], ["--train.lr", "1e-5"]])
+def test_lr_override_both_forms(fake_loop, argv):
+    assert main(["train", *argv]) == 0
+    [(cfg, resume)] = fake_loop
+    assert cfg.train.lr == 1e-5 and type(cfg.train.lr) is float
+    assert resume is False
+
+
+def test_overrides_reach_train(fake_loop):
+    argv = [
+        "train",
+        "--resume",
+        "--rollout.rollout_batch_size=2",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--train.global_batch_size=16",
+        "--train.micro_batch_size=4",
+        "--train.adam_betas=[0.9, 0.95]",
+        "--data.env_args={level: 2, n: 10}",
+        "--algo.eps_clip_high=null",
+        "--log.tensorboard=false",
+        "--rollout.temperature=1",
+    ]
+    assert main(argv) == 0
+    [(cfg, resume)] = fake_loop
+    assert resume is True
+    assert cfg.rollout.rollout_batch_size == 2
+    assert cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.train.global_batch_size == 16
+    assert cfg.train.micro_batch_size == 4
+    assert cfg.train.adam_betas == [0.9, 0.95]
+    assert cfg.data.env_args == {"level": 2, "n": 10}
+    assert cfg.algo.eps_clip_high is None
+    assert cfg.log.tensorboard is False
+    assert cfg.rollout.temperature == 1.0 and type(cfg.rollout.temperature) is float
+    # everything else is the default
+    assert cfg.train.num_steps == Config().train.num_steps
+    assert cfg.data == dataclasses.replace(Config().data, env_args={"level": 2, "n": 10})
+
+
+def test_defaults_reach_train(fake_loop):
+    assert main(["train"]) == 0
+    assert fake_loop == [(Config(), False)]
+
+
+def test_config_file_then_command_line(fake_loop, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1.0e-5\n  num_steps: 3\n")
+    assert main(["train", "--config", str(path), "--train.lr=2e-5"]) == 0
+    [(cfg, _)] = fake_loop
+    assert cfg.train.lr == 2e-5
+    assert cfg.train.num_steps == 3
+
+
+def test_config_file_errors_exit_2(fake_loop, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lrr: 1.0e-5\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (f"tidal train: {path}: unknown option 'train.lrr'; did you mean 'train.lr'?\n")
+    assert fake_loop == []
+
+
+def test_convert_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: tidal convert" in out
+    assert "--out" in out and "--force" in out
+
+
+def test_no_command_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    assert "the following arguments are required: command" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""The whole loop on a tiny model: metrics, checkpoints, weight versions, and exact resume."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import tidal.loop
+from tidal.config import build_config
+from tidal.train.actor import Actor
+
+VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
+
+
+def config(model_dir, out_dir, **over):
+    values = {
+        "train.model": str(model_dir),
+        "train.output_dir": str(out_dir),
+        "train.num_steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-3,
+        "train.dtype": "float32",
+        "rollout.dtype": "float32",
+        "rollout.rollout_batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 8,
+        "log.tensorboard": False,
+        "log.console": False,
+        "data.env_args": {"n": 50},
+        "rollout.reward": "conftest:token_parity_reward",
+    }
+    values.update(over)
+    return build_config(None, values)
+
+
+def stable(history):
+    return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in history]
+
+
+def test_run_writes_metrics_checkpoints_and_versions(tiny_model_dir, tmp_path, monkeypatch):
+    versions = []
+    real = tidal.loop.RolloutManager.generate
+
+    def spy(self, records, step):
+        samples = real(self, records, step)
+        versions.append({s.weight_version for s in samples})
+        return samples
+
+    monkeypatch.setattr(tidal.loop.RolloutManager, "generate", spy)
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **{"train.num_steps": 3, "train.save_interval": 2}))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert versions == [{0}, {1}, {2}]  # each rollout ran on the weights of the steps before it
+    for key in (
+        "reward/mean",
+        "response/length_mean",
+        "response/truncated_ratio",
+        "loss/pg",
+        "actor/clip_frac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "time/rollout",
+        "time/train",
+        "perf/rollout_tokens_per_s",
+    ):
+        assert key in history[0], key
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_2", "step_3"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+    # an HF folder transformers loads as is
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_3")
+    assert model.config.num_hidden_layers == 2
+    state = json.loads((tmp_path / "checkpoints" / "step_3" / "state.json").read_text())
+    assert state["step"] == 3 and state["weight_version"] == 3
+
+
+def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "full", **{"train.save_interval": 2}))
+
+    # crash inside step 4's training, after step 2's checkpoint and step 3's metrics were written
+    calls = {"n": 0}
+    real = Actor.train_step
+
+    def crash_on_fourth(self, samples, adv):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("killed")
+        return real(self, samples, adv)
+
+    monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
+    cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2})
+    with pytest.raises(KeyboardInterrupt):
+        tidal.loop.train(cut)
+    monkeypatch.setattr(Actor, "train_step", real)
+    assert [json.loads(x)["step"] for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+    resumed = tidal.loop.train(cut, resume=True)  # continues from step_2: redoes 3, then 4
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    assert stable(resumed) == stable(full)
+    # the runs really trained, so equal metrics mean equal weights, optimizer and data position
+    assert all(h["actor/grad_norm"] > 0 for h in full)
+    assert len({h["reward/mean"] for h in full}) > 1
+
+
+def test_resume_without_checkpoint_starts_fresh(tiny_model_dir, tmp_path):
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **{"train.num_steps": 1}), resume=True)
+    assert [h["step"] for h in history] == [1]
+
+
+def test_failing_reward_marks_samples_failed_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch):
+    mod = tmp_path / "flaky_reward.py"
+    mod.write_text(
+        "def reward(sample):\n"
+        "    if sample.index % 4 == 0:\n"
+        "        raise RuntimeError('verifier crashed')\n"
+        "    return 1.0 if sample.index % 2 else 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    history = tidal.loop.train(
+        config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "rollout.reward": "flaky_reward:reward"})
+    )
+    assert [h["response/failed_ratio"] for h in history] == [0.25, 0.25]
+    assert [h["step"] for h in history] == [1, 2]

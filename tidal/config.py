@@ -1,0 +1,303 @@
+"""Typed config groups, loaded from YAML with `--group.key=value` command-line overrides.
+
+Each part of tidal receives the group it needs (`DataConfig` for the data source, `RolloutConfig`
+for rollout, ...), never the whole config. `validate()` collects every problem at once, each naming
+the field and what to do about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class DataConfig:
+    path: str = _opt("env:arithmetic", "prompt file (.jsonl/.json/.parquet) or env:<name> for a built-in task")
+    env_args: dict = _opt({}, "keyword arguments of the env, e.g. {level: 1, n: 2000, seed: 0}")
+    input_key: str = _opt("prompt", "field holding the prompt (a string or a list of chat messages)")
+    label_key: str = _opt("label", "field holding the reference answer given to the reward")
+    metadata_key: str = _opt("metadata", "field holding a dict passed through to the sample")
+    apply_chat_template: bool = _opt(True, "wrap prompts with the tokenizer's chat template")
+    system_prompt: str | None = _opt(None, "system message prepended when the chat template is applied")
+    max_prompt_length: int = _opt(256, "prompts with more tokens are dropped (counted in the log)")
+    shuffle: bool = _opt(True, "reshuffle the prompts every epoch")
+    seed: int = _opt(0, "seed of the per-epoch shuffle")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int = _opt(8, "prompts per rollout step")
+    n_samples_per_prompt: int = _opt(4, "responses sampled per prompt (the GRPO group size)")
+    max_new_tokens: int = _opt(64, "longest response, in tokens")
+    temperature: float = _opt(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = _opt(1.0, "nucleus sampling mass, in (0, 1]")
+    top_k: int = _opt(0, "sample among the k most likely tokens (0 = off)")
+    stop: list = _opt([], "stop strings")
+    stop_token_ids: list = _opt([], "extra stop token ids (the tokenizer's eos always stops)")
+    seed: int = _opt(0, "base seed; each sample's seed is derived from it, the step and its index")
+    dtype: str = _opt("bfloat16", "engine weights dtype: bfloat16 or float32")
+    reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
+    reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
+    reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = _opt("grpo", "grpo | dr_grpo (grpo without std normalization)")
+    eps_clip: float = _opt(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]")
+    eps_clip_high: float | None = _opt(None, "upper clip range (defaults to eps_clip)")
+    kl_coef: float = _opt(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
+    kl_kind: str = _opt("k3", "KL estimator: k1 | k2 | k3")
+    entropy_coef: float = _opt(0.0, "entropy bonus weight (subtracted from the loss)")
+
+
+@dataclass
+class TrainConfig:
+    model: str = _opt("smollm2", "local HF model folder, or smollm2 for the bundled SmolLM2-135M-Instruct")
+    output_dir: str = _opt("runs/quickstart", "checkpoints, metrics and TensorBoard logs go here")
+    num_steps: int = _opt(20, "rollout steps to run")
+    global_batch_size: int = _opt(32, "samples per optimizer step")
+    micro_batch_size: int = _opt(8, "samples per forward/backward pass (gradient accumulation)")
+    lr: float = _opt(1e-6, "AdamW learning rate")
+    warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    adam_betas: list = _opt([0.9, 0.999], "AdamW betas")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
+    dtype: str = _opt("bfloat16", "compute dtype (autocast): bfloat16 or float32; weights stay fp32")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
+    seed: int = _opt(0, "torch seed")
+    num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
+
+
+@dataclass
+class LogConfig:
+    dir: str | None = _opt(None, "metrics folder (default: train.output_dir)")
+    tensorboard: bool = _opt(True, "write TensorBoard scalars")
+    console: bool = _opt(True, "print a line per step")
+    log_samples: int = _opt(2, "responses printed per step (0 = none)")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+GROUPS: list[str] = [f.name for f in dataclasses.fields(Config)]
+_GROUP_TYPES = typing.get_type_hints(Config)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` (no dot) as a float, as YAML 1.2 does; PyYAML reads it as a str."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line: `field: what is wrong; what to do`."""
+
+
+def _field_types(group_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(group_cls)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`, converting int → float where a float is wanted."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(name, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{name}: expected int, got {value!r}")
+    check = origin or tp
+    if not isinstance(value, check):
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+    return f"unknown {kind} {name!r}{hint}"
+
+
+def apply_overrides(cfg: Config, values: dict[str, Any], source: str) -> None:
+    """Set `group.key` entries (a flat dict) on `cfg`, type-checked; errors name `source`."""
+    errors = []
+    for dotted, value in values.items():
+        group, _, key = dotted.partition(".")
+        if group not in GROUPS:
+            errors.append(f"{source}: {_unknown('config group', group, list(GROUPS))}")
+            continue
+        hints = _field_types(_GROUP_TYPES[group])
+        if key not in hints:
+            errors.append(f"{source}: {_unknown('option', dotted, [f'{group}.{k}' for k in hints])}")
+            continue
+        try:
+            setattr(getattr(cfg, group), key, _coerce(dotted, value, hints[key]))
+        except ConfigError as e:
+            errors.append(f"{source}: {e}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config into a flat `{group.key: value}` dict."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config groups at the top level")
+    flat = {}
+    for group, body in raw.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: group {group!r} must be a mapping of options, got {body!r}")
+        for key, value in body.items():
+            flat[f"{group}.{key}"] = value
+    return flat
+
+
+def parse_value(text: str) -> Any:
+    """Command-line values are read as YAML scalars, so `1e-6`, `true`, `[1, 2]` and `null` work."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--group.key` option per config field, with its default and help in `--help`."""
+    defaults = Config()
+    for group in GROUPS:
+        grp = parser.add_argument_group(f"{group} options")
+        for f in dataclasses.fields(getattr(defaults, group)):
+            default = getattr(getattr(defaults, group), f.name)
+            grp.add_argument(
+                f"--{group}.{f.name}",
+                dest=f"{group}.{f.name}",
+                type=parse_value,
+                default=argparse.SUPPRESS,
+                metavar=_type_name(_field_types(_GROUP_TYPES[group])[f.name]).upper(),
+                help=f"{f.metadata.get('help', '')} (default: {default!r})",
+            )
+
+
+def build_config(config_file: str | None, cli_values: dict[str, Any]) -> Config:
+    """Defaults, then the YAML file, then command-line overrides; then validate."""
+    cfg = Config()
+    if config_file:
+        apply_overrides(cfg, load_yaml(config_file), str(config_file))
+    apply_overrides(cfg, cli_values, "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError listing every inconsistency, each with the field and the fix."""
+    d, r, a, t = cfg.data, cfg.rollout, cfg.algo, cfg.train
+    errs: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errs.append(msg)
+
+    if not d.path.startswith("env:"):
+        need(Path(d.path).exists(), f"data.path: file {d.path!r} does not exist (or use env:arithmetic)")
+    need(d.max_prompt_length >= 1, "data.max_prompt_length: must be >= 1")
+    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens"):
+        need(getattr(r, name) >= 1, f"rollout.{name}: must be >= 1, got {getattr(r, name)}")
+    need(r.temperature >= 0, f"rollout.temperature: must be >= 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
+    need(r.dtype in ("bfloat16", "float32"), f"rollout.dtype: bfloat16 or float32, got {r.dtype!r}")
+    need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
+    need(all(isinstance(s, str) and s for s in r.stop), "rollout.stop: must be a list of non-empty strings")
+    need(
+        all(isinstance(i, int) and not isinstance(i, bool) for i in r.stop_token_ids),
+        "rollout.stop_token_ids: must be a list of integers",
+    )
+    need(a.advantage in ("grpo", "dr_grpo"), f"algo.advantage: grpo or dr_grpo, got {a.advantage!r}")
+    need(
+        r.n_samples_per_prompt >= 2,
+        f"rollout.n_samples_per_prompt: {a.advantage} compares samples within a group, so it needs >= 2 "
+        f"(got {r.n_samples_per_prompt})",
+    )
+    need(a.eps_clip > 0, f"algo.eps_clip: must be > 0, got {a.eps_clip}")
+    need(a.eps_clip_high is None or a.eps_clip_high > 0, "algo.eps_clip_high: must be > 0 or null")
+    need(a.kl_coef >= 0, f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
+    need(a.kl_kind in ("k1", "k2", "k3"), f"algo.kl_kind: k1, k2 or k3, got {a.kl_kind!r}")
+    need(t.num_steps >= 1, f"train.num_steps: must be >= 1, got {t.num_steps}")
+    need(t.global_batch_size >= 1, "train.global_batch_size: must be >= 1")
+    need(
+        1 <= t.micro_batch_size <= max(t.global_batch_size, 1),
+        f"train.micro_batch_size: must be between 1 and train.global_batch_size ({t.global_batch_size}), "
+        f"got {t.micro_batch_size}",
+    )
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if t.global_batch_size >= 1 and samples % t.global_batch_size:
+        errs.append(
+            f"train.global_batch_size: rollout_batch_size × n_samples_per_prompt = {r.rollout_batch_size} × "
+            f"{r.n_samples_per_prompt} = {samples} samples per step must be a multiple of "
+            f"global_batch_size ({t.global_batch_size}); set train.global_batch_size to a divisor of {samples}"
+        )
+    need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
+    need(t.warmup_steps >= 0, "train.warmup_steps: must be >= 0")
+    need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0 (0 turns clipping off)")
+    need(t.dtype in ("bfloat16", "float32"), f"train.dtype: bfloat16 or float32, got {t.dtype!r}")
+    need(
+        len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas),
+        f"train.adam_betas: two numbers in [0, 1), got {t.adam_betas}",
+    )
+    need(t.save_interval >= 0, "train.save_interval: must be >= 0")
+    need(t.num_threads >= 0, "train.num_threads: must be >= 0")
+    if errs:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -1,0 +1,204 @@
+"""The embedded engine: a Hugging Face causal LM decoding a whole batch with a KV cache.
+
+It samples every row with that row's own parameters and seed, returns the log-prob of each sampled
+token, drops finished rows from the cache as it goes, and prefills each distinct prompt once (the
+n samples of a GRPO group share the prompt's cache rows). A faster engine with continuous
+batching replaces it behind the same `generate` / `update_weights_*` interface.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from tidal.engine.sampling import SamplingParams, sample_tokens
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" | "length" | "abort"
+    text: str = ""
+    weight_version: int = 0
+
+
+class HFEngine:
+    """In-process engine over a transformers model (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        tokenizer=None,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        max_context: int | None = None,
+    ) -> None:
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=DTYPES[dtype])
+        self.model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
+        self.pad_id = 0
+        eos = getattr(self.model.config, "eos_token_id", None)
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.weight_version = 0
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors into the engine's parameters by name (cast to the engine dtype)."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        seen = set()
+        for name, tensor in named:
+            if name not in params:
+                raise KeyError(f"update_weights: engine model has no parameter {name!r}")
+            params[name].copy_(tensor)
+            seen.add(name)
+        missing = {n for n, _ in self.model.named_parameters()} - seen
+        # tied weights appear under one name only; anything else missing is a sync bug
+        missing = {n for n in missing if not self._is_tied(n)}
+        if missing:
+            raise KeyError(f"update_weights: no tensor given for {sorted(missing)[:5]}")
+        self.weight_version = version
+
+    def _is_tied(self, name: str) -> bool:
+        return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
+
+    def update_weights_from_disk(self, path: str | Path, version: int) -> None:
+        """Load safetensors weights saved by `save_pretrained` from `path`."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors in {path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        self.update_weights_from_tensors(tensors.items(), version)
+
+    # ---------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """Sample one response per prompt. `params[i]` applies to `prompts[i]`."""
+        if len(prompts) != len(params):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts:
+            return []
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            sp.validate()
+            if not p:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(f"generate: request {i} has stop strings but the engine has no tokenizer")
+            if self.max_context and len(p) + sp.max_new_tokens > self.max_context:
+                raise ValueError(
+                    f"generate: prompt {i} has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} > "
+                    f"context length {self.max_context}"
+                )
+        outs = [GenerationOutput(weight_version=self.weight_version) for _ in prompts]
+        dev = self.device
+
+        # Prefill each distinct prompt once; group members then share its cache rows.
+        uniq: dict[tuple[int, ...], int] = {}
+        row_of = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
+        uniq_prompts = list(uniq)
+        width = max(len(p) for p in uniq_prompts)
+        ids = torch.full((len(uniq_prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq_prompts), width), dtype=torch.long)
+        for i, p in enumerate(uniq_prompts):  # left padding keeps every row's last token aligned
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats["prefill_tokens"] += int(mask.sum())
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        select = torch.tensor(row_of, device=dev)
+        cache.batch_select_indices(select)
+        logits = out.logits[:, -1][select]
+        mask = mask[select]
+        next_pos = pos[select, -1] + 1
+
+        active = list(range(len(prompts)))  # request index of each live cache row
+        temp = torch.tensor([sp.temperature for sp in params], device=dev)
+        top_p = torch.tensor([sp.top_p for sp in params], device=dev)
+        top_k = torch.tensor([sp.top_k for sp in params], device=dev)
+        gens = []
+        for sp in params:
+            g = None
+            if sp.seed is not None:
+                g = torch.Generator(device=dev)
+                g.manual_seed(sp.seed)
+            gens.append(g)
+        stop_ids = [self.eos_ids | set(sp.stop_token_ids) for sp in params]
+
+        t0 = time.perf_counter()
+        while True:
+            idx = torch.tensor(active, device=dev)
+            tok, lp = sample_tokens(logits.float(), temp[idx], top_p[idx], top_k[idx], [gens[i] for i in active])
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            keep = []
+            for row, req in enumerate(active):
+                o, sp = outs[req], params[req]
+                o.token_ids.append(tok_l[row])
+                o.log_probs.append(lp_l[row])
+                if tok_l[row] in stop_ids[req] or (sp.stop and self._hit_stop_string(o, sp.stop)):
+                    o.finish_reason = "stop"
+                elif len(o.token_ids) >= sp.max_new_tokens:
+                    o.finish_reason = "length"
+                else:
+                    keep.append(row)
+            self.stats["decode_tokens"] += len(active)
+            if not keep:
+                break
+            if len(keep) < len(active):  # drop finished rows so the tail costs only what is live
+                k = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(k)
+                mask, next_pos, tok = mask[k], next_pos[k], tok[k]
+                active = [active[r] for r in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        if self.tokenizer is not None:
+            for o in outs:
+                o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return outs
+
+    def _hit_stop_string(self, o: GenerationOutput, stops: list[str]) -> bool:
+        # Only the tail can contain a newly completed stop string; decode a window long enough
+        # for the longest one (a token is at least one character).
+        window = max(len(s) for s in stops) + 1
+        tail = self.tokenizer.decode(o.token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
