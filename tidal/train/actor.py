@@ -95,13 +95,17 @@ class Actor:
         return model.get_output_embeddings()(sel).float() / self.temperature
 
     def _score(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) of the response tokens; the entropy carries a gradient only when
+        it is a loss term, otherwise it is a metric computed from the same logits."""
         with self._autocast():
             logits = self._response_logits(model, batch)
         logp = log_probs_from_logits(logits, batch["response_ids"])
-        ent = entropy_from_logits(logits) if entropy else None
-        return logp, ent
+        if entropy_grad:
+            return logp, entropy_from_logits(logits)
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits.detach())
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample], reference: bool = False) -> list[torch.Tensor]:
@@ -112,7 +116,10 @@ class Actor:
         out = []
         for sl in micro_batches(len(samples), self.cfg.micro_batch_size):
             mb = samples[sl]
-            logp, _ = self._score(model, collate(mb, self.pad_id))
+            batch = collate(mb, self.pad_id)
+            with self._autocast():
+                logits = self._response_logits(model, batch)
+            logp = log_probs_from_logits(logits, batch["response_ids"])
             out.extend(logp[i, : s.response_length].clone() for i, s in enumerate(mb))
         return out
 
@@ -144,7 +151,7 @@ class Actor:
                 batch = collate(mb, self.pad_id)
                 mask = batch["loss_mask"]
                 want_entropy = self.algo.entropy_coef > 0
-                logp, ent = self._score(self.model, batch, entropy=want_entropy)
+                logp, ent = self._score(self.model, batch, entropy_grad=want_entropy)
                 old_lp = logp.detach() if old is None else _pad([old[i] for i in idx], logp.shape)
                 adv = advantages[idx].to(logp.dtype)
                 pg, clipped = policy_loss(logp, old_lp, adv, self.algo.eps_clip, self.algo.eps_clip_high)
@@ -155,9 +162,6 @@ class Actor:
                     sums["kl"] += float(token_mean_loss(kl.detach(), mask, 1.0))
                 if want_entropy:
                     loss = loss - self.algo.entropy_coef * token_mean_loss(ent, mask, denom)
-                else:
-                    with torch.no_grad(), self._autocast():
-                        ent = entropy_from_logits(self._response_logits(self.model, batch))
                 loss.backward()
                 with torch.no_grad():
                     d = logp.detach() - old_lp
