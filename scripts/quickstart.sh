@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 tidal convert
-tidal train --config examples/quickstart.yaml "$@"
+tidal train --config examples/quickstart/config.yaml "$@"

@@ -123,3 +123,59 @@ def test_failing_reward_marks_samples_failed_and_the_run_goes_on(tiny_model_dir,
     )
     assert [h["response/failed_ratio"] for h in history] == [0.25, 0.25]
     assert [h["step"] for h in history] == [1, 2]
+
+
+def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):
+    from tidal.cli import main
+
+    out = tmp_path / "eval.json"
+    args = [
+        "eval",
+        str(tiny_model_dir),
+        "--greedy",
+        "--num-prompts",
+        "6",
+        "--out",
+        str(out),
+        "--rollout.reward=conftest:token_parity_reward",
+        "--rollout.max_new_tokens=4",
+        "--log.console=false",
+        "--data.env_args={n: 20}",
+        "--rollout.dtype=float32",
+    ]
+    assert main(args) == 0
+    first = json.loads(out.read_text())
+    assert first["prompts"] == 6 and first["samples"] == 6
+    assert first["reward/mean"] in {i / 6 for i in range(7)}
+    assert main(args) == 0
+    assert json.loads(out.read_text()) == first  # greedy: the same answers every time
+
+
+def test_rollout_metrics_with_dict_rewards():
+    import torch
+
+    from tidal.loop import rollout_metrics
+    from tidal.types import Sample, Status
+
+    def s(reward, n, status=Status.COMPLETED):
+        return Sample(
+            tokens=[1] * (3 + n),
+            response_length=n,
+            loss_mask=[1] * n,
+            rollout_log_probs=[0.0] * n,
+            reward=reward,
+            status=status,
+        )
+
+    samples = [
+        s({"score": 1.0, "correct": 1}, 4),
+        s({"score": 0.0, "correct": 0}, 6, Status.TRUNCATED),
+        s({"score": 0.5, "correct": 1, "note": "x"}, 2),
+        s({"score": 0.5, "correct": 1}, 4),
+    ]
+    m = rollout_metrics(samples, torch.tensor([1.0, 0.0, 0.5, 0.5]), group=2)
+    assert m["reward/mean"] == 0.5
+    assert m["rewards/score"] == 0.5 and m["rewards/correct"] == 0.75
+    assert "rewards/note" not in m
+    assert m["response/length_mean"] == 4.0 and m["response/truncated_ratio"] == 0.25
+    assert m["reward/solved_groups"] == 0.5  # the second group's rewards are all equal

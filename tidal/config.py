@@ -231,18 +231,19 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def build_config(config_file: str | None, cli_values: dict[str, Any]) -> Config:
+def build_config(config_file: str | None, cli_values: dict[str, Any], for_training: bool = True) -> Config:
     """Defaults, then the YAML file, then command-line overrides; then validate."""
     cfg = Config()
     if config_file:
         apply_overrides(cfg, load_yaml(config_file), str(config_file))
     apply_overrides(cfg, cli_values, "command line")
-    validate(cfg)
+    validate(cfg, for_training)
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Raise ConfigError listing every inconsistency, each with the field and the fix."""
+def validate(cfg: Config, for_training: bool = True) -> None:
+    """Raise ConfigError listing every inconsistency, each with the field and the fix.
+    `for_training=False` (evaluation) skips the checks that only the group advantage needs."""
     d, r, a, t = cfg.data, cfg.rollout, cfg.algo, cfg.train
     errs: list[str] = []
 
@@ -267,7 +268,7 @@ def validate(cfg: Config) -> None:
     )
     need(a.advantage in ("grpo", "dr_grpo"), f"algo.advantage: grpo or dr_grpo, got {a.advantage!r}")
     need(
-        r.n_samples_per_prompt >= 2,
+        r.n_samples_per_prompt >= 2 or not for_training,
         f"rollout.n_samples_per_prompt: {a.advantage} compares samples within a group, so it needs >= 2 "
         f"(got {r.n_samples_per_prompt})",
     )
@@ -283,7 +284,7 @@ def validate(cfg: Config) -> None:
         f"got {t.micro_batch_size}",
     )
     samples = r.rollout_batch_size * r.n_samples_per_prompt
-    if t.global_batch_size >= 1 and samples % t.global_batch_size:
+    if for_training and t.global_batch_size >= 1 and samples % t.global_batch_size:
         errs.append(
             f"train.global_batch_size: rollout_batch_size × n_samples_per_prompt = {r.rollout_batch_size} × "
             f"{r.n_samples_per_prompt} = {samples} samples per step must be a multiple of "

@@ -69,7 +69,15 @@ def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
 def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) -> dict[str, float]:
     lengths = [s.response_length for s in samples]
     by_group = rewards.view(-1, group)
+    # a dict reward's numeric entries are logged as rewards/<key> (mean over samples that have it)
+    parts: dict[str, list[float]] = {}
+    for s in samples:
+        if isinstance(s.reward, dict):
+            for k, v in s.reward.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    parts.setdefault(f"rewards/{k}", []).append(float(v))
     return {
+        **{k: statistics.fmean(v) for k, v in parts.items()},
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "reward/solved_groups": float((by_group.std(dim=1) == 0).float().mean()),

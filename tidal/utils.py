@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -33,7 +35,8 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
 
     * ``pkg.mod:obj.attr`` -- everything before the colon is the module, the rest an attribute chain;
     * ``pkg.mod.obj`` -- the longest prefix that imports as a module is taken as the module and the
-      remaining parts are looked up as attributes.
+      remaining parts are looked up as attributes;
+    * ``path/to/file.py:obj`` -- a Python file outside any installed package (a recipe's reward).
 
     Raises:
         ValueError: `path` is malformed (empty, no module/attribute separator, empty parts), or the
@@ -44,7 +47,10 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
         raise ValueError(f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'")
     path = path.strip()
 
-    if ":" in path:
+    if ":" in path and path.partition(":")[0].endswith(".py"):
+        module_name, attrs = _import_file(path)
+        module = sys.modules[module_name]
+    elif ":" in path:
         module_name, _, attr_chain = path.partition(":")
         attrs = attr_chain.split(".")
         if not module_name or any(not p for p in module_name.split(".")) or any(not a for a in attrs):
@@ -91,6 +97,28 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
     if callable_required and not callable(obj):
         raise ValueError(f"cannot load {path!r}: object of type {type(obj).__name__} is not callable")
     return obj
+
+
+def _import_file(path: str) -> tuple[str, list[str]]:
+    """Import `file.py` of `file.py:obj.attr` as a module named after its resolved path."""
+    file_part, _, attr_chain = path.partition(":")
+    file = Path(file_part).expanduser().resolve()
+    attrs = attr_chain.split(".")
+    if any(not a for a in attrs):
+        raise ValueError(f"cannot load object from {path!r}: expected 'file.py:name' with a non-empty name")
+    if not file.is_file():
+        raise ImportError(f"cannot load {path!r}: file {str(file)!r} not found")
+    name = "tidal_user_" + "_".join(file.with_suffix("").parts[1:]).replace("-", "_").replace(".", "_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise ImportError(f"cannot load {path!r}: importing {str(file)!r} failed: {e}") from e
+    return name, attrs
 
 
 def _fsync_dir(directory: str) -> None:
