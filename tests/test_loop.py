@@ -76,8 +76,10 @@ def test_run_writes_metrics_checkpoints_and_versions(tiny_model_dir, tmp_path, m
     assert state["step"] == 3 and state["weight_version"] == 3
 
 
-def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
-    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "full", **{"train.save_interval": 2}))
+@pytest.mark.parametrize("extra", [{}, {"algo.kl_coef": 0.1, "algo.advantage": "dr_grpo", "train.warmup_steps": 3}])
+def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, extra):
+    # with KL on, the resumed run's reference must still be the initial model, not the checkpoint
+    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "full", **{"train.save_interval": 2, **extra}))
 
     # crash inside step 4's training, after step 2's checkpoint and step 3's metrics were written
     calls = {"n": 0}
@@ -90,7 +92,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_p
         return real(self, samples, adv)
 
     monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
-    cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2})
+    cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2, **extra})
     with pytest.raises(KeyboardInterrupt):
         tidal.loop.train(cut)
     monkeypatch.setattr(Actor, "train_step", real)
@@ -179,3 +181,35 @@ def test_rollout_metrics_with_dict_rewards():
     assert "rewards/note" not in m
     assert m["response/length_mean"] == 4.0 and m["response/truncated_ratio"] == 0.25
     assert m["reward/solved_groups"] == 0.5  # the second group's rewards are all equal
+
+
+def test_kl_term_starts_at_zero_and_grows(tiny_model_dir, tmp_path):
+    one_update = {"train.num_steps": 2, "algo.kl_coef": 0.1, "train.global_batch_size": 16}
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **one_update))
+    assert history[0]["loss/kl"] == pytest.approx(0.0, abs=1e-9)  # policy == reference before any update
+    assert history[1]["loss/kl"] > 0
+
+
+def test_jsonl_prompts_without_chat_template_and_stop_strings(tiny_model_dir, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"q": f"say {i}", "a": str(i)}) + "\n" for i in range(6)))
+    history = tidal.loop.train(
+        config(
+            tiny_model_dir,
+            tmp_path / "run",
+            **{
+                "train.num_steps": 2,
+                "data.path": str(data),
+                "data.input_key": "q",
+                "data.label_key": "a",
+                "data.apply_chat_template": False,
+                "rollout.stop": ["a", "e", "i", "o", "u", " "],
+                "rollout.top_p": 0.9,
+                "rollout.top_k": 50,
+                "rollout.max_new_tokens": 32,
+            },
+        )
+    )
+    assert [h["step"] for h in history] == [1, 2]
+    # stop strings end responses early, so few reach max_new_tokens
+    assert all(h["response/length_mean"] < 32 for h in history)
