@@ -10,28 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from tidal.engine.base import GenerationOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-@dataclass
-class GenerationOutput:
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" | "length" | "abort"
-    text: str = ""
-    weight_version: int = 0
-
-
 class HFEngine:
-    """In-process engine over a transformers model (CPU or one GPU)."""
+    """In-process engine over a transformers model (CPU or one GPU); meets `tidal.engine.base.Engine`."""
 
     def __init__(
         self,

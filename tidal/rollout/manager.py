@@ -11,6 +11,7 @@ import asyncio
 
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
+from tidal.engine.base import Engine
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.rewards import get_reward_fn, score_samples
 from tidal.types import Sample, Status
@@ -28,7 +29,7 @@ def sample_seed(base: int, step: int, index: int) -> int:
 class RolloutManager:
     """Fans prompts out to an engine in groups, then scores every sample with the reward."""
 
-    def __init__(self, engine, cfg: RolloutConfig) -> None:
+    def __init__(self, engine: Engine, cfg: RolloutConfig) -> None:
         self.engine = engine
         self.cfg = cfg
         self.reward_fn = get_reward_fn(cfg.reward)

@@ -1,0 +1,69 @@
+"""RolloutManager against a scripted engine: the Sample contract, seeds and reward failures."""
+
+from tidal.config import RolloutConfig
+from tidal.data.dataset import PromptRecord
+from tidal.engine.base import GenerationOutput
+from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.types import Status
+
+
+class ScriptedEngine:
+    """Answers request i with tokens [100+i, 101+i] and a finish reason cycling stop/length/abort."""
+
+    weight_version = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, params))
+        reasons = ["stop", "length", "abort"]
+        return [
+            GenerationOutput([100 + i, 101 + i], [-0.5, -1.5], reasons[i % 3], f"answer {i}", self.weight_version)
+            for i in range(len(prompts))
+        ]
+
+
+def records():
+    return [
+        PromptRecord(index=10, prompt="a", text="A", input_ids=[1, 2, 3], label="0", metadata={"k": 1}),
+        PromptRecord(index=11, prompt="b", text="B", input_ids=[4, 5], label="1"),
+    ]
+
+
+def test_samples_follow_the_contract():
+    engine = ScriptedEngine()
+    cfg = RolloutConfig(n_samples_per_prompt=3, reward="exact_match", temperature=0.7, max_new_tokens=5, seed=4)
+    samples = RolloutManager(engine, cfg).generate(records(), step=2)
+    prompts, params = engine.calls[0]
+    assert prompts == [[1, 2, 3]] * 3 + [[4, 5]] * 3
+    assert [p.seed for p in params] == [sample_seed(4, 2, i) for i in range(6)]
+    assert len({p.seed for p in params}) == 6
+    assert all(p.temperature == 0.7 and p.max_new_tokens == 5 for p in params)
+    s = samples[4]
+    assert s.tokens == [4, 5, 104, 105] and s.response_length == 2 and s.prompt_length == 2
+    assert s.loss_mask == [1, 1] and s.rollout_log_probs == [-0.5, -1.5]
+    assert (s.group_index, s.index, s.weight_version, s.label, s.prompt) == (1, 4, 7, "1", "B")
+    assert s.metadata == {"prompt_index": 11, "finish_reason": "length"}
+    assert samples[0].metadata == {"k": 1, "prompt_index": 10, "finish_reason": "stop"}
+    assert [x.status for x in samples[:3]] == [Status.COMPLETED, Status.TRUNCATED, Status.ABORTED]
+    assert [x.reward for x in samples] == [0.0] * 6  # "answer i" never equals the label
+    for x in samples:
+        x.validate()
+
+
+def test_seeds_depend_on_step_and_index_only():
+    assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2)
+    assert len({sample_seed(0, st, i) for st in range(20) for i in range(64)}) == 20 * 64
+    assert sample_seed(1, 0, 0) != sample_seed(0, 0, 0)
+    assert 0 <= sample_seed(2**40, 2**30, 2**20) < 2**63
+
+
+def test_a_failing_reward_zeroes_the_loss_mask(tmp_path, monkeypatch):
+    (tmp_path / "bad_reward.py").write_text("def score(sample):\n    raise ValueError('no label parser')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward:score")
+    samples = RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+    assert all(s.status == Status.FAILED for s in samples)
+    assert all(s.loss_mask == [0, 0] for s in samples)
+    assert samples[0].metadata["error"] == "ValueError: no label parser"
