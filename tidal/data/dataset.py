@@ -188,26 +188,6 @@ def build_prompts(
     return records, dropped
 
 
-def load_prompts(
-    path: str | Path,
-    tokenizer: Any,
-    *,
-    input_key: str = "prompt",
-    label_key: str = "label",
-    metadata_key: str = "metadata",
-    apply_chat_template: bool = True,
-    system_prompt: str | None = None,
-    max_prompt_length: int | None = None,
-) -> tuple[list[PromptRecord], int]:
-    """Read a data file and build its prompts; see `read_rows` and `build_prompts`."""
-    return build_prompts(
-        read_rows(path),
-        tokenizer,
-        source=str(path),
-        input_key=input_key,
-        label_key=label_key,
-        metadata_key=metadata_key,
-        apply_chat_template=apply_chat_template,
-        system_prompt=system_prompt,
-        max_prompt_length=max_prompt_length,
-    )
+def load_prompts(path: str | Path, tokenizer: Any, **options: Any) -> tuple[list[PromptRecord], int]:
+    """Read a data file and build its prompts; `options` are `build_prompts`' keyword arguments."""
+    return build_prompts(read_rows(path), tokenizer, source=str(path), **options)
