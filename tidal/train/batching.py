@@ -18,25 +18,31 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
     """
     b = len(samples)
     width = max(len(s.tokens) for s in samples)
-    resp = max(max(s.response_length for s in samples), 1)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        attn[i, : len(s.tokens)] = 1
+    return {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
+
+
+def response_fields(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The per-response-token tensors both layouts share: `prompt_lengths` [B] and
+    `response_ids`, `loss_mask`, `rollout_log_probs` [B, R], right-padded (R >= 1)."""
+    b = len(samples)
+    resp = max(max(s.response_length for s in samples), 1)
     resp_ids = torch.full((b, resp), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((b, resp), dtype=torch.float32)
     rollout_lp = torch.zeros((b, resp), dtype=torch.float32)
     prompt_len = torch.zeros(b, dtype=torch.long)
     for i, s in enumerate(samples):
         n, r = len(s.tokens), s.response_length
-        ids[i, :n] = torch.tensor(s.tokens)
-        attn[i, :n] = 1
         prompt_len[i] = n - r
         if r:
             resp_ids[i, :r] = torch.tensor(s.tokens[n - r :])
             loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
             rollout_lp[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
     return {
-        "input_ids": ids,
-        "attention_mask": attn,
         "prompt_lengths": prompt_len,
         "response_ids": resp_ids,
         "loss_mask": loss_mask,
@@ -47,3 +53,150 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
 def micro_batches(n: int, size: int) -> list[slice]:
     """Consecutive slices of at most `size` items covering range(n)."""
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic batching: token-budget micro-batches and padding-free packed rows.
+#
+# How transformers 5.23 handles a packed row (masking_utils.py): `create_causal_mask` calls
+# `_preprocess_mask_arguments`, which, only when the 2D `attention_mask` is None AND
+# `past_key_values` is None, runs `find_packed_sequence_indices(position_ids)`: every place where
+# the position does not step by +1 starts a new sequence. `packed_sequence_compatibility_function`
+# then turns the causal mask into a block-diagonal causal one and disables sdpa's `is_causal`
+# shortcut, so with "sdpa" and "eager" (and "flex_attention") each token attends only within its own
+# sample.
+# The catch: `LlamaModel.forward` (other decoder models follow the same template) takes `use_cache` from the
+# config (True by default) and then creates an empty `DynamicCache`, so `past_key_values` is no
+# longer None, detection is skipped and every token attends to all earlier samples in the row.
+# Nothing fails, the log-probs are just wrong. Gradient checkpointing in train mode turns the
+# cache off, which hides the problem. The helpers below always pass `use_cache=False`, and
+# `explicit_mask=True` builds the block-diagonal mask itself for models that do not detect
+# packing at all.
+# ---------------------------------------------------------------------------------------------
+
+# attention implementations verified (tests/train/test_packing.py, CPU, log-probs and gradients) to
+# give exact packed results. "flex_attention" also matched in a CPU forward check, but it has no
+# backward on CPU and a slow compile, so it is not verified for training and not listed.
+PACKING_ATTN_IMPLEMENTATIONS = frozenset({"sdpa", "eager"})
+
+
+def token_budget_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit packing of sample indices into micro-batches of at most `max_tokens` tokens.
+
+    Samples are taken in order; each goes into the first micro-batch (in opening order) whose
+    total plus its length fits in `max_tokens`, else it opens a new one. A sample longer than
+    `max_tokens` goes alone in its own micro-batch. Indices within a micro-batch are ascending.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"token_budget_batches: max_tokens must be >= 1, got {max_tokens}")
+    bins: list[list[int]] = []
+    totals: list[int] = []
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"token_budget_batches: length {n} of sample {i} is negative")
+        for b, t in enumerate(totals):
+            if t + n <= max_tokens:
+                bins[b].append(i)
+                totals[b] += n
+                break
+        else:
+            bins.append([i])
+            totals.append(n)
+    return bins
+
+
+def collate_packed(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row with no padding.
+
+    Returns `input_ids`/`position_ids` [1, S] (S the total token count; positions restart at 0 for
+    every sample), `response_index` [B, R]: for response token j of sample i, the position in the
+    row of the token before it, whose hidden state predicts it (0 where j >= response_length), and
+    `prompt_lengths`, `response_ids`, `loss_mask`, `rollout_log_probs` exactly as `collate`.
+    """
+    if not samples:
+        raise ValueError("collate_packed: no samples")
+    b = len(samples)
+    resp = max(max(s.response_length for s in samples), 1)
+    ids: list[int] = []
+    pos: list[torch.Tensor] = []
+    resp_index = torch.zeros((b, resp), dtype=torch.long)
+    for i, s in enumerate(samples):
+        n, r = len(s.tokens), s.response_length
+        if r and n - r < 1:
+            raise ValueError(f"collate_packed: sample {s.index} has a response but no prompt token to predict it")
+        start = len(ids)
+        ids.extend(s.tokens)
+        pos.append(torch.arange(n, dtype=torch.long))
+        if r:
+            resp_index[i, :r] = torch.arange(start + n - r - 1, start + n - 1)
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.cat(pos)[None],
+        "response_index": resp_index,
+        **response_fields(samples, pad_id),
+    }
+
+
+def _attn_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def supports_packing(model: torch.nn.Module) -> bool:
+    """Whether `model` (a causal LM or its base model) computes a packed row exactly: its attention
+    implementation is one whose transformers mask builder detects packed `position_ids`."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "is_causal", True):
+        return False
+    return _attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
+
+
+def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask [1, 1, S, S] for a packed row ([1, S] positions restarting at 0).
+
+    Boolean (True = attend) when `dtype` is None, else additive: 0 where attended, the dtype's
+    minimum elsewhere (what eager attention expects). Full causal attention within each sample;
+    not for sliding-window models.
+    """
+    seq = (torch.diff(position_ids[0], prepend=position_ids[0, :1] - 1) != 1).cumsum(0)
+    idx = torch.arange(seq.shape[0], device=position_ids.device)
+    mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = mask[None, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_response_hidden(
+    base_model: torch.nn.Module, batch: dict[str, torch.Tensor], explicit_mask: bool = False
+) -> torch.Tensor:
+    """Hidden states [B, R, H] that predict each response token, from one packed row (see
+    `collate_packed`). Entries past a sample's response length are meaningless (mask them).
+
+    By default transformers detects the packing from `position_ids` (needs `supports_packing`);
+    `explicit_mask=True` passes a ready 4D block-diagonal mask instead (boolean for sdpa, additive
+    otherwise), for models whose mask code does not detect packing.
+    """
+    kwargs = {}
+    if explicit_mask:
+        dtype = None if _attn_implementation(base_model) == "sdpa" else base_model.get_input_embeddings().weight.dtype
+        kwargs["attention_mask"] = packed_attention_mask(batch["position_ids"], dtype)
+    hidden = base_model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        use_cache=False,  # an (empty) cache turns off transformers' packed-sequence detection
+        **kwargs,
+    ).last_hidden_state
+    return hidden[0, batch["response_index"]]
+
+
+def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hidden states [B, R, H] that predict each response token, from a right-padded batch (see
+    `collate`): response token j of row i sits at prompt_len_i + j and is predicted from the
+    position before it. Entries past a row's response length are meaningless (mask them)."""
+    hidden = base_model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).last_hidden_state
+    r = batch["response_ids"].shape[1]
+    pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=hidden.device)[None, :]
+    pos = pos.clamp(max=hidden.shape[1] - 1)
+    return hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
