@@ -85,11 +85,11 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_p
     calls = {"n": 0}
     real = Actor.train_step
 
-    def crash_on_fourth(self, samples, adv):
+    def crash_on_fourth(self, *args):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt("killed")
-        return real(self, samples, adv)
+        return real(self, *args)
 
     monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
     cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2, **extra})

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from tidal.config import ConfigError, add_config_arguments, build_config
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Wraps help only at spaces: `log-prob` or `first-fit` split over two lines reads badly."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,9 +22,10 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train",
-        help="run GRPO training",
-        description="Run GRPO. Options come from the defaults, then --config FILE, then --group.key=value.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="run RL (GRPO, PPO, ...) or SFT training",
+        description="Run RL or SFT training. Options come from the defaults, then --config FILE, then "
+        "--group.key=value.",
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,  # a typo like --train.num must not silently pick one of two options
     )
     t.add_argument("--config", help="YAML file with data/rollout/algo/train/log groups")

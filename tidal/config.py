@@ -36,6 +36,9 @@ class DataConfig:
     apply_chat_template: bool = _opt(True, "wrap prompts with the tokenizer's chat template")
     system_prompt: str | None = _opt(None, "system message prepended when the chat template is applied")
     max_prompt_length: int = _opt(256, "prompts with more tokens are dropped (counted in the log)")
+    response_key: str = _opt("response", "sft: field holding the response when rows are prompt/response pairs")
+    messages_key: str = _opt("messages", "sft: field holding a chat (list of role/content messages)")
+    max_length: int = _opt(1024, "sft: samples with more tokens are dropped (counted in the log)")
     shuffle: bool = _opt(True, "reshuffle the prompts every epoch")
     seed: int = _opt(0, "seed of the per-epoch shuffle")
 
@@ -57,14 +60,64 @@ class RolloutConfig:
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
 
 
+ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "ppo",
+)
+POLICY_LOSSES = ("auto", "ppo", "gspo", "cispo")
+AGGREGATE_MODES = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def _is_dotted(name: str) -> bool:
+    """A user function given as `pkg.module:fn`, `pkg.module.fn` or `file.py:fn`."""
+    return ":" in name or ("." in name and not name.startswith("."))
+
+
 @dataclass
 class AlgoConfig:
-    advantage: str = _opt("grpo", "grpo | dr_grpo (grpo without std normalization)")
+    mode: str = _opt("rl", "rl (rollout + policy gradient) or sft (negative log-likelihood on data.path chats)")
+    advantage: str = _opt(
+        "grpo",
+        "advantage estimator: " + " | ".join(ESTIMATORS) + " | a dotted path to fn(rewards, samples, group_size)",
+    )
+    policy_loss: str = _opt(
+        "auto", "ppo | gspo | cispo | a dotted path (auto: gspo/cispo when algo.advantage names them, else ppo)"
+    )
+    loss_agg: str = _opt(
+        "auto",
+        "how per-token losses are reduced: token_mean | seq_mean_token_mean | seq_mean_token_sum | "
+        "seq_mean_token_sum_norm (auto: seq_mean_token_sum_norm for dr_grpo, seq_mean_token_mean for gspo, "
+        "else token_mean)",
+    )
     eps_clip: float = _opt(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]")
-    eps_clip_high: float | None = _opt(None, "upper clip range (defaults to eps_clip)")
-    kl_coef: float = _opt(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
+    eps_clip_high: float | None = _opt(None, "upper clip range (defaults to eps_clip; gspo and cispo: see docs)")
+    dual_clip: float | None = _opt(None, "dual-clip constant c > 1 bounding the loss of negative advantages")
+    kl_coef: float = _opt(0.0, "weight of the KL to the reference model (0 = no reference model)")
     kl_kind: str = _opt("k3", "KL estimator: k1 | k2 | k3")
+    kl_in_reward: bool = _opt(False, "fold the KL into the reward (shaping) instead of adding it to the loss")
     entropy_coef: float = _opt(0.0, "entropy bonus weight (subtracted from the loss)")
+    gamma: float = _opt(1.0, "discount for reinforce_plus_plus and ppo (GAE)")
+    lam: float = _opt(0.95, "GAE lambda (ppo)")
+    critic_lr: float = _opt(1e-5, "critic learning rate (ppo)")
+    value_clip: float | None = _opt(0.2, "value clipping range of the critic loss (ppo; null = off)")
+    teacher: str | None = _opt(None, "model folder of a teacher for on-policy distillation (same tokenizer)")
+    distill_coef: float = _opt(1.0, "weight of the per-token teacher-minus-student log-prob in the advantage")
+    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts")
+    max_sampling_rounds: int = _opt(3, "rollout rounds per step to fill the batch when dynamic_sampling is on")
+    oversample: float = _opt(1.0, "prompts asked per round, as a multiple of the groups still missing")
+    overlong_buffer: int = _opt(0, "DAPO soft overlong penalty over the last N tokens before max_new_tokens (0 = off)")
+    overlong_penalty: float = _opt(1.0, "the penalty reached at max_new_tokens")
+    mask_truncated: bool = _opt(False, "DAPO: truncated samples keep their reward in the group but get no loss")
+    is_correction: str = _opt("none", "train/rollout mismatch correction: none | truncate (TIS) | mask (ICEPOP)")
+    is_level: str = _opt("token", "importance ratio level: token | sequence | geometric")
+    is_low: float | None = _opt(None, "lower ratio bound of the correction (null = none)")
+    is_high: float = _opt(2.0, "upper ratio bound of the correction")
 
 
 @dataclass
@@ -74,6 +127,10 @@ class TrainConfig:
     num_steps: int = _opt(20, "rollout steps to run")
     global_batch_size: int = _opt(32, "samples per optimizer step")
     micro_batch_size: int = _opt(8, "samples per forward/backward pass (gradient accumulation)")
+    max_tokens_per_micro_batch: int = _opt(
+        0, "pack micro-batches first-fit up to this many tokens instead of micro_batch_size samples (0 = off)"
+    )
+    packing: bool = _opt(True, "concatenate a micro-batch's sequences into one row without padding")
     lr: float = _opt(1e-6, "AdamW learning rate")
     warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -241,6 +298,67 @@ def build_config(config_file: str | None, cli_values: dict[str, Any], for_traini
     return cfg
 
 
+def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) -> None:
+    need(a.mode in ("rl", "sft"), f"algo.mode: rl or sft, got {a.mode!r}")
+    need(
+        a.advantage in ESTIMATORS or _is_dotted(a.advantage),
+        f"algo.advantage: one of {', '.join(ESTIMATORS)} or a dotted path, got {a.advantage!r}",
+    )
+    need(
+        a.policy_loss in POLICY_LOSSES or _is_dotted(a.policy_loss),
+        f"algo.policy_loss: one of {', '.join(POLICY_LOSSES)} or a dotted path, got {a.policy_loss!r}",
+    )
+    need(a.loss_agg in AGGREGATE_MODES, f"algo.loss_agg: one of {', '.join(AGGREGATE_MODES)}, got {a.loss_agg!r}")
+    grouped = a.advantage in ("grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline")
+    need(
+        r.n_samples_per_prompt >= 2 or not for_training or not grouped or a.mode == "sft",
+        f"rollout.n_samples_per_prompt: {a.advantage} compares samples within a group, so it needs >= 2 "
+        f"(got {r.n_samples_per_prompt})",
+    )
+    need(a.eps_clip > 0, f"algo.eps_clip: must be > 0, got {a.eps_clip}")
+    need(a.eps_clip_high is None or a.eps_clip_high > 0, "algo.eps_clip_high: must be > 0 or null")
+    need(a.dual_clip is None or a.dual_clip > 1, f"algo.dual_clip: must be > 1 or null, got {a.dual_clip}")
+    need(a.kl_coef >= 0, f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
+    need(a.kl_kind in ("k1", "k2", "k3"), f"algo.kl_kind: k1, k2 or k3, got {a.kl_kind!r}")
+    need(not a.kl_in_reward or a.kl_coef > 0, "algo.kl_in_reward: needs algo.kl_coef > 0 to have any effect")
+    need(0 <= a.gamma <= 1, f"algo.gamma: must be in [0, 1], got {a.gamma}")
+    need(0 <= a.lam <= 1, f"algo.lam: must be in [0, 1], got {a.lam}")
+    need(a.critic_lr > 0, f"algo.critic_lr: must be > 0, got {a.critic_lr}")
+    need(a.value_clip is None or a.value_clip > 0, "algo.value_clip: must be > 0 or null")
+    need(a.teacher is None or Path(a.teacher).is_dir(), f"algo.teacher: {a.teacher!r} is not a model folder")
+    need(a.max_sampling_rounds >= 1, f"algo.max_sampling_rounds: must be >= 1, got {a.max_sampling_rounds}")
+    need(a.oversample >= 1, f"algo.oversample: must be >= 1, got {a.oversample}")
+    need(
+        0 <= a.overlong_buffer <= r.max_new_tokens,
+        f"algo.overlong_buffer: must be between 0 and rollout.max_new_tokens ({r.max_new_tokens}), "
+        f"got {a.overlong_buffer}",
+    )
+    need(
+        a.is_correction in ("none", "truncate", "mask"),
+        f"algo.is_correction: none, truncate or mask, got {a.is_correction!r}",
+    )
+    need(
+        a.is_level in ("token", "sequence", "geometric"),
+        f"algo.is_level: token, sequence or geometric, got {a.is_level!r}",
+    )
+    need(a.is_high > 0, f"algo.is_high: must be > 0, got {a.is_high}")
+    need(a.is_low is None or 0 <= a.is_low < a.is_high, f"algo.is_low: must be in [0, is_high) or null, got {a.is_low}")
+
+
+def resolved_policy_loss(a: AlgoConfig) -> str:
+    """The loss `policy_loss: auto` stands for: the one named by a gspo/cispo estimator, else ppo."""
+    if a.policy_loss != "auto":
+        return a.policy_loss
+    return a.advantage if a.advantage in ("gspo", "cispo") else "ppo"
+
+
+def resolved_loss_agg(a: AlgoConfig) -> str:
+    """`loss_agg: auto`: Dr.GRPO's constant normaliser for dr_grpo, sequence means for gspo."""
+    if a.loss_agg != "auto":
+        return a.loss_agg
+    return {"dr_grpo": "seq_mean_token_sum_norm", "gspo": "seq_mean_token_mean"}.get(a.advantage, "token_mean")
+
+
 def validate(cfg: Config, for_training: bool = True) -> None:
     """Raise ConfigError listing every inconsistency, each with the field and the fix.
     `for_training=False` (evaluation) skips the checks that only the group advantage needs."""
@@ -266,16 +384,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         all(isinstance(i, int) and not isinstance(i, bool) for i in r.stop_token_ids),
         "rollout.stop_token_ids: must be a list of integers",
     )
-    need(a.advantage in ("grpo", "dr_grpo"), f"algo.advantage: grpo or dr_grpo, got {a.advantage!r}")
-    need(
-        r.n_samples_per_prompt >= 2 or not for_training,
-        f"rollout.n_samples_per_prompt: {a.advantage} compares samples within a group, so it needs >= 2 "
-        f"(got {r.n_samples_per_prompt})",
-    )
-    need(a.eps_clip > 0, f"algo.eps_clip: must be > 0, got {a.eps_clip}")
-    need(a.eps_clip_high is None or a.eps_clip_high > 0, "algo.eps_clip_high: must be > 0 or null")
-    need(a.kl_coef >= 0, f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
-    need(a.kl_kind in ("k1", "k2", "k3"), f"algo.kl_kind: k1, k2 or k3, got {a.kl_kind!r}")
+    _validate_algo(a, r, for_training, need)
     need(t.num_steps >= 1, f"train.num_steps: must be >= 1, got {t.num_steps}")
     need(t.global_batch_size >= 1, "train.global_batch_size: must be >= 1")
     need(
@@ -284,7 +393,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         f"got {t.micro_batch_size}",
     )
     samples = r.rollout_batch_size * r.n_samples_per_prompt
-    if for_training and t.global_batch_size >= 1 and samples % t.global_batch_size:
+    if for_training and a.mode == "rl" and t.global_batch_size >= 1 and samples % t.global_batch_size:
         errs.append(
             f"train.global_batch_size: rollout_batch_size × n_samples_per_prompt = {r.rollout_batch_size} × "
             f"{r.n_samples_per_prompt} = {samples} samples per step must be a multiple of "
@@ -298,6 +407,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas),
         f"train.adam_betas: two numbers in [0, 1), got {t.adam_betas}",
     )
+    need(t.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch: must be >= 0 (0 = off)")
     need(t.save_interval >= 0, "train.save_interval: must be >= 0")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     if errs:

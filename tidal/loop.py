@@ -1,17 +1,22 @@
 """The synchronous RL loop, top to bottom: rollout → rewards → advantages → train → weight sync.
 
 for step in steps:
-    prompts  = data.next_batch()
-    samples  = rollout.generate(prompts)          # engine samples + log-probs, rewards
-    adv      = grpo_advantages(rewards, group)    # tidal.algo, pure
-    metrics  = actor.train_step(samples, adv)     # micro-batches, AdamW, clip
-    engine.update_weights(actor.weights, step+1)  # next rollout sees the new policy
+    samples  = collect(data, rollout)                   # engine samples + log-probs, rewards (+ DAPO filter)
+    rewards  = scalar rewards (+ overlong penalty)
+    logp/ref/teacher/values = forward passes, only those the algorithm needs
+    adv      = compute_advantages(algo, ...)            # tidal.algo, pure
+    metrics  = actor.train_step(samples, adv)           # micro-batches or packing, AdamW, clip
+    critic.train_step(samples, returns)                 # ppo only
+    engine.update_weights(actor.weights, step+1)        # next rollout sees the new policy
     checkpoint every train.save_interval steps
+
+`algo.mode: sft` runs the same trainer on chat data, with no rollout.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import statistics
@@ -21,11 +26,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from tidal.algo import grpo_advantages
-from tidal.config import Config, DataConfig
+from tidal.algo import groups_with_signal, overlong_penalty
+from tidal.config import AlgoConfig, Config, DataConfig
 from tidal.convert import ensure_model
 from tidal.data.dataset import PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
+from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
 from tidal.engine.hf_engine import HFEngine
 from tidal.log import MetricsLogger, print_reward_table
@@ -33,6 +39,8 @@ from tidal.rollout.manager import RolloutManager
 from tidal.rollout.rewards import scalar_reward
 from tidal.train.actor import Actor
 from tidal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tidal.train.critic import Critic
+from tidal.train.estimate import compute_advantages
 from tidal.types import Sample, Status
 from tidal.utils import atomic_write_json
 
@@ -88,10 +96,60 @@ def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) ->
     }
 
 
+def shaped_rewards(samples: list[Sample], algo: AlgoConfig, reward_key: str, max_new_tokens: int) -> torch.Tensor:
+    """[N] scalar rewards, plus DAPO's soft overlong penalty when `algo.overlong_buffer` is set."""
+    rewards = torch.tensor([scalar_reward(s, reward_key) for s in samples], dtype=torch.float32)
+    if algo.overlong_buffer:
+        lengths = torch.tensor([s.response_length for s in samples])
+        rewards = rewards + overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+    return rewards
+
+
+def collect(
+    source: DataSource, rollout: RolloutManager, step: int, algo: AlgoConfig, reward_key: str
+) -> tuple[list[Sample], dict[str, float]]:
+    """One step's samples. With `algo.dynamic_sampling` (DAPO), groups whose rewards are all equal
+    carry no signal and are dropped; more prompts are sampled (up to `max_sampling_rounds` rounds)
+    until `rollout_batch_size` groups remain. If the rounds run out, the batch is topped up with
+    dropped groups (their group-relative advantage is 0) and the shortfall is logged."""
+    r = rollout.cfg
+    if not algo.dynamic_sampling:
+        return rollout.generate(source.next_batch(), step), {}
+    n, need = r.n_samples_per_prompt, r.rollout_batch_size
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    drawn = rounds = 0
+    while len(kept) < need and rounds < algo.max_sampling_rounds:
+        prompts = math.ceil((need - len(kept)) * algo.oversample)
+        samples = rollout.generate(source.next_batch(prompts), step, first_index=drawn)
+        drawn += len(samples)
+        rounds += 1
+        rewards = shaped_rewards(samples, algo, reward_key, r.max_new_tokens)
+        valid = torch.tensor([s.status != Status.FAILED for s in samples])
+        signal = groups_with_signal(rewards, n, valid)
+        for g in range(len(samples) // n):
+            (kept if signal[g] else dropped).append(samples[g * n : (g + 1) * n])
+    filled = max(0, need - len(kept))
+    groups = kept[:need] + dropped[:filled]
+    out = []
+    for g, group in enumerate(groups):  # renumber: the trainer sees one contiguous batch
+        for j, s in enumerate(group):
+            s.group_index, s.index = g, g * n + j
+            out.append(s)
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/groups_sampled": float(drawn // n),
+        "dynamic_sampling/groups_kept": float(len(kept)),
+        "dynamic_sampling/filled_without_signal": float(filled),
+    }
+    return out, metrics
+
+
 def train(cfg: Config, resume: bool = False) -> list[dict]:
-    """Run `cfg.train.num_steps` GRPO steps (continuing from the latest checkpoint when `resume`).
-    Returns the metrics history."""
-    t_cfg, r_cfg = cfg.train, cfg.rollout
+    """Run `cfg.train.num_steps` steps of RL (or SFT when `algo.mode` is sft), continuing from the
+    latest checkpoint when `resume`. Returns the metrics history."""
+    t_cfg, r_cfg, a_cfg = cfg.train, cfg.rollout, cfg.algo
+    sft = a_cfg.mode == "sft"
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)
@@ -103,22 +161,35 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
     model_dir = ensure_model(t_cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    source = DataSource(load_data(cfg.data, tokenizer), r_cfg.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+    if sft:
+        source = DataSource(
+            load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
+        )
+    else:
+        source = DataSource(load_data(cfg.data, tokenizer), r_cfg.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     start, ckpt = 0, latest_checkpoint(out_dir) if resume else None
     if resume and ckpt is None:
         log.warning("resume: no checkpoint in %s, starting from step 0", out_dir / "checkpoints")
-    actor = Actor(ckpt or model_dir, t_cfg, cfg.algo, r_cfg.temperature, pad_id, reference=model_dir)
+    max_len = cfg.data.max_length if sft else r_cfg.max_new_tokens
+    actor = Actor(
+        ckpt or model_dir, t_cfg, a_cfg, r_cfg.temperature, pad_id, reference=model_dir, max_response_len=max_len
+    )
+    critic = Critic(model_dir, t_cfg, a_cfg, pad_id) if a_cfg.advantage == "ppo" and not sft else None
     if ckpt is not None:
         trainer_state, state = load_checkpoint(ckpt)
         actor.load_state_dict(trainer_state)
+        if critic is not None:
+            critic.load_state_dict(trainer_state["critic"])
         source.load_state_dict(state["data"])
         start = state["step"]
         log.info("resumed from %s at step %d", ckpt, start)
 
-    engine = HFEngine(model_dir, tokenizer, dtype=r_cfg.dtype)
-    engine.update_weights_from_tensors(actor.named_weights(), version=start)
-    rollout = RolloutManager(engine, r_cfg)
+    engine = None
+    if not sft:
+        engine = HFEngine(model_dir, tokenizer, dtype=r_cfg.dtype)
+        engine.update_weights_from_tensors(actor.named_weights(), version=start)
+        rollout = RolloutManager(engine, r_cfg)
     logger = MetricsLogger(
         cfg.log.dir or out_dir,
         tensorboard=cfg.log.tensorboard,
@@ -128,62 +199,124 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
     )
     if ckpt is not None:
         logger.truncate_after(start)
-    group = r_cfg.n_samples_per_prompt
 
     try:
         for step in range(start, t_cfg.num_steps):
             t0 = time.perf_counter()
-            samples = rollout.generate(source.next_batch(), step)
-            t_rollout = time.perf_counter() - t0
-
-            rewards = torch.tensor([scalar_reward(s, r_cfg.reward_key) for s in samples], dtype=torch.float32)
-            valid = torch.tensor([s.status != Status.FAILED for s in samples])
-            adv = grpo_advantages(rewards, group, std_normalize=cfg.algo.advantage == "grpo", valid=valid)
-
-            t1 = time.perf_counter()
-            metrics = actor.train_step(samples, adv)
-            t_train = time.perf_counter() - t1
-
-            t2 = time.perf_counter()
-            engine.update_weights_from_tensors(actor.named_weights(), version=step + 1)
-            t_sync = time.perf_counter() - t2
-
-            resp_tokens = sum(s.response_length for s in samples)
-            train_tokens = sum(len(s.tokens) for s in samples)
-            metrics.update(rollout_metrics(samples, rewards, group))
-            metrics.update(
-                {
-                    "time/rollout": t_rollout,
-                    "time/train": t_train,
-                    "time/sync": t_sync,
-                    "time/step": time.perf_counter() - t0,
-                    "perf/rollout_tokens_per_s": resp_tokens / max(t_rollout, 1e-9),
-                    "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
-                    "data/epoch": float(source.epoch),
-                }
-            )
+            if sft:
+                samples = source.next_batch()
+                metrics = actor.train_step(samples, None)
+                metrics["time/train"] = time.perf_counter() - t0
+                metrics["perf/train_tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["time/train"]
+                metrics["data/epoch"] = float(source.epoch)
+            else:
+                metrics = rl_step(step, source, rollout, actor, critic, engine, cfg)
+            metrics["time/step"] = time.perf_counter() - t0
             logger.log(step + 1, metrics)
-            for s in samples[: cfg.log.log_samples]:
-                log.info(
-                    "sample (reward %.2f, %s): %r", scalar_reward(s, r_cfg.reward_key), s.status.value, s.response[:160]
-                )
 
             done = step + 1
             if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
+                trainer_state = actor.state_dict()
+                if critic is not None:
+                    trainer_state["critic"] = critic.state_dict()
                 save_checkpoint(
                     out_dir,
                     done,
                     actor.model,
                     tokenizer,
-                    actor.state_dict(),
+                    trainer_state,
                     {"data": source.state_dict(), "weight_version": done},
                 )
     finally:
         logger.close()
     history = logger.history()
-    if cfg.log.console:
+    if cfg.log.console and not sft:
         print_reward_table(history)
     return history
+
+
+def rl_step(
+    step: int,
+    source: DataSource,
+    rollout: RolloutManager,
+    actor: Actor,
+    critic: Critic | None,
+    engine: HFEngine,
+    cfg: Config,
+) -> dict[str, float]:
+    """One rollout → advantages → update → weight sync step; returns its metrics."""
+    r_cfg, a_cfg = cfg.rollout, cfg.algo
+    t0 = time.perf_counter()
+    samples, metrics = collect(source, rollout, step, a_cfg, r_cfg.reward_key)
+    t_rollout = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.max_new_tokens)
+    valid = torch.tensor([s.status != Status.FAILED for s in samples])
+    # extra forward passes, each only when the algorithm needs it
+    need_logp = a_cfg.kl_in_reward or actor.teacher is not None
+    log_probs = actor.compute_log_probs(samples) if need_logp else None
+    ref = actor.compute_log_probs(samples, "reference") if actor.ref is not None else None
+    teacher = actor.compute_log_probs(samples, "teacher") if actor.teacher is not None else None
+    values = critic.values(samples) if critic is not None else None
+    adv, returns, adv_metrics = compute_advantages(
+        a_cfg, samples, rewards, valid, r_cfg.n_samples_per_prompt, log_probs, ref, values, teacher
+    )
+    metrics.update(adv_metrics)
+    metrics.update(rollout_metrics(samples, rewards, r_cfg.n_samples_per_prompt))
+    if a_cfg.mask_truncated:  # DAPO overlong filtering: in the group statistics, out of the loss
+        for s in samples:
+            if s.status == Status.TRUNCATED:
+                s.loss_mask = [0] * s.response_length
+    metrics.update(actor.train_step(samples, adv, log_probs, ref))
+    if critic is not None:
+        metrics.update(critic.train_step(samples, returns, values))
+    t_train = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    engine.update_weights_from_tensors(actor.named_weights(), version=step + 1)
+    t_sync = time.perf_counter() - t2
+
+    resp_tokens = sum(s.response_length for s in samples)
+    train_tokens = sum(len(s.tokens) for s in samples)
+    metrics.update(
+        {
+            "advantage/mean": float(adv.sum() / max(sum(s.response_length for s in samples), 1)),
+            "time/rollout": t_rollout,
+            "time/train": t_train,
+            "time/sync": t_sync,
+            "perf/rollout_tokens_per_s": resp_tokens / max(t_rollout, 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+            "data/epoch": float(source.epoch),
+        }
+    )
+    for s in samples[: cfg.log.log_samples]:
+        log.info("sample (reward %.2f, %s): %r", scalar_reward(s, r_cfg.reward_key), s.status.value, s.response[:160])
+    return metrics
+
+
+def load_sft_data(cfg: DataConfig, tokenizer) -> list[Sample]:
+    """SFT samples from `data.path` (chats or prompt/response pairs), over-long ones dropped and counted."""
+    samples, dropped = load_sft_samples(
+        cfg.path,
+        tokenizer,
+        messages_key=cfg.messages_key,
+        prompt_key=cfg.input_key,
+        response_key=cfg.response_key,
+        max_length=cfg.max_length,
+        apply_chat_template=cfg.apply_chat_template,
+        system_prompt=cfg.system_prompt,
+    )
+    log.info(
+        "data: %d sft samples from %s, %d dropped as longer than %d tokens",
+        len(samples),
+        cfg.path,
+        dropped,
+        cfg.max_length,
+    )
+    if not samples:
+        raise ValueError(f"data.path {cfg.path}: no sft samples left after dropping {dropped} over-long ones")
+    return samples
 
 
 def setup_logging() -> None:

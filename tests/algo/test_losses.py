@@ -48,19 +48,19 @@ def _ratios(*values: float) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def test_ppo_clip_values(ratio, adv, loss, clipped):
     lp, old = _ratios(ratio)
-    out, clip = policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64), eps_clip=0.2)
-    assert out.shape == (1, 1) and clip.shape == (1, 1)
+    out, metrics = policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), eps_clip=0.2)
+    assert out.shape == (1, 1)
     assert out.item() == pytest.approx(loss, abs=1e-12)
-    assert clip.item() == clipped
+    assert metrics["clip_frac"].item() == clipped
 
 
 def test_ppo_gradient_is_zero_on_clipped_tokens():
     lp, old = _ratios(1.5, 1.5, 1.1)
     lp.requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
-    loss, clipped = policy_loss(lp, old, adv)
+    loss, metrics = policy_loss(lp, old, adv, torch.ones(1, 3))
     loss.sum().backward()
-    assert clipped.tolist() == [[1.0, 0.0, 0.0]]
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)  # only the first token is clipped
     # d(-ratio * A)/d lp = -ratio * A on active tokens: -1.5 * -1 = 1.5, -1.1 * 2 = -2.2
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 1.5, -2.2]], dtype=torch.float64))
 
@@ -68,37 +68,41 @@ def test_ppo_gradient_is_zero_on_clipped_tokens():
 def test_clip_higher_asymmetry():
     lp, old = _ratios(1.25, 0.7, 1.35)
     adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=torch.float64)
-    sym, sym_clip = policy_loss(lp, old, adv, eps_clip=0.2)
-    high, high_clip = policy_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    mask = torch.ones(1, 3)
+    sym, sym_m = policy_loss(lp, old, adv, mask, eps_clip=0.2)
+    high, high_m = policy_loss(lp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28)
     # symmetric: 1.25 -> capped at 1.2; 0.7 with A<0 -> floor 0.8; 1.35 -> 1.2
     torch.testing.assert_close(sym, torch.tensor([[-1.2, 0.8, -1.2]], dtype=torch.float64))
-    assert sym_clip.tolist() == [[1.0, 1.0, 1.0]]
+    assert sym_m["clip_frac"].item() == 1.0
     # clip-higher: 1.25 is now inside [0.8, 1.28]; the lower bound is unchanged; 1.35 -> 1.28
     torch.testing.assert_close(high, torch.tensor([[-1.25, 0.8, -1.28]], dtype=torch.float64))
-    assert high_clip.tolist() == [[0.0, 1.0, 1.0]]
+    assert high_m["clip_frac"].item() == pytest.approx(2 / 3)
 
 
 def test_sequence_advantages_broadcast_over_tokens():
     lp = torch.randn(3, 5, dtype=torch.float64)
     old = lp + 0.3 * torch.randn(3, 5, dtype=torch.float64)
     adv = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
-    a, ca = policy_loss(lp, old, adv)
-    b, cb = policy_loss(lp, old, adv[:, None].expand(3, 5))
+    mask = torch.ones(3, 5)
+    a, ma = policy_loss(lp, old, adv, mask)
+    b, mb = policy_loss(lp, old, adv[:, None].expand(3, 5), mask)
     torch.testing.assert_close(a, b)
-    assert torch.equal(ca, cb)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
 def test_policy_loss_shape_errors():
     with pytest.raises(ValueError, match="old_log_probs"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2))
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3))
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(5))
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(5), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 4))
 
 
 def test_policy_loss_upcasts_bf16():
     lp = torch.zeros(2, 3, dtype=torch.bfloat16)
-    loss, clipped = policy_loss(lp, lp, torch.ones(2, dtype=torch.bfloat16))
-    assert loss.dtype == torch.float32 and clipped.dtype == torch.float32
+    loss, metrics = policy_loss(lp, lp, torch.ones(2, dtype=torch.bfloat16), torch.ones(2, 3))
+    assert loss.dtype == torch.float32 and all(m.dtype == torch.float32 for m in metrics.values())
     torch.testing.assert_close(loss, -torch.ones(2, 3))
 
 
@@ -236,7 +240,7 @@ def test_micro_batch_invariance(splits):
     garbage = torch.where(mask.bool(), 0.0, float("nan")).to(torch.float64)
 
     full_lp = base_lp.clone().requires_grad_(True)
-    full_loss = masked_mean(policy_loss(full_lp, old, adv)[0] + garbage, mask)
+    full_loss = masked_mean(policy_loss(full_lp, old, adv, mask)[0] + garbage, mask)
     full_loss.backward()
 
     num_tokens = float(mask.sum())
@@ -245,7 +249,7 @@ def test_micro_batch_invariance(splits):
     start = 0
     for size in splits:
         rows = slice(start, start + size)
-        per_token = policy_loss(mb_lp[rows], old[rows], adv[rows])[0] + garbage[rows]
+        per_token = policy_loss(mb_lp[rows], old[rows], adv[rows], mask[rows])[0] + garbage[rows]
         loss = token_mean_loss(per_token, mask[rows], num_tokens)
         loss.backward()  # gradient accumulation, as a trainer would do per micro-batch
         total = total + loss.detach()

@@ -42,8 +42,9 @@ def test_log_probs_match_a_plain_forward_pass():
         ref = torch.log_softmax(logits, -1)[s.prompt_length - 1 : -1].gather(
             1, torch.tensor(s.response_tokens)[:, None]
         )[:, 0]
-        assert lp.shape == (s.response_length,)
-        torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+        assert got.shape == (len(samples), max(x.response_length for x in samples))
+        torch.testing.assert_close(lp[: s.response_length], ref, atol=1e-5, rtol=0)
+        assert not lp[s.response_length :].any()  # padding is exactly 0
 
 
 @pytest.mark.parametrize("algo", [{}, {"kl_coef": 0.1, "kl_kind": "k3"}, {"entropy_coef": 0.01}])

@@ -35,10 +35,10 @@ class DataSource:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[PromptRecord]:
-        """Return the next `batch_size` records."""
+    def next_batch(self, n: int | None = None) -> list[PromptRecord]:
+        """Return the next `n` records (default `batch_size`)."""
         batch = []
-        for _ in range(self.batch_size):
+        for _ in range(self.batch_size if n is None else n):
             batch.append(self.records[self._order[self.position]])
             self.position += 1
             # Roll over eagerly so `epoch`/`position` always point at the next record to serve.

@@ -46,14 +46,17 @@ class RolloutManager:
             seed=seed,
         )
 
-    def generate(self, records: list[PromptRecord], step: int) -> list[Sample]:
-        """Sample and score `n_samples_per_prompt` responses for each record, group by group."""
+    def generate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
+        """Sample and score `n_samples_per_prompt` responses for each record, group by group.
+
+        Seeds come from (seed, step, first_index + sample position), so a second call in the same
+        step (dynamic sampling) passes the number of samples already drawn to get fresh ones."""
         n = self.cfg.n_samples_per_prompt
         prompts, params = [], []
         for g, rec in enumerate(records):
             for j in range(n):
                 prompts.append(rec.input_ids)
-                params.append(self.sampling_params(sample_seed(self.cfg.seed, step, g * n + j)))
+                params.append(self.sampling_params(sample_seed(self.cfg.seed, step, first_index + g * n + j)))
         outs = self.engine.generate(prompts, params)
         samples = []
         for i, out in enumerate(outs):

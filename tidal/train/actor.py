@@ -1,8 +1,9 @@
-"""Single-process policy trainer: log-probs, PPO-clip loss, AdamW, gradient clipping.
+"""Single-process policy trainer: log-probs, the configured policy loss, AdamW, gradient clipping.
 
-The loss of every micro-batch is divided by the masked-token count of the whole optimizer batch,
-so the accumulated gradient is exactly the full-batch token mean whatever the micro-batch size.
-Weights stay fp32 (bf16 weights lose small updates); `dtype` only sets the autocast compute dtype.
+Every loss term of a micro-batch is reduced with the normalisers of the whole optimizer batch
+(token count, sequence count), so the accumulated gradient is exactly the full-batch loss's
+gradient however the batch is cut into micro-batches or packed. Weights stay fp32 (bf16 weights
+lose small updates); `dtype` only sets the autocast compute dtype.
 """
 
 from __future__ import annotations
@@ -14,22 +15,39 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from tidal.algo import (
+    aggregate,
+    cispo_loss,
     entropy_from_logits,
+    importance_weights,
     kl_estimate,
     log_probs_from_logits,
     policy_loss,
-    token_mean_loss,
 )
-from tidal.config import AlgoConfig, TrainConfig
-from tidal.train.batching import collate, micro_batches
+from tidal.config import AlgoConfig, TrainConfig, resolved_loss_agg, resolved_policy_loss
+from tidal.train.estimate import response_mask
+from tidal.train.forward import Forward
 from tidal.types import Sample
+from tidal.utils import load_object
+
+
+def load_frozen(path: str | Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().requires_grad_(False)
+
+
+def batch_normalizers(mask: Tensor, mode: str, max_len: int) -> dict[str, float]:
+    """The global counts `aggregate` divides by, for one optimizer batch's [B, R] mask."""
+    if mode == "seq_mean_token_sum_norm":
+        return {"num_seqs": float(mask.shape[0]), "max_len": max_len}
+    return {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(dim=1) > 0).sum())}
 
 
 class Actor:
-    """The policy being trained, its optimizer and (when KL is on) a frozen reference copy."""
+    """The policy being trained, its optimizer, and the frozen reference (when KL is on) and
+    teacher (for distillation) models."""
 
     def __init__(
         self,
@@ -39,6 +57,7 @@ class Actor:
         temperature: float = 1.0,
         pad_id: int = 0,
         reference: str | Path | None = None,
+        max_response_len: int = 1,
     ) -> None:
         self.cfg, self.algo = train, algo
         # log-probs must come from the distribution the engine sampled from (temperature applied);
@@ -52,14 +71,19 @@ class Actor:
         self.model.train()
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.fwd = Forward(train, self.model, pad_id)
+        self.loss_name = "sft" if algo.mode == "sft" else resolved_policy_loss(algo)
+        self.user_loss = None
+        if self.loss_name not in ("sft", "ppo", "gspo", "cispo"):
+            self.user_loss = load_object(self.loss_name, callable_required=True)
+        self.agg = resolved_loss_agg(algo)
+        self.max_response_len = max_response_len  # Dr.GRPO's constant normaliser
         self.ref = None
         if algo.kl_coef > 0:  # `reference` is the initial model when `model` is a resumed checkpoint
-            ref = (
-                copy.deepcopy(self.model)
-                if reference is None
-                else AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+            self.ref = (
+                copy.deepcopy(self.model).eval().requires_grad_(False) if reference is None else load_frozen(reference)
             )
-            self.ref = ref.eval().requires_grad_(False)
+        self.teacher = load_frozen(algo.teacher) if algo.teacher else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -78,25 +102,16 @@ class Actor:
             return contextlib.nullcontext()
         return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
 
-    def _response_logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _response_logits(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
         """Logits that predict each response token, [B, R, V].
 
         Only response positions go through the output projection: with a 49k vocabulary that
         projection dominates the cost, and prompt positions are never scored.
         """
-        hidden = model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).last_hidden_state
-        r = batch["response_ids"].shape[1]
-        # response token j of row i sits at prompt_len_i + j and is predicted from the position before
-        pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r)[None, :]
-        pos = pos.clamp(max=hidden.shape[1] - 1)
-        sel = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
-        return model.get_output_embeddings()(sel).float() / self.temperature
+        hidden = self.fwd.hidden(model.base_model, batch)
+        return model.get_output_embeddings()(hidden).float() / self.temperature
 
-    def _score(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, model: torch.nn.Module, batch: dict[str, Tensor], entropy_grad: bool = False):
         """(log-probs, entropy) of the response tokens; the entropy carries a gradient only when
         it is a loss term, otherwise it is a metric computed from the same logits."""
         with self._autocast():
@@ -108,88 +123,139 @@ class Actor:
             return logp, entropy_from_logits(logits.detach())
 
     @torch.no_grad()
-    def compute_log_probs(self, samples: Sequence[Sample], reference: bool = False) -> list[torch.Tensor]:
-        """Per-sample response log-probs [R_i] under the current (or reference) model, no grad."""
-        model = self.ref if reference else self.model
+    def compute_log_probs(self, samples: Sequence[Sample], which: str = "policy") -> Tensor:
+        """[N, R] response log-probs (zero-padded) under the policy, `reference` or `teacher`."""
+        model = {"policy": self.model, "reference": self.ref, "teacher": self.teacher}[which]
         if model is None:
-            raise RuntimeError("reference log-probs requested but algo.kl_coef is 0 (no reference model)")
-        out = []
-        for sl in micro_batches(len(samples), self.cfg.micro_batch_size):
-            mb = samples[sl]
-            batch = collate(mb, self.pad_id)
+            raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
+        width = max(max(s.response_length for s in samples), 1)
+        out = torch.zeros(len(samples), width)
+        for idx in self.fwd.plan(samples):
+            batch = self.fwd.collate([samples[i] for i in idx])
             with self._autocast():
                 logits = self._response_logits(model, batch)
             logp = log_probs_from_logits(logits, batch["response_ids"])
-            out.extend(logp[i, : s.response_length].clone() for i, s in enumerate(mb))
+            for j, i in enumerate(idx):  # only the response's own positions: padding stays 0
+                out[i, : samples[i].response_length] = logp[j, : samples[i].response_length]
         return out
 
+    def _policy_loss(self, logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+        a = self.algo
+        if self.loss_name in ("ppo", "gspo"):
+            level = "sequence" if self.loss_name == "gspo" else "token"
+            return policy_loss(logp, old, adv, mask, a.eps_clip, a.eps_clip_high, a.dual_clip, level)
+        if self.loss_name == "cispo":
+            return cispo_loss(logp, old, adv, mask, None, a.eps_clip_high or a.eps_clip)
+        per_token, metrics = self.user_loss(logp, old, adv, mask, a)
+        if per_token.shape != logp.shape:
+            raise ValueError(
+                f"policy loss {self.loss_name} returned shape {tuple(per_token.shape)}, expected {tuple(logp.shape)}"
+            )
+        return per_token, metrics
+
     # ---------------------------------------------------------------- training
-    def train_step(self, samples: Sequence[Sample], advantages: torch.Tensor) -> dict[str, float]:
-        """One rollout batch → len(samples) / global_batch_size optimizer steps. Returns metrics
-        averaged over tokens (loss terms) and over optimizer steps (grad norm)."""
+    def train_step(
+        self,
+        samples: Sequence[Sample],
+        advantages: Tensor | None,
+        old_log_probs: Tensor | None = None,
+        ref_log_probs: Tensor | None = None,
+    ) -> dict[str, float]:
+        """One rollout batch → len(samples) / global_batch_size optimizer steps.
+
+        `advantages` [N, R] or [N] (None in sft mode); `old_log_probs` [N, R] when already computed
+        (else recomputed if there is more than one update, and taken from the current forward
+        otherwise: the policy has not moved yet); `ref_log_probs` [N, R] for the KL loss term.
+        Returns metrics averaged over tokens (loss terms) and over optimizer steps (grad norm).
+        """
         gbs = self.cfg.global_batch_size
         if len(samples) % gbs:
             raise ValueError(f"train_step: {len(samples)} samples is not a multiple of global_batch_size {gbs}")
+        if self.loss_name != "sft" and advantages is None:
+            raise ValueError("train_step: advantages are required outside sft mode")
         n_updates = len(samples) // gbs
-        # With one update per rollout the policy has not moved yet, so the current log-probs are
-        # the old ones; more updates need them frozen before the first step.
-        old = self.compute_log_probs(samples) if n_updates > 1 else None
-        ref = self.compute_log_probs(samples, reference=True) if self.ref is not None else None
+        mask_all = response_mask(samples)
+        if advantages is not None and advantages.dim() == 1:  # one per sample: shared by its tokens
+            advantages = advantages[:, None].expand_as(mask_all)
+        old = old_log_probs
+        if old is None and n_updates > 1 and self.loss_name != "sft":
+            old = self.compute_log_probs(samples)
+        kl_loss = self.ref is not None and not self.algo.kl_in_reward
+        if kl_loss and ref_log_probs is None:
+            ref_log_probs = self.compute_log_probs(samples, "reference")
+        want_entropy = self.algo.entropy_coef > 0
 
-        sums = {k: 0.0 for k in ("pg", "kl", "clip", "entropy", "approx_kl", "rollout_diff")}
+        sums: dict[str, float] = {}
+
+        def add(key: str, value: float, weight: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+
         tokens = 0.0
         grad_norms = []
         self.model.train()
         for u in range(n_updates):
-            chunk = range(u * gbs, (u + 1) * gbs)
-            total = sum(float(sum(samples[i].loss_mask)) for i in chunk)
-            denom = max(total, 1.0)
+            chunk = list(range(u * gbs, (u + 1) * gbs))
+            norm = batch_normalizers(mask_all[chunk], self.agg, self.max_response_len)
             self.optimizer.zero_grad(set_to_none=True)
-            for sl in micro_batches(gbs, self.cfg.micro_batch_size):
-                idx = list(chunk)[sl]
-                mb = [samples[i] for i in idx]
-                batch = collate(mb, self.pad_id)
+            for pos in self.fwd.plan([samples[i] for i in chunk]):
+                idx = [chunk[p] for p in pos]
+                batch = self.fwd.collate([samples[i] for i in idx])
                 mask = batch["loss_mask"]
-                want_entropy = self.algo.entropy_coef > 0
+                r = mask.shape[1]
+                n_tok = float(mask.sum())
                 logp, ent = self._score(self.model, batch, entropy_grad=want_entropy)
-                old_lp = logp.detach() if old is None else _pad([old[i] for i in idx], logp.shape)
-                adv = advantages[idx].to(logp.dtype)
-                pg, clipped = policy_loss(logp, old_lp, adv, self.algo.eps_clip, self.algo.eps_clip_high)
-                loss = token_mean_loss(pg, mask, denom)
-                if ref is not None:
-                    kl = kl_estimate(logp, _pad([ref[i] for i in idx], logp.shape), self.algo.kl_kind)
-                    loss = loss + self.algo.kl_coef * token_mean_loss(kl, mask, denom)
-                    sums["kl"] += float(token_mean_loss(kl.detach(), mask, 1.0))
+                old_lp = logp.detach() if old is None else old[idx, :r]
+                if self.loss_name == "sft":
+                    per_token, m = -logp, {}
+                else:
+                    per_token, m = self._policy_loss(logp, old_lp, advantages[idx, :r].to(logp.dtype), mask)
+                    if self.algo.is_correction != "none":
+                        w, wm = importance_weights(
+                            old_lp,
+                            batch["rollout_log_probs"],
+                            mask,
+                            self.algo.is_level,
+                            self.algo.is_correction,
+                            self.algo.is_low,
+                            self.algo.is_high,
+                        )
+                        per_token = per_token * w
+                        m = {**m, **{f"is/{k}": v for k, v in wm.items()}}
+                loss = aggregate(per_token, mask, self.agg, **norm)
+                if kl_loss:
+                    kl = kl_estimate(logp, ref_log_probs[idx, :r], self.algo.kl_kind)
+                    loss = loss + self.algo.kl_coef * aggregate(kl, mask, self.agg, **norm)
+                    add("loss/kl", float(aggregate(kl.detach(), mask, "token_mean")), n_tok)
                 if want_entropy:
-                    loss = loss - self.algo.entropy_coef * token_mean_loss(ent, mask, denom)
+                    loss = loss - self.algo.entropy_coef * aggregate(ent, mask, self.agg, **norm)
                 loss.backward()
                 with torch.no_grad():
-                    d = logp.detach() - old_lp
-                    sums["pg"] += float(token_mean_loss(pg.detach(), mask, 1.0))
-                    sums["clip"] += float(token_mean_loss(clipped.float(), mask, 1.0))
-                    sums["entropy"] += float(token_mean_loss(ent.detach(), mask, 1.0))
-                    sums["approx_kl"] += float(token_mean_loss(0.5 * d * d, mask, 1.0))
-                    diff = (logp.detach() - batch["rollout_log_probs"]).abs()
-                    sums["rollout_diff"] += float(token_mean_loss(diff, mask, 1.0))
-            tokens += total
+                    add(
+                        "loss/sft" if self.loss_name == "sft" else "loss/pg",
+                        float(aggregate(per_token.detach(), mask)),
+                        n_tok,
+                    )
+                    add("actor/entropy", float(aggregate(ent.detach(), mask)), n_tok)
+                    for k, v in m.items():
+                        add(k if "/" in k else f"actor/{k}", float(v), n_tok)
+                    if self.loss_name != "sft":
+                        diff = (logp.detach() - batch["rollout_log_probs"]).abs()
+                        add("actor/rollout_logprob_abs_diff", float(aggregate(diff, mask)), n_tok)
+                tokens += n_tok
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
             self.optimizer.step()
             self.scheduler.step()
         t = max(tokens, 1.0)
-        metrics = {
-            "loss/pg": sums["pg"] / t,
-            "actor/clip_frac": sums["clip"] / t,
-            "actor/entropy": sums["entropy"] / t,
-            "actor/approx_kl": sums["approx_kl"] / t,
-            "actor/rollout_logprob_abs_diff": sums["rollout_diff"] / t,
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
-            "actor/lr": self.scheduler.get_last_lr()[0],
-            "actor/updates": float(n_updates),
-            "actor/tokens": tokens,
-        }
-        if ref is not None:
-            metrics["loss/kl"] = sums["kl"] / t
+        metrics = {k: v / t for k, v in sums.items()}
+        metrics.update(
+            {
+                "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+                "actor/lr": self.scheduler.get_last_lr()[0],
+                "actor/updates": float(n_updates),
+                "actor/tokens": tokens,
+            }
+        )
         return metrics
 
     # ---------------------------------------------------------------- weights / state
@@ -204,10 +270,3 @@ class Actor:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _pad(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-    return out

@@ -1,0 +1,45 @@
+"""What actor and critic share: the micro-batch plan and the forward pass to response hidden states."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tidal.config import TrainConfig
+from tidal.train.batching import (
+    collate,
+    collate_packed,
+    micro_batches,
+    packed_response_hidden,
+    padded_response_hidden,
+    supports_packing,
+    token_budget_batches,
+)
+from tidal.types import Sample
+
+
+class Forward:
+    """Cuts a batch into micro-batches and runs a model up to the hidden states that predict
+    each response token (packed into one row when the model supports it, else right-padded)."""
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, pad_id: int = 0) -> None:
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.packing = cfg.packing and supports_packing(model)
+
+    def plan(self, samples: Sequence[Sample]) -> list[list[int]]:
+        """Indices into `samples`, one list per micro-batch: first-fit by token budget when
+        `max_tokens_per_micro_batch` is set, else consecutive runs of `micro_batch_size`."""
+        if self.cfg.max_tokens_per_micro_batch:
+            return token_budget_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_micro_batch)
+        return [list(range(len(samples)))[sl] for sl in micro_batches(len(samples), self.cfg.micro_batch_size)]
+
+    def collate(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        return collate_packed(samples, self.pad_id) if self.packing else collate(samples, self.pad_id)
+
+    def hidden(self, base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, R, H] hidden states at the positions that predict response tokens."""
+        if "position_ids" in batch:
+            return packed_response_hidden(base_model, batch)
+        return padded_response_hidden(base_model, batch)
