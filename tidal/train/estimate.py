@@ -77,7 +77,8 @@ def compute_advantages(
 
     A user estimator `fn(rewards, mask, group_size, samples)` returns [N] or [N, R] advantages.
     """
-    mask = response_mask(samples)
+    # a failed sample is never trained on, whatever its loss mask says
+    mask = response_mask(samples) * valid[:, None].to(torch.float32)
     metrics: dict[str, float] = {}
     token_kl = None
     if algo.kl_in_reward:
@@ -97,7 +98,7 @@ def compute_advantages(
             adv = grpo_advantages(r, group_size, std_normalize=name != "dr_grpo", valid=valid)
         adv = adv[:, None].expand_as(mask).clone()
     elif name == "reinforce_plus_plus":
-        adv = reinforce_pp_advantages(torch.where(valid, rewards, 0.0), mask * valid[:, None], token_kl, algo.gamma)
+        adv = reinforce_pp_advantages(torch.where(valid, rewards, 0.0), mask, token_kl, algo.gamma)
     elif name == "reinforce_plus_plus_baseline":
         adv = reinforce_pp_baseline_advantages(rewards, group_size, mask, token_kl, valid=valid)
     elif name == "ppo":
@@ -107,7 +108,7 @@ def compute_advantages(
         adv, returns = gae(token_rewards, values, mask, algo.gamma, algo.lam)
     else:
         adv = torch.as_tensor(load_estimator(name)(rewards, mask, group_size, list(samples)), dtype=torch.float32)
-        if adv.dim() == 1:
+        if adv.dim() == 1 and adv.shape[0] == mask.shape[0]:
             adv = adv[:, None].expand_as(mask).clone()
         if tuple(adv.shape) != tuple(mask.shape):
             raise ValueError(
