@@ -59,6 +59,20 @@ def make_model(vocab_size: int = 320, seed: int = 0, **overrides):
     return model.eval()
 
 
+def hf_greedy(model, prompt, n):
+    """transformers' greedy continuation of `prompt` (n tokens, cut after the eos id 2)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    toks = out[0, len(prompt) :].tolist()
+    return toks[: toks.index(2) + 1] if 2 in toks else toks
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import hf_greedy
 from conftest import make_model as _make_model
 
 from tidal.engine.hf_engine import HFEngine
@@ -15,19 +16,6 @@ def make_model(seed=0, **kw):
 
 def greedy(n=12, **kw):
     return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
-
-
-def hf_greedy(model, prompt, n):
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=n,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    toks = out[0, len(prompt) :].tolist()
-    return toks[: toks.index(2) + 1] if 2 in toks else toks
 
 
 def test_greedy_matches_transformers_generate_and_forward_log_probs(tokenizer):

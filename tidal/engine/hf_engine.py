@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from tidal.engine.base import GenerationOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
+from tidal.engine.weights import load_named_tensors, read_safetensors_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -49,38 +50,14 @@ class HFEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
 
     # ---------------------------------------------------------------- weights
-    @torch.no_grad()
     def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors into the engine's parameters by name (cast to the engine dtype)."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        seen = set()
-        for name, tensor in named:
-            if name not in params:
-                raise KeyError(f"update_weights: engine model has no parameter {name!r}")
-            params[name].copy_(tensor)
-            seen.add(name)
-        missing = {n for n, _ in self.model.named_parameters()} - seen
-        # tied weights appear under one name only; anything else missing is a sync bug
-        missing = {n for n in missing if not self._is_tied(n)}
-        if missing:
-            raise KeyError(f"update_weights: no tensor given for {sorted(missing)[:5]}")
+        load_named_tensors(self.model, named)
         self.weight_version = version
-
-    def _is_tied(self, name: str) -> bool:
-        return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
 
     def update_weights_from_disk(self, path: str | Path, version: int) -> None:
         """Load safetensors weights saved by `save_pretrained` from `path`."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors in {path}")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(str(f)))
-        self.update_weights_from_tensors(tensors.items(), version)
+        self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
 
     # ---------------------------------------------------------------- generation
     @torch.inference_mode()

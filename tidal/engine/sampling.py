@@ -30,6 +30,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
@@ -48,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
@@ -123,6 +126,7 @@ def sample_tokens(
     top_p: Tensor | float,
     top_k: Tensor | int,
     generators: Sequence[torch.Generator | None] | None = None,
+    min_p: Tensor | float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of `logits` [B, V].
 
@@ -130,7 +134,8 @@ def sample_tokens(
     Rows with temperature 0 are greedy: the token is the argmax and its log-prob comes from the
     plain softmax of the raw logits. Other rows divide the logits by the temperature, keep the
     `top_k` most likely tokens (0 = all), then keep the smallest set of most likely tokens whose
-    probability sums to at least `top_p` (always at least one token), and sample from that set
+    probability sums to at least `top_p` (always at least one token), drop tokens whose tempered
+    probability is below `min_p` times the most likely token's, and sample from what is left,
     renormalised. `generators[i]`, when given and not None, is the only randomness used for row i.
 
     Returns `(tokens [B] long, log_probs [B] float32)`, where each log-prob is that of the chosen
@@ -145,8 +150,11 @@ def sample_tokens(
     temp = _per_row(temperature, batch, torch.float32, device)
     p = _per_row(top_p, batch, torch.float32, device)
     k = _per_row(top_k, batch, torch.long, device)
+    mp = _per_row(min_p, batch, torch.float32, device)
     if bool((temp < 0).any()) or bool(((p <= 0) | (p > 1)).any()) or bool((k < 0).any()):
         raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
+    if bool(((mp < 0) | (mp > 1)).any()):
+        raise ValueError("need 0 <= min_p <= 1 in every row")
 
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
@@ -166,7 +174,8 @@ def sample_tokens(
     scaled = logits[rows] / temp[rows, None]
     rk = k[rows]
     rp = p[rows]
-    needs_filter = bool(((rk > 0) & (rk < vocab)).any()) or bool((rp < 1).any())
+    rmp = mp[rows]
+    needs_filter = bool(((rk > 0) & (rk < vocab)).any()) or bool((rp < 1).any()) or bool((rmp > 0).any())
     if needs_filter:
         # Filter in sorted order, then scatter the keep-mask back to vocab order: the noise is
         # then indexed by token id, so a seeded row's draw does not depend on sort tie-breaking.
@@ -181,6 +190,9 @@ def sample_tokens(
         # smallest prefix reaching top_p. top_p == 1 keeps everything (no float-rounding losses).
         keep_p = (mass_before < rp[:, None]) | (rp[:, None] >= 1)
         keep_sorted = keep_sorted & keep_p
+        # min-p on the tempered distribution: p_v >= min_p * p_max <=> z_v >= z_max + log(min_p)
+        min_logit = sorted_logits[:, :1] + torch.log(rmp.clamp_min(1e-30))[:, None]
+        keep_sorted &= (rmp[:, None] <= 0) | (sorted_logits >= min_logit)
         keep_sorted[:, 0] = True
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         scaled = scaled.masked_fill(~keep, -math.inf)

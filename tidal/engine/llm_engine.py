@@ -1,0 +1,262 @@
+"""tidal's embedded engine: continuous batching over a paged, prefix-shared KV cache.
+
+    engine = LLMEngine("path/to/model", tokenizer)
+    outs = engine.generate(prompts, params)            # the `Engine` protocol the rollout uses
+    engine.add_request("r1", ids, params); engine.step()   # the step API the HTTP server drives
+
+Each `step()` asks the scheduler which sequences run (decodes first, then admissions within the
+token budget), runs one forward pass over all of them, samples one token per sequence, and
+retires the finished ones at once. Memory is bounded by `kv_cache_tokens`; when it runs out,
+requests wait or are preempted and recomputed, never dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.engine.base import GenerationOutput
+from tidal.engine.block_manager import BlockManager
+from tidal.engine.model_runner import ModelRunner
+from tidal.engine.sampling import SamplingParams, sample_tokens
+from tidal.engine.scheduler import Scheduler
+from tidal.engine.sequence import Sequence
+from tidal.engine.weights import load_named_tensors, read_safetensors_dir
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_tokens: int = 32768  # the memory budget: token slots across all blocks
+    max_num_seqs: int = 256  # sequences decoding at once
+    max_num_batched_tokens: int = 2048  # tokens per forward pass (decode tokens + prefill tokens)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"engine dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is smaller than one block")
+        return self
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+    weight_version: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class LLMEngine:
+    """Meets `tidal.engine.base.Engine`; see the module docstring."""
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        **overrides,
+    ) -> None:
+        cfg = config or EngineConfig()
+        for k, v in overrides.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(cfg, k, v)
+        self.cfg = cfg.validate()
+        if isinstance(model, torch.nn.Module):
+            self.model = model.to(DTYPES[cfg.dtype])
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=DTYPES[cfg.dtype])
+        self.model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
+        num_blocks = cfg.kv_cache_tokens // cfg.block_size
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        eos = getattr(self.model.config, "eos_token_id", None)
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.weight_version = 0
+        self.seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._ids = itertools.count()
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
+        """Queue a request; raises ValueError (naming the request) when it cannot be served."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request {rid}: id already in use")
+        params.validate()
+        if not prompt_ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"request {rid}: prompt token ids must be ints in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {rid}: the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}, "
+                "so at most that minus one"
+            )
+        longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        slots = self.blocks.num_blocks * self.cfg.block_size
+        if longest > slots:
+            raise ValueError(
+                f"request {rid}: prompt + max_new_tokens = {longest} tokens cannot fit in the KV cache "
+                f"({slots} token slots); lower max_new_tokens or raise kv_cache_tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid}: stop strings need an engine with a tokenizer")
+        seq = Sequence(rid, list(prompt_ids), params, arrival=next(self._arrival))
+        seq.stop_ids = frozenset(self.eos_ids | set(params.stop_token_ids))
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=list(seq.output_ids),
+            log_probs=list(seq.log_probs),
+            finish_reason=seq.finish_reason or "abort",
+            text=text,
+            weight_version=self.weight_version,
+            prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.prefix_hits,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+        return self._output(seq)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        if seq.output_ids[-1] in seq.stop_ids:
+            return "stop"
+        if p.stop:
+            # only the tail can hold a newly completed stop string (a token is >= 1 character)
+            window = max(len(s) for s in p.stop) + 1
+            tail = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=True)
+            if any(s in tail for s in p.stop):
+                return "stop"
+        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled sequences; returns the requests finished by it."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing runs and the head cannot be admitted: it can never fit
+                raise RuntimeError(f"request {self.scheduler.waiting[0].request_id} cannot fit in the KV cache")
+            return []
+        t0 = time.perf_counter()
+        new_tokens = sum(s.num_new for s in seqs)
+        # a decode feeds back the token sampled last step; anything else is (re)filling the cache
+        decodes = sum(1 for s in seqs if s.output_ids and s.num_new == 1 and s.num_cached)
+        logits = self.runner.forward(seqs)
+        temp = torch.tensor([s.params.temperature for s in seqs])
+        top_p = torch.tensor([s.params.top_p for s in seqs])
+        top_k = torch.tensor([s.params.top_k for s in seqs])
+        min_p = torch.tensor([s.params.min_p for s in seqs])
+        tok, lp = sample_tokens(logits, temp, top_p, top_k, [s.generator for s in seqs], min_p=min_p)
+        self.counters["forward_s"] += time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["decode_tokens"] += decodes
+        self.counters["prefill_tokens"] += new_tokens - decodes
+        finished = []
+        for seq, t, logp in zip(seqs, tok.tolist(), lp.tolist(), strict=True):
+            seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
+            seq.output_ids.append(t)
+            seq.log_probs.append(logp)
+            reason = self._stop_reason(seq)
+            if reason:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def abort(self, request_id: str | None = None) -> list[RequestOutput]:
+        """Stop one request (or all with None); they come back with their partial tokens."""
+        ids = list(self.seqs) if request_id is None else [request_id]
+        return [self._finish(self.seqs[r], "abort") for r in ids if r in self.seqs]
+
+    # ---------------------------------------------------------------- weights
+    def update_weights_from_tensors(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        load_named_tensors(self.model, named)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.flush_cache()
+
+    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
+        self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache so no new request reuses K/V computed with older weights."""
+        self.blocks.reset_prefix_cache()
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_peak": self.blocks.peak_used,
+            "kv_bytes_per_block": self.runner.kv_bytes() // self.blocks.num_blocks,
+            "prefix_hit_blocks": self.blocks.hits,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+    # ---------------------------------------------------------------- Engine protocol
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """Run the given requests to completion (alone: nothing else may be queued)."""
+        if len(prompts) != len(params):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
+        rids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for p, sp in zip(prompts, params, strict=True):  # all or nothing: a bad one aborts the rest
+                rids.append(self.add_request(None, p, sp))
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+        except BaseException:
+            self.abort()
+            raise
+        return [
+            GenerationOutput(
+                token_ids=o.token_ids,
+                log_probs=o.log_probs,
+                finish_reason=o.finish_reason,
+                text=o.text,
+                weight_version=o.weight_version,
+            )
+            for o in (done[r] for r in rids)
+        ]

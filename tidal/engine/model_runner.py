@@ -1,0 +1,161 @@
+"""One forward pass over a mixed batch of prefill and decode tokens, with a paged KV cache.
+
+The transformer's own modules (embeddings, norms, projections, MLPs, rotary embedding) do the
+math, so the numbers are those of the transformers model; only attention is done here, because
+it reads keys and values from cache blocks. The batch is flat: every scheduled sequence
+contributes its uncached tokens. Per layer, the new keys/values of *all* sequences are written to
+their slots first and only then does any sequence attend, so a sequence admitted in the same step
+can read prompt blocks that another one is computing (prefix sharing within a GRPO group).
+
+Supports decoder-only models built like Llama (Llama, Mistral without sliding window, Qwen2,
+Qwen3, SmolLM): `model.model.layers[i].self_attn.{q,k,v,o}_proj`, optional q/k norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tidal.engine.sequence import Sequence
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class BatchPlan:
+    """Index tensors for one step, built once and used by every layer."""
+
+    input_ids: Tensor  # [T]
+    positions: Tensor  # [T]
+    slots: Tensor  # [T] cache slot of each new token
+    last: Tensor  # [S] flat index of each sequence's last token (its next-token logits)
+    single_tok: Tensor  # [Bd] flat index of the token of each single-token sequence
+    single_slots: Tensor  # [Bd, C] cache slots of their contexts (padded with 0)
+    single_mask: Tensor  # [Bd, 1, 1, C] True where the slot is part of the context
+    multi: list[tuple[int, int, Tensor, int]]  # (flat start, end, context slots, cached) per prefill
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(
+                f"the tidal engine runs {', '.join(SUPPORTED)} models, not {cfg.model_type!r}; "
+                "use HFEngine (rollout.engine: hf) for other architectures"
+            )
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            if cfg.model_type == "mistral":
+                raise ValueError("sliding-window attention is not supported by the tidal engine")
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.layers = model.model.layers
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        dtype = next(model.parameters()).dtype
+        shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+
+    def kv_bytes(self) -> int:
+        return self.k_cache.numel() * self.k_cache.element_size() * 2
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def plan(self, seqs: list[Sequence]) -> BatchPlan:
+        ids, pos, slots, last = [], [], [], []
+        single_tok, single_ctx, multi = [], [], []
+        for seq in seqs:
+            start, end = seq.num_cached, seq.num_tokens
+            flat = len(ids)
+            ids.extend(seq.tokens[start:end])
+            pos.extend(range(start, end))
+            slots.extend(self._slots(seq, start, end))
+            last.append(len(ids) - 1)
+            ctx = torch.tensor(self._slots(seq, 0, end))
+            if end - start == 1:
+                single_tok.append(flat)
+                single_ctx.append(ctx)
+            else:
+                multi.append((flat, len(ids), ctx, start))
+        width = max((len(c) for c in single_ctx), default=1)
+        single_slots = torch.zeros(len(single_ctx), width, dtype=torch.long)
+        single_mask = torch.zeros(len(single_ctx), 1, 1, width, dtype=torch.bool)
+        for i, c in enumerate(single_ctx):
+            single_slots[i, : len(c)] = c
+            single_mask[i, 0, 0, : len(c)] = True
+        return BatchPlan(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(pos),
+            slots=torch.tensor(slots),
+            last=torch.tensor(last),
+            single_tok=torch.tensor(single_tok, dtype=torch.long),
+            single_slots=single_slots,
+            single_mask=single_mask,
+            multi=multi,
+        )
+
+    def _attention(self, layer_idx: int, q: Tensor, plan: BatchPlan) -> Tensor:
+        """q [T, H, D] → attention output [T, H, D], reading K/V from the cache."""
+        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        out = torch.empty_like(q)
+        if plan.single_tok.numel():
+            qd = q[plan.single_tok][:, :, None, :]  # [B, H, 1, D]
+            kd = kc[plan.single_slots].transpose(1, 2)  # [B, Hkv, C, D]
+            vd = vc[plan.single_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.single_mask, enable_gqa=True)
+            out[plan.single_tok] = o[:, :, 0]
+        for start, end, ctx, cached in plan.multi:
+            qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
+            ks = kc[ctx].transpose(0, 1)[None]  # [1, Hkv, C, D]
+            vs = vc[ctx].transpose(0, 1)[None]
+            if cached == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                # query i sits at position cached + i and sees keys 0..cached + i
+                qpos = torch.arange(cached, cached + end - start)[:, None]
+                mask = torch.arange(len(ctx))[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence]) -> Tensor:
+        """Compute the uncached tokens of `seqs`, write their K/V, and return the next-token
+        logits of each sequence [S, V] in float32."""
+        plan = self.plan(seqs)
+        m = self.model.model
+        h = m.embed_tokens(plan.input_ids)[None]  # [1, T, E]
+        cos, sin = m.rotary_emb(h, plan.positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        h = h[0]
+        t = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(t, -1, self.head_dim)
+            k = attn.k_proj(x).view(t, -1, self.head_dim)
+            v = attn.v_proj(x).view(t, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k_cache[i][plan.slots] = k.to(self.k_cache.dtype)
+            self.v_cache[i][plan.slots] = v.to(self.v_cache.dtype)
+            o = self._attention(i, q, plan)
+            h = h + attn.o_proj(o.reshape(t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = m.norm(h[plan.last])
+        return self.model.lm_head(h).float()

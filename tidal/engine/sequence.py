@@ -1,0 +1,54 @@
+"""One request's state inside the engine: its tokens, KV blocks, sampler state and result."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not in the cache: new, or preempted (its KV will be recomputed)
+    RUNNING = "running"  # its KV is in the cache; decodes one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # tokens whose K/V are in the cache (or are written in the step that scheduled them)
+    num_cached: int = 0
+    # prompt tokens found in the prefix cache at first admission (reported as cached_tokens)
+    prefix_hits: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    preemptions: int = 0
+    cache_epoch: int = 0  # the block manager's epoch when its blocks were allocated
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_new(self) -> int:
+        """Tokens the next forward pass must compute (1 for a running sequence)."""
+        return self.num_tokens - self.num_cached
