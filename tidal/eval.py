@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from tidal.config import Config
 from tidal.convert import ensure_model
-from tidal.engine.hf_engine import HFEngine
+from tidal.engine.factory import make_engine
 from tidal.loop import load_data
 from tidal.rollout.manager import RolloutManager
 from tidal.rollout.rewards import scalar_reward
@@ -24,7 +24,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int = 100, batch_size: int = 
     model_dir = ensure_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     records = load_data(cfg.data, tokenizer)[:num_prompts]
-    rollout = RolloutManager(HFEngine(model_dir, tokenizer, dtype=cfg.rollout.dtype), cfg.rollout)
+    rollout = RolloutManager(make_engine(cfg.rollout, model_dir, tokenizer), cfg.rollout)
     samples = []
     for i in range(0, len(records), batch_size):
         samples += rollout.generate(records[i : i + batch_size], step=i)

@@ -33,7 +33,8 @@ from tidal.data.dataset import PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
 from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
-from tidal.engine.hf_engine import HFEngine
+from tidal.engine.base import Engine
+from tidal.engine.factory import make_engine
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.manager import RolloutManager
 from tidal.rollout.rewards import scalar_reward
@@ -187,7 +188,7 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
 
     engine = None
     if not sft:
-        engine = HFEngine(model_dir, tokenizer, dtype=r_cfg.dtype)
+        engine = make_engine(r_cfg, model_dir, tokenizer)
         engine.update_weights_from_tensors(actor.named_weights(), version=start)
         rollout = RolloutManager(engine, r_cfg)
     logger = MetricsLogger(
@@ -241,7 +242,7 @@ def rl_step(
     rollout: RolloutManager,
     actor: Actor,
     critic: Critic | None,
-    engine: HFEngine,
+    engine: Engine,
     cfg: Config,
 ) -> dict[str, float]:
     """One rollout → advantages → update → weight sync step; returns its metrics."""

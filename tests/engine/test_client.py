@@ -1,0 +1,213 @@
+"""EngineClient, Router and RemoteEngine against real uvicorn servers (on free local ports) that
+serve the scripted fake core of test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+import torch
+from test_server import FakeCore, expected_logprobs, expected_tokens
+
+from tidal.engine.async_engine import AsyncEngine
+from tidal.engine.client import EngineClient, EngineError, RemoteEngine, Router
+from tidal.engine.sampling import SamplingParams
+from tidal.engine.server import BackgroundServer, build_app
+
+
+class Served:
+    """A fake core behind AsyncEngine behind a uvicorn server on a free port."""
+
+    def __init__(self, tokenizer, **core_kw) -> None:
+        self.core = FakeCore(tokenizer, **core_kw)
+        self.engine = AsyncEngine(self.core)
+        self.server = BackgroundServer(build_app(self.engine, "fake")).start()
+        self.url = self.server.url
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+
+@pytest.fixture
+def servers(tokenizer):
+    made = [Served(tokenizer, max_model_len=10_000, step_delay=0.001) for _ in range(2)]
+    yield made
+    for s in made:
+        s.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+async def await_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def sp(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, **kw)
+
+
+# ---------------------------------------------------------------------- EngineClient
+def test_client_generate_and_control_round_trip(servers):
+    srv = servers[0]
+
+    async def main() -> None:
+        c = EngineClient(srv.url, timeout=30)
+        try:
+            assert await c.health() is True
+            out = await c.generate([5, 6], sp(4, temperature=0.5, top_k=0, seed=9, stop_token_ids=[999]))
+            assert out.token_ids == expected_tokens([5, 6], 4)
+            assert out.log_probs == expected_logprobs(4)
+            assert out.finish_reason == "length" and out.weight_version == 0
+            assert out.text == srv.core.tokenizer.decode(out.token_ids)
+            (params,) = srv.core.params.values()
+            assert (params.temperature, params.top_k, params.seed, params.stop_token_ids) == (0.5, 0, 9, [999])
+            assert await c.flush_cache() is True
+            await c.pause()
+            task = asyncio.ensure_future(c.generate([1], sp(3)))
+            await await_until(lambda: len(srv.core.reqs) == 1)
+            assert await c.flush_cache() is False  # the fake refuses while a request is in flight
+            await c.resume()
+            assert (await task).token_ids == expected_tokens([1], 3)
+            tensors = {f"layer{i}.w": torch.full((64,), float(i)) for i in range(3)}
+            await c.update_weights_from_tensors(tensors.items(), version=7, chunk_bytes=300)
+            # 256 bytes per tensor, 300 per chunk: three requests; only the last sets the version
+            assert [v for _, v in srv.core.received] == [0, 0, 7]
+            got = {k: t for named, _ in srv.core.received for k, t in named.items()}
+            assert all(torch.equal(got[k], t) for k, t in tensors.items())
+            assert await c.get_weight_version() == 7
+            assert srv.core.flushes == 3  # the two explicit calls + one after the last chunk
+        finally:
+            await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_client_errors_name_the_url_and_endpoint(servers):
+    srv = servers[0]
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        c = EngineClient(dead, timeout=5)
+        with pytest.raises(EngineError, match=rf"^{dead}/generate: cannot connect") as e:
+            await c.generate([1], sp(2))
+        assert e.value.url == f"{dead}/generate"
+        with pytest.raises(EngineError, match=rf"^{dead}/health: cannot connect"):
+            await c.health()
+
+        c = EngineClient(srv.url, timeout=0.5)
+        await c.pause()
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=rf"^{srv.url}/generate: timed out after 0.5 s$"):
+            await c.generate([1], sp(2))
+        assert time.monotonic() - t0 < 3
+        # the server noticed the client leave and aborted its request
+        await await_until(lambda: not srv.core.reqs, timeout=5)
+        await c.resume()
+        with pytest.raises(EngineError, match=rf"^{srv.url}/generate: HTTP 400: .*max_new_tokens") as e:
+            await c._request("POST", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}})
+        assert e.value.status == 400
+        with pytest.raises(EngineError, match=rf"^{srv.url}/update_weights_from_disk: HTTP 400: .*nope"):
+            await c.update_weights_from_disk("/nope", 3)
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- Router
+def test_router_picks_the_least_loaded_server(servers):
+    async def main() -> None:
+        router = Router([EngineClient(s.url, timeout=30) for s in servers])
+        await router.clients[0].pause()
+        try:
+            a = asyncio.ensure_future(router.generate([1], sp(2)))  # -> 0 (tie), stuck there
+            await await_until(lambda: router.in_flight == [1, 0])
+            assert (await router.generate([2], sp(2))).token_ids == expected_tokens([2], 2)  # -> 1
+            assert router.in_flight == [1, 0]
+            b = asyncio.ensure_future(router.generate([3], sp(2)))  # -> 1, the less loaded
+            c = asyncio.ensure_future(router.generate([4], sp(2)))  # [1, 1]: tie -> 0
+            await await_until(lambda: router.in_flight in ([2, 1], [2, 0]))
+            await b
+            await router.clients[0].resume()
+            await asyncio.gather(a, c)
+            assert router.in_flight == [0, 0]
+            assert sorted(servers[0].core.prompts.values()) == [[1], [4]]
+            assert sorted(servers[1].core.prompts.values()) == [[2], [3]]
+        finally:
+            await router.aclose()
+
+    asyncio.run(main())
+
+
+def test_router_keeps_a_group_on_one_server_until_it_completes(servers):
+    async def main() -> None:
+        router = Router([EngineClient(s.url, timeout=30) for s in servers])
+        await router.broadcast("pause")
+        try:
+            g1 = asyncio.ensure_future(router.generate([7], sp(2), group="g"))  # -> 0
+            await await_until(lambda: router.in_flight == [1, 0])
+            g2 = asyncio.ensure_future(router.generate([7], sp(2), group="g"))  # -> 0 although 1 is idle
+            await await_until(lambda: router.in_flight == [2, 0])
+            h1 = asyncio.ensure_future(router.generate([8], sp(2), group="h"))  # -> 1
+            await await_until(lambda: router.in_flight == [2, 1])
+            g3 = asyncio.ensure_future(router.generate([7], sp(2), group="g"))  # -> 0 again
+            await await_until(lambda: router.in_flight == [3, 1])
+            await router.broadcast("resume")
+            outs = await asyncio.gather(g1, g2, g3, h1)
+            assert [o.token_ids for o in outs] == [expected_tokens([7], 2)] * 3 + [expected_tokens([8], 2)]
+            assert router.in_flight == [0, 0] and router._groups == {}
+            # the group is done: its next request is placed afresh (tie -> 0), then [1, 0] -> 1
+            assert router.acquire("g") == 0 and router.acquire("g2") == 1
+            assert sorted(servers[0].core.prompts.values()) == [[7], [7], [7]]
+            assert list(servers[1].core.prompts.values()) == [[8]]
+        finally:
+            await router.aclose()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- RemoteEngine
+def test_remote_engine_round_trip(servers, tmp_path):
+    engine = RemoteEngine([s.url for s in servers], timeout=30)
+    prompts = [[1, 2], [1, 2], [1, 2], [3], [3], [4, 5, 6]]
+    params = [sp(3 + i, seed=i) for i in range(len(prompts))]
+    outs = engine.generate(prompts, params)
+    for p, s, o in zip(prompts, params, outs, strict=True):
+        assert o.token_ids == expected_tokens(p, s.max_new_tokens) and o.finish_reason == "length"
+        assert o.log_probs == expected_logprobs(s.max_new_tokens) and o.weight_version == 0
+    # each run of identical prompts went to one server
+    for p in ([1, 2], [3]):
+        homes = [i for i, s in enumerate(servers) if p in s.core.prompts.values()]
+        assert len(homes) == 1, (p, homes)
+    assert sum(len(s.core.prompts) for s in servers) == len(prompts)
+
+    w = {"w": torch.randn(4, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    engine.update_weights_from_tensors(iter(w.items()), version=3)  # a one-shot iterator, sent to both
+    assert engine.weight_version == 3
+    for s in servers:
+        ((named, version),) = s.core.received
+        assert version == 3 and all(torch.equal(named[k], t) for k, t in w.items())
+    assert engine.get_weight_versions() == [3, 3]
+    assert engine.generate([[9]], [sp(1)])[0].weight_version == 3
+
+    engine.update_weights_from_disk(tmp_path, version=4)
+    assert engine.weight_version == 4 and [s.core.disk_loads for s in servers] == [[(str(tmp_path), 4)]] * 2
+    assert engine.health() and engine.flush_cache()
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        engine.generate([[1], [2]], [sp(1)])

@@ -1,0 +1,288 @@
+"""An asyncio front for the step-based core engine.
+
+The core (`tidal.engine.llm_engine.LLMEngine`) is synchronous and single-threaded. `AsyncEngine`
+owns one background thread that makes every core call: it runs queued commands (add a request,
+abort, update weights, ...) between steps and calls `core.step()` while there is work and the
+engine is not paused. Callers in any asyncio event loop await results through
+`concurrent.futures.Future`s, so several loops (or threads) can share one engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from tidal.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "CoreEngine"]
+
+
+class CoreEngine(Protocol):
+    """What `AsyncEngine` needs from the core (met by `tidal.engine.llm_engine.LLMEngine`)."""
+
+    weight_version: int
+    tokenizer: Any
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, request_id: str | None = None) -> list[Any]: ...
+    def update_weights_from_tensors(self, named: Iterable[tuple[str, Tensor]], version: int | None = None) -> None: ...
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> None: ...
+    def flush_cache(self) -> bool: ...
+    def stats(self) -> dict: ...
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed before the call could run or finish."""
+
+
+def _resolve(fut: cf.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Set a future's outcome unless it is already done (e.g. cancelled by its waiter)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:
+        pass
+
+
+class AsyncEngine:
+    """Runs a core engine on a background thread; all public coroutines are safe from any event loop.
+
+    `stats()`, `load()` and `weight_version` are plain (non-blocking) reads of values the engine
+    thread keeps up to date; `stats()` is refreshed at most every `stats_interval_s` while busy.
+    """
+
+    def __init__(self, core: CoreEngine, *, stats_interval_s: float = 0.25) -> None:
+        self.core = core
+        # Read-only attributes the HTTP layer needs; read once here, before the thread starts.
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self._weight_version: int = core.weight_version
+        self._stats_interval_s = stats_interval_s
+        self._stats: dict = {}
+        self._stats_at = 0.0
+        self._cv = threading.Condition()
+        self._commands: deque[tuple[Callable[[], Any], cf.Future]] = deque()
+        self._pending: dict[str, cf.Future] = {}  # touched only on the engine thread
+        self._paused = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ plain reads
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def alive(self) -> bool:
+        """False once closed or if the engine thread died."""
+        return not self._closed and self._thread.is_alive()
+
+    def load(self) -> int:
+        """Number of unfinished requests (waiting, running or paused)."""
+        return len(self._pending)
+
+    def stats(self) -> dict:
+        """The core's last stats snapshot plus the engine's own state."""
+        return {**self._stats, "paused": self._paused, "load": self.load(), "weight_version": self._weight_version}
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> asyncio.Future:
+        """Queue a request and return a future for its `RequestOutput`.
+
+        Raises the core's ValueError (prompt too long, ...) here, so a server can tell a bad
+        request from a failure while generating. Cancelling the returned future aborts the request.
+        """
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        done: cf.Future = cf.Future()
+
+        def add() -> None:
+            if rid in self._pending:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.core.add_request(rid, list(prompt_ids), params)
+            self._pending[rid] = done
+
+        await self._call(add)
+        done.add_done_callback(lambda f: f.cancelled() and self._submit(lambda: self._abort(rid)))
+        return asyncio.wrap_future(done)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Any:
+        """Generate one response; returns the core's `RequestOutput` (finish_reason "abort" if aborted)."""
+        return await (await self.add_request(prompt_ids, params, request_id))
+
+    async def abort(self, request_id: str | None = None) -> list:
+        """Abort one request (None = all); their `generate` calls resolve with the partial outputs."""
+        return await self._call(lambda: self._abort(request_id))
+
+    # ------------------------------------------------------------------ control
+    async def pause(self) -> None:
+        """Stop stepping after the current step; requests wait and nothing is lost."""
+
+        def pause() -> None:
+            self._paused = True
+
+        await self._call(pause)
+
+    async def resume(self) -> None:
+        def resume() -> None:
+            self._paused = False
+
+        await self._call(resume)
+
+    async def update_weights_from_tensors(
+        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, flush_cache: bool = True
+    ) -> None:
+        """Load new weights between two steps; in-flight requests continue on the new weights."""
+        await self._call(lambda: self._update(self.core.update_weights_from_tensors, named, version, flush_cache))
+
+    async def update_weights_from_disk(self, path: str, version: int | None = None, flush_cache: bool = True) -> None:
+        await self._call(lambda: self._update(self.core.update_weights_from_disk, str(path), version, flush_cache))
+
+    async def flush_cache(self) -> bool:
+        return bool(await self._call(self.core.flush_cache))
+
+    async def get_stats(self) -> dict:
+        """Fresh stats straight from the core (one trip through the engine thread)."""
+        await self._call(self._refresh_stats)
+        return self.stats()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; queued commands and unfinished requests fail with EngineClosed."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _submit(self, fn: Callable[[], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._cv:
+            if self._closed:
+                fut.set_exception(EngineClosed("engine is closed"))
+                return fut
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _update(self, load: Callable, source: Any, version: int | None, flush_cache: bool) -> None:
+        load(source, version)
+        self._weight_version = self.core.weight_version
+        if flush_cache:
+            # Cached prefixes were computed with the old weights; the core may refuse while requests run.
+            self.core.flush_cache()
+
+    def _abort(self, request_id: str | None) -> list:
+        if request_id is not None and request_id not in self._pending:
+            return []
+        outs = self.core.abort(request_id)
+        self._finish(outs)
+        # Any waiter the core returned nothing for must not hang.
+        left = [request_id] if request_id is not None else list(self._pending)
+        for rid in left:
+            fut = self._pending.pop(rid, None)
+            if fut is not None:
+                _resolve(fut, exc=RuntimeError(f"request {rid!r} was aborted but the core returned no output"))
+        return outs
+
+    def _finish(self, outs: Iterable[Any]) -> None:
+        for out in outs:
+            fut = self._pending.pop(out.request_id, None)
+            if fut is not None:
+                _resolve(fut, out)
+
+    def _refresh_stats(self) -> None:
+        self._stats = dict(self.core.stats())
+        self._stats_at = time.monotonic()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                has_work = self.core.has_unfinished()
+                if not has_work and self._pending:
+                    # A core bug must not leave waiters hanging forever.
+                    self._fail_pending(RuntimeError("the core has no unfinished requests but returned no output"))
+                busy = has_work and not self._paused
+                if not busy:
+                    self._safe(self._refresh_stats)
+                with self._cv:
+                    if not busy:
+                        self._cv.wait_for(lambda: self._commands or self._closed)
+                    if self._closed:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, fut in commands:
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            _resolve(fut, fn())
+                        except BaseException as e:  # handed to the caller
+                            _resolve(fut, exc=e)
+                if not self._paused and self.core.has_unfinished():
+                    self._step()
+                    if time.monotonic() - self._stats_at > self._stats_interval_s:
+                        self._safe(self._refresh_stats)
+        except BaseException as e:  # never die silently with waiters attached
+            log.exception("engine thread crashed")
+            with self._cv:
+                self._closed = True
+            self._fail_all(EngineClosed(f"engine thread crashed: {e!r}"))
+            raise
+        self._fail_all(EngineClosed("engine is closed"))
+
+    def _step(self) -> None:
+        try:
+            outs = self.core.step()
+        except Exception as e:
+            # We cannot tell which requests the failed step touched: fail every unfinished one
+            # and clear them from the core, so the engine goes on serving new requests.
+            log.exception("core.step() failed; failing %d unfinished request(s)", len(self._pending))
+            # clear the core before waking the waiters, so none of them sees the failed requests
+            self._safe(lambda: self.core.abort(None))
+            self._fail_pending(e)
+            return
+        self._finish(outs)
+
+    def _safe(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("engine housekeeping call failed")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            _resolve(fut, exc=exc)
+        self._fail_pending(exc)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            _resolve(fut, exc=exc)

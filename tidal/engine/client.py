@@ -1,0 +1,424 @@
+"""HTTP clients for rollout servers: tidal's own (`tidal serve`) or SGLang's.
+
+`EngineClient` talks to one server, `Router` spreads requests over several (least loaded first,
+sticky per group so a group's shared prompt is reused from one server's prefix cache), and
+`RemoteEngine` wraps a router in the synchronous `tidal.engine.base.Engine` protocol.
+
+Weights travel to `/update_weights_from_tensor` in tidal's own wire format (SGLang's endpoint of
+that name takes in-process tensor handles instead, so it is for tidal servers only): a JSON body
+
+    {"tensors": "<base64 of a safetensors blob>", "weight_version": 7 | null, "flush_cache": true}
+
+where the blob is `safetensors.torch.save({name: cpu_tensor, ...})`. Large models are sent in
+several such requests of at most `chunk_bytes` raw tensor bytes each; only the last one carries
+the weight version (the others send null and keep the version) and asks for a cache flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+from collections.abc import Coroutine, Hashable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tidal.engine.base import GenerationOutput
+from tidal.engine.sampling import SamplingParams
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "RemoteEngine",
+    "Router",
+    "decode_tensors",
+    "encode_tensors",
+    "parse_generate_response",
+    "sampling_params_to_dict",
+]
+
+T = TypeVar("T")
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+class EngineError(RuntimeError):
+    """A call to a rollout server failed; the message starts with the full URL of the endpoint."""
+
+    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+        self.status = status
+
+
+# ---------------------------------------------------------------------- wire format
+def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[str]:
+    """Yield base64 safetensors blobs of at most about `chunk_bytes` raw bytes each (one tensor
+    larger than that goes alone). Tensors are copied to CPU one chunk at a time."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if chunk and size + n > chunk_bytes:
+            yield base64.b64encode(st_save(chunk)).decode("ascii")
+            chunk, size = {}, 0
+        # A private contiguous CPU copy: safetensors refuses views and tensors sharing storage.
+        chunk[name] = t.detach().to("cpu", copy=True).contiguous()
+        size += n
+    if chunk:
+        yield base64.b64encode(st_save(chunk)).decode("ascii")
+
+
+def decode_tensors(blob: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of one `encode_tensors` chunk."""
+    return list(st_load(base64.b64decode(blob, validate=True)).items())
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """SGLang `sampling_params` for `params` (also accepted by tidal's server).
+
+    SGLang spells "top-k off" as -1 and the seed as `sampling_seed`."""
+    d: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_new_tokens": params.max_new_tokens,
+    }
+    min_p = getattr(params, "min_p", 0.0)
+    if min_p:
+        d["min_p"] = min_p
+    if params.stop:
+        d["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        d["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        d["sampling_seed"] = params.seed
+    return d
+
+
+def _as_version(value: Any, default: int = 0) -> int:
+    """SGLang reports weight versions as strings; tidal as ints."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def parse_generate_response(body: dict[str, Any]) -> GenerationOutput:
+    """A `GenerationOutput` from one SGLang-style /generate response object."""
+    meta = body.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+    logprobs = meta.get("output_token_logprobs") or []
+    return GenerationOutput(
+        token_ids=list(body.get("output_ids", [])),
+        log_probs=[float(entry[0]) for entry in logprobs],
+        finish_reason=reason,
+        text=body.get("text", ""),
+        weight_version=_as_version(meta.get("weight_version")),
+    )
+
+
+# ---------------------------------------------------------------------- one server
+class EngineClient:
+    """Async client for one server. Every call is bounded by `timeout` seconds (overall, not per
+    read) and any failure raises `EngineError` naming the URL of the endpoint.
+
+    The underlying `httpx.AsyncClient` is made per event loop, so one client may be used from
+    successive `asyncio.run` calls. At most `max_connections` requests are open at once; more
+    wait (before their timeout starts) for a free connection.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 600.0,
+        *,
+        max_connections: int = 256,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._transport = transport
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url!r})"
+
+    def _http(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+            # The overall deadline is enforced with asyncio.timeout in _request; httpx's own
+            # timeouts are per operation and only a backstop here.
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout, pool=None), limits=limits, transport=self._transport
+            )
+            self._slots = asyncio.Semaphore(self.max_connections)
+            self._loop = loop
+        assert self._slots is not None
+        return self._client, self._slots
+
+    async def aclose(self) -> None:
+        """Close the HTTP client of the running loop (a client of a finished loop is just dropped)."""
+        if self._client is not None and self._loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._loop = self._slots = None
+
+    async def _request(
+        self, method: str, endpoint: str, json: Any = None, timeout: float | None = None, ok: tuple[int, ...] = ()
+    ) -> Any:
+        """Send one request; return the decoded JSON body (or the text, or None when empty)."""
+        return (await self._send(method, endpoint, json, timeout, ok))[1]
+
+    async def _send(
+        self, method: str, endpoint: str, json: Any = None, timeout: float | None = None, ok: tuple[int, ...] = ()
+    ) -> tuple[int, Any]:
+        """Send one request; return (status, body). A status >= 400 not in `ok` raises EngineError."""
+        url = self.base_url + endpoint
+        limit = self.timeout if timeout is None else timeout
+        client, slots = self._http()
+        async with slots:
+            try:
+                async with asyncio.timeout(limit):
+                    resp = await client.request(method, url, json=json, timeout=httpx.Timeout(limit, pool=None))
+            except (TimeoutError, httpx.TimeoutException):
+                raise EngineError(url, f"timed out after {limit:g} s") from None
+            except httpx.ConnectError as e:
+                raise EngineError(url, f"cannot connect ({e or type(e).__name__})") from e
+            except httpx.HTTPError as e:
+                raise EngineError(url, f"{type(e).__name__}: {e}") from e
+        try:
+            body = resp.json() if resp.content else None
+        except ValueError:
+            body = resp.text
+        if resp.status_code >= 400 and resp.status_code not in ok:
+            detail = body.get("error") or body.get("message") or body if isinstance(body, dict) else body
+            raise EngineError(url, f"HTTP {resp.status_code}: {detail}", status=resp.status_code)
+        return resp.status_code, body
+
+    # --------------------------------------------------------------- generation
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> GenerationOutput:
+        """One response for `input_ids`, with the log-prob of every sampled token."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params_to_dict(params),
+            "return_logprob": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        body = await self._request("POST", "/generate", payload)
+        if not isinstance(body, dict):
+            raise EngineError(self.base_url + "/generate", f"unexpected response {body!r:.200}")
+        return parse_generate_response(body)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request, or all of them when `rid` is None."""
+        await self._request("POST", "/abort_request", {"rid": rid} if rid is not None else {"abort_all": True})
+
+    # --------------------------------------------------------------- control
+    async def health(self) -> bool:
+        """True when the server answers /health with 200; raises EngineError otherwise."""
+        await self._request("GET", "/health")
+        return True
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the server refused (SGLang refuses while requests run)."""
+        status, body = await self._send("POST", "/flush_cache", ok=(400,))
+        return status < 400 and not (isinstance(body, dict) and body.get("success") is False)
+
+    async def pause(self) -> None:
+        """Stop generating; unfinished requests wait and resume on `resume()` (SGLang's in_place mode)."""
+        await self._request("POST", "/pause_generation", {"mode": "in_place"})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def get_weight_version(self) -> int:
+        body = await self._request("GET", "/get_weight_version")
+        return _as_version(body.get("weight_version") if isinstance(body, dict) else body)
+
+    async def update_weights_from_disk(self, path: str | Path, version: int, timeout: float | None = None) -> None:
+        body = await self._request(
+            # SGLang types weight_version as a string; tidal's server takes either.
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(path), "weight_version": str(version)},
+            timeout=timeout,
+        )
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(self.base_url + "/update_weights_from_disk", str(body.get("message")))
+
+    async def update_weights_from_tensors(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> None:
+        """Send tensors in tidal's wire format (see the module docstring); tidal servers only."""
+        for blob, last in _with_last(encode_tensors(named, chunk_bytes)):
+            await self.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=timeout)
+
+    async def send_tensor_chunk(
+        self, blob: str, version: int | None, flush_cache: bool = True, timeout: float | None = None
+    ) -> None:
+        """Post one encoded chunk; `version=None` keeps the server's weight version."""
+        payload = {"tensors": blob, "weight_version": version, "flush_cache": flush_cache}
+        await self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
+
+
+def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Yield (item, is_last) pairs, looking one item ahead."""
+    it = iter(items)
+    try:
+        cur = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield cur, False
+        cur = nxt
+    yield cur, True
+
+
+# ---------------------------------------------------------------------- several servers
+class Router:
+    """Spreads requests over servers: each goes to the one with the fewest requests in flight
+    (ties to the lowest index), except that requests sharing a `group` key follow the group's
+    first request to its server until all of the group's requests have completed."""
+
+    def __init__(self, clients: Sequence[EngineClient]) -> None:
+        if not clients:
+            raise ValueError("Router needs at least one server")
+        self.clients = list(clients)
+        self.in_flight = [0] * len(self.clients)
+        self._groups: dict[Hashable, list[int]] = {}  # group -> [server index, requests in flight]
+
+    def acquire(self, group: Hashable | None = None) -> int:
+        """Choose a server for one request and count it in flight; pair with `release`."""
+        entry = self._groups.get(group) if group is not None else None
+        if entry is not None:
+            entry[1] += 1
+            index = entry[0]
+        else:
+            index = min(range(len(self.clients)), key=lambda i: self.in_flight[i])
+            if group is not None:
+                self._groups[group] = [index, 1]
+        self.in_flight[index] += 1
+        return index
+
+    def release(self, index: int, group: Hashable | None = None) -> None:
+        self.in_flight[index] -= 1
+        entry = self._groups.get(group) if group is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._groups[group]
+
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingParams, group: Hashable | None = None
+    ) -> GenerationOutput:
+        index = self.acquire(group)
+        try:
+            return await self.clients[index].generate(input_ids, params)
+        finally:
+            self.release(index, group)
+
+    async def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every client concurrently."""
+        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients)))
+
+    async def update_weights_from_tensors(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> None:
+        """Encode each chunk once and post it to every server before encoding the next."""
+        for blob, last in _with_last(encode_tensors(named, chunk_bytes)):
+            await self.broadcast("send_tensor_chunk", blob, version if last else None, last, timeout)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, also from a thread whose event loop is already running."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class RemoteEngine:
+    """The synchronous `Engine` protocol over one or more HTTP servers."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        timeout: float = 600.0,
+        *,
+        weights_timeout: float = 1800.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_connections: int = 256,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        self.router = Router([EngineClient(u, timeout, max_connections=max_connections) for u in urls])
+        self.weights_timeout = weights_timeout
+        self.chunk_bytes = chunk_bytes
+        self.weight_version = 0
+
+    def _run(self, make: Any) -> Any:
+        async def main() -> Any:
+            try:
+                return await make()
+            finally:
+                await self.router.aclose()
+
+        return _run_sync(main())
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """One response per prompt; identical consecutive prompts form one group (one server)."""
+        if len(prompts) != len(params):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        groups: list[int] = []
+        for i, p in enumerate(prompts):
+            groups.append(groups[-1] if i and p == prompts[i - 1] else i)
+
+        async def run() -> list[GenerationOutput]:
+            calls = [self.router.generate(p, sp, group=g) for p, sp, g in zip(prompts, params, groups, strict=True)]
+            return list(await asyncio.gather(*calls))
+
+        return self._run(run)
+
+    def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send the tensors to every server (tidal servers only); all carry `version` after."""
+        self._run(
+            lambda: self.router.update_weights_from_tensors(named, version, self.chunk_bytes, self.weights_timeout)
+        )
+        self.weight_version = version
+
+    def update_weights_from_disk(self, path: str | Path, version: int) -> None:
+        self._run(lambda: self.router.broadcast("update_weights_from_disk", path, version, self.weights_timeout))
+        self.weight_version = version
+
+    def health(self) -> bool:
+        return all(self._run(lambda: self.router.broadcast("health")))
+
+    def flush_cache(self) -> bool:
+        return all(self._run(lambda: self.router.broadcast("flush_cache")))
+
+    def get_weight_versions(self) -> list[int]:
+        return self._run(lambda: self.router.broadcast("get_weight_version"))
