@@ -66,40 +66,44 @@ class ModelRunner:
         shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
+        self._offsets = torch.arange(block_size)
 
     def kv_bytes(self) -> int:
         return self.k_cache.numel() * self.k_cache.element_size() * 2
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+    def _context_slots(self, seq: Sequence, end: int) -> Tensor:
+        """Cache slots of positions 0..end-1 of `seq` (block b holds slots b*bs .. b*bs+bs-1)."""
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return (table[:, None] * self.block_size + self._offsets).view(-1)[:end]
 
     def plan(self, seqs: list[Sequence]) -> BatchPlan:
         ids, pos, slots, last = [], [], [], []
         single_tok, single_ctx, multi = [], [], []
+        flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
-            flat = len(ids)
+            ctx = self._context_slots(seq, end)
             ids.extend(seq.tokens[start:end])
-            pos.extend(range(start, end))
-            slots.extend(self._slots(seq, start, end))
-            last.append(len(ids) - 1)
-            ctx = torch.tensor(self._slots(seq, 0, end))
+            pos.append(torch.arange(start, end))
+            slots.append(ctx[start:])
+            last.append(flat + end - start - 1)
             if end - start == 1:
                 single_tok.append(flat)
                 single_ctx.append(ctx)
             else:
-                multi.append((flat, len(ids), ctx, start))
-        width = max((len(c) for c in single_ctx), default=1)
-        single_slots = torch.zeros(len(single_ctx), width, dtype=torch.long)
-        single_mask = torch.zeros(len(single_ctx), 1, 1, width, dtype=torch.bool)
-        for i, c in enumerate(single_ctx):
-            single_slots[i, : len(c)] = c
-            single_mask[i, 0, 0, : len(c)] = True
+                multi.append((flat, flat + end - start, ctx, start))
+            flat += end - start
+        if single_ctx:
+            lengths = torch.tensor([len(c) for c in single_ctx])
+            single_slots = torch.nn.utils.rnn.pad_sequence(single_ctx, batch_first=True)
+            single_mask = (torch.arange(single_slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+        else:
+            single_slots = torch.zeros(0, 1, dtype=torch.long)
+            single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
         return BatchPlan(
             input_ids=torch.tensor(ids),
-            positions=torch.tensor(pos),
-            slots=torch.tensor(slots),
+            positions=torch.cat(pos),
+            slots=torch.cat(slots),
             last=torch.tensor(last),
             single_tok=torch.tensor(single_tok, dtype=torch.long),
             single_slots=single_slots,
@@ -113,14 +117,16 @@ class ModelRunner:
         out = torch.empty_like(q)
         if plan.single_tok.numel():
             qd = q[plan.single_tok][:, :, None, :]  # [B, H, 1, D]
-            kd = kc[plan.single_slots].transpose(1, 2)  # [B, Hkv, C, D]
-            vd = vc[plan.single_slots].transpose(1, 2)
+            shape = (*plan.single_slots.shape, *kc.shape[1:])
+            flat = plan.single_slots.view(-1)  # index_select: much faster than advanced indexing on CPU
+            kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
+            vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.single_mask, enable_gqa=True)
             out[plan.single_tok] = o[:, :, 0]
         for start, end, ctx, cached in plan.multi:
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
-            ks = kc[ctx].transpose(0, 1)[None]  # [1, Hkv, C, D]
-            vs = vc[ctx].transpose(0, 1)[None]
+            ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
+            vs = vc.index_select(0, ctx).transpose(0, 1)[None]
             if cached == 0:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
@@ -152,8 +158,8 @@ class ModelRunner:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.k_cache[i][plan.slots] = k.to(self.k_cache.dtype)
-            self.v_cache[i][plan.slots] = v.to(self.v_cache.dtype)
+            self.k_cache[i].index_copy_(0, plan.slots, k.to(self.k_cache.dtype))
+            self.v_cache[i].index_copy_(0, plan.slots, v.to(self.v_cache.dtype))
             o = self._attention(i, q, plan)
             h = h + attn.o_proj(o.reshape(t, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -89,34 +89,29 @@ def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device
     return t
 
 
-def _uniform_noise(
+def _uniforms(
     batch: int,
-    vocab: int,
     generators: Sequence[torch.Generator | None] | None,
     rows: Tensor,
     device: torch.device,
 ) -> Tensor:
-    """Uniform(0, 1) noise of shape [len(rows), V], one row per sampled batch row.
+    """One Uniform[0, 1) number per sampled row, [len(rows)].
 
-    A row with a generator draws its own V numbers from it, so its noise depends only on its own
-    seed and how many tokens it has drawn so far, never on the other rows of the batch.
+    A row with a generator draws from it alone, so its samples depend only on its own seed and how
+    many tokens it has drawn so far, never on the other rows of the batch.
     """
     n = rows.numel()
     if generators is None:
-        return torch.rand(n, vocab, device=device)
+        return torch.rand(n, device=device)
     if len(generators) != batch:
         raise ValueError(f"generators must have one entry per row ({batch}), got {len(generators)}")
-    noise = torch.empty(n, vocab, device=device)
-    row_list = rows.tolist()
-    unseeded = [j for j, r in enumerate(row_list) if generators[r] is None]
-    if unseeded:
-        noise[unseeded] = torch.rand(len(unseeded), vocab, device=device)
-    for j, r in enumerate(row_list):
+    u = torch.rand(n, device=device)  # unseeded rows keep these
+    for j, r in enumerate(rows.tolist()):
         g = generators[r]
         if g is not None:
             # Draw on the generator's own device (a CPU generator may drive CUDA logits).
-            noise[j] = torch.rand(vocab, generator=g, device=g.device).to(device)
-    return noise
+            u[j] = torch.rand(1, generator=g, device=g.device).item()
+    return u
 
 
 @torch.no_grad()
@@ -197,12 +192,17 @@ def sample_tokens(
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         scaled = scaled.masked_fill(~keep, -math.inf)
 
-    final_logp = torch.log_softmax(scaled, dim=-1)
-    # Gumbel-max: argmax(log p + Gumbel noise) is an exact draw from p; filtered tokens stay -inf.
-    u = _uniform_noise(batch, vocab, generators, rows, device)
-    u = u.clamp_min(torch.finfo(torch.float32).tiny)
-    gumbel = -torch.log(-torch.log(u))
-    s_tok = (final_logp + gumbel).argmax(dim=-1)
+    # Inverse-CDF sampling: the first token whose cumulative probability exceeds u. One uniform
+    # per row instead of a vocabulary's worth of noise (Gumbel-max costs two logs per entry).
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    # u strictly below the total mass, so the token found always has non-zero probability
+    u = torch.minimum(
+        _uniforms(batch, generators, rows, device) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    s_tok = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
     tokens[rows] = s_tok
-    log_probs[rows] = final_logp.gather(-1, s_tok[:, None])[:, 0]
+    # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
+    log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])
     return tokens, log_probs
