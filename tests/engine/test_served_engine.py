@@ -118,10 +118,9 @@ def test_bad_requests_are_400_and_the_engine_keeps_serving(served):
 def test_training_loop_against_two_remote_servers(tiny_model_dir, tmp_path, tokenizer):
     """rollout.engine remote: rollouts come from HTTP servers and every step's weights reach both."""
     from test_loop import config
+    from transformers import AutoModelForCausalLM
 
     import tidal.loop
-
-    from transformers import AutoModelForCausalLM
 
     a, b = (Served(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, block_size=16) for _ in range(2))
     try:

@@ -116,13 +116,17 @@ class ModelRunner:
         kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
         out = torch.empty_like(q)
         if plan.single_tok.numel():
-            qd = q[plan.single_tok][:, :, None, :]  # [B, H, 1, D]
+            b = plan.single_tok.numel()
+            # grouped-query attention with one query token: the G query heads sharing a KV head
+            # become G query rows of that head (query head h uses KV head h // G), which is about
+            # twice as fast on CPU as sdpa's enable_gqa
+            qd = q[plan.single_tok].view(b, self.num_kv_heads, -1, self.head_dim)  # [B, Hkv, G, D]
             shape = (*plan.single_slots.shape, *kc.shape[1:])
             flat = plan.single_slots.view(-1)  # index_select: much faster than advanced indexing on CPU
             kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
             vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.single_mask, enable_gqa=True)
-            out[plan.single_tok] = o[:, :, 0]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.single_mask)
+            out[plan.single_tok] = o.reshape(b, -1, self.head_dim)
         for start, end, ctx, cached in plan.multi:
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
@@ -137,6 +141,12 @@ class ModelRunner:
             out[start:end] = o[0].transpose(0, 1)
         return out
 
+    @staticmethod
+    def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
+        """RMSNorm as one fused op (the module's five small ops cost more than the math on CPU);
+        the same formula, computed in float32 inside the kernel."""
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> Tensor:
         """Compute the uncached tokens of `seqs`, write their K/V, and return the next-token
@@ -150,7 +160,7 @@ class ModelRunner:
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(t, -1, self.head_dim)
             k = attn.k_proj(x).view(t, -1, self.head_dim)
             v = attn.v_proj(x).view(t, -1, self.head_dim)
@@ -162,6 +172,6 @@ class ModelRunner:
             self.v_cache[i].index_copy_(0, plan.slots, v.to(self.v_cache.dtype))
             o = self._attention(i, q, plan)
             h = h + attn.o_proj(o.reshape(t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = m.norm(h[plan.last])
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+        h = self._norm(m.norm, h[plan.last])
         return self.model.lm_head(h).float()

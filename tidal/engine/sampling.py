@@ -114,6 +114,27 @@ def _uniforms(
     return u
 
 
+def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
+    """For each row, the first index whose cumulative probability exceeds u * (total mass).
+
+    Two levels, so no cumulative sum runs over the whole vocabulary: pick the chunk of `chunk`
+    tokens whose cumulative chunk mass first exceeds the target, then the token inside it. A
+    zero-probability token is never returned (rounding at either level falls back to the chunk's
+    last token with non-zero probability)."""
+    b, v = probs.shape
+    pad = (-v) % chunk
+    p = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(b, -1, chunk)
+    chunk_cdf = p.sum(dim=-1).cumsum(dim=-1)  # [B, V / chunk]
+    total = chunk_cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    ci = torch.searchsorted(chunk_cdf, target[:, None], right=True)[:, 0].clamp(max=chunk_cdf.shape[1] - 1)
+    before = torch.where(ci > 0, chunk_cdf.gather(1, (ci - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(total))
+    inner = p[torch.arange(b, device=probs.device), ci]  # [B, chunk]
+    ti = torch.searchsorted(inner.cumsum(dim=-1), (target - before).clamp(min=0)[:, None], right=True)[:, 0]
+    last_nonzero = chunk - 1 - (inner > 0).flip(-1).int().argmax(dim=-1)
+    return ci * chunk + torch.minimum(ti, last_nonzero)
+
+
 @torch.no_grad()
 def sample_tokens(
     logits: Tensor,
@@ -166,14 +187,17 @@ def sample_tokens(
         return tokens, log_probs
 
     rows = (~greedy).nonzero(as_tuple=True)[0]
-    scaled = logits[rows] / temp[rows, None]
+    # skip the copies the common RL case (every row sampled at temperature 1) does not need
+    scaled = logits if rows.numel() == batch else logits[rows]
+    if bool((temp[rows] != 1).any()):
+        scaled = scaled / temp[rows, None]
     rk = k[rows]
     rp = p[rows]
     rmp = mp[rows]
     needs_filter = bool(((rk > 0) & (rk < vocab)).any()) or bool((rp < 1).any()) or bool((rmp > 0).any())
     if needs_filter:
-        # Filter in sorted order, then scatter the keep-mask back to vocab order: the noise is
-        # then indexed by token id, so a seeded row's draw does not depend on sort tie-breaking.
+        # Filter in sorted order, then scatter the keep-mask back to vocab order: the draw then
+        # walks the vocabulary in id order, so a seeded row does not depend on sort tie-breaking.
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
         pos = torch.arange(vocab, device=device)
         k_eff = torch.where(rk > 0, rk.clamp(max=vocab), torch.full_like(rk, vocab))
@@ -195,13 +219,7 @@ def sample_tokens(
     # Inverse-CDF sampling: the first token whose cumulative probability exceeds u. One uniform
     # per row instead of a vocabulary's worth of noise (Gumbel-max costs two logs per entry).
     probs = torch.softmax(scaled, dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1]
-    # u strictly below the total mass, so the token found always has non-zero probability
-    u = torch.minimum(
-        _uniforms(batch, generators, rows, device) * total, torch.nextafter(total, torch.zeros_like(total))
-    )
-    s_tok = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    s_tok = _inverse_cdf(probs, _uniforms(batch, generators, rows, device))
     tokens[rows] = s_tok
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])

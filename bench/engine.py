@@ -1,0 +1,174 @@
+"""Rollout engine benchmark: the GRPO workload on tidal's engine vs transformers' `generate`.
+
+    python -m bench engine                          # 16 prompts x 8 samples, 128 new tokens
+    python -m bench engine --prompts 8 --samples 2 8 16 --max-new-tokens 64
+
+Each measurement runs in its own subprocess (so peak memory is that run's alone), alternating
+the engines, after one warm-up batch in the same process. Workload: `env:arithmetic` prompts
+through SmolLM2-135M-Instruct's chat template, temperature 1, bf16. The engines:
+
+- `hf_generate`: one `model.generate(do_sample=True, num_return_sequences=n)` over the
+  left-padded prompts; the batch runs until its longest sample ends (EOS-padded rows keep going).
+- `tidal`: `LLMEngine.generate`: continuous batching, paged KV cache shared within each group.
+
+Useful tokens are the sampled tokens up to and including each sample's EOS. The table reports
+them per second, the time to finish the batch, the process's peak RSS and, for tidal, the KV
+memory actually referenced at the peak (blocks x bytes per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.common import machine, peak_rss_mb, write_result
+
+
+def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
+    from tidal.data.dataset import build_prompts
+    from tidal.data.envs import make_env_rows
+
+    rows = make_env_rows("arithmetic", level=level, n=n_prompts, seed=7)
+    records, _ = build_prompts(rows, tokenizer, source="bench")
+    return [r.input_ids for r in records]
+
+
+def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    eos = tokenizer.eos_token_id
+
+    def once():
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new,
+                num_return_sequences=n,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
+        gen = out[:, width:].tolist()
+        useful = 0
+        for row in gen:
+            useful += row.index(eos) + 1 if eos in row else len(row)
+        return useful, len(gen[0])
+
+    with torch.inference_mode():  # warm-up: allocator, kernels
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    t0 = time.perf_counter()
+    useful, steps = once()
+    return {"useful_tokens": useful, "seconds": time.perf_counter() - t0, "decode_steps": steps}
+
+
+def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed) -> dict:
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.engine.sampling import SamplingParams
+    from tidal.rollout.manager import sample_seed
+
+    engine = LLMEngine(model_dir, tokenizer, dtype="bfloat16")
+    batch, params = [], []
+    for g, p in enumerate(prompts):
+        for j in range(n):
+            batch.append(p)
+            params.append(SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=sample_seed(seed, 0, g * n + j)))
+    engine.generate(batch[:2], params[:2])  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(batch, params)
+    seconds = time.perf_counter() - t0
+    st = engine.stats()
+    return {
+        "useful_tokens": sum(len(o.token_ids) for o in outs),
+        "seconds": seconds,
+        "kv_peak_mb": st["kv_blocks_peak"] * st["kv_bytes_per_block"] / 2**20,
+        "prefix_hit_blocks": st["prefix_hit_blocks"],
+        "steps": st["steps"],
+    }
+
+
+def child(args) -> None:
+    """One measurement in this process; prints a JSON line."""
+    from transformers import AutoTokenizer
+
+    from tidal.convert import ensure_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = _prompts(tok, args.prompts, args.level)
+    run = _run_tidal if args.impl == "tidal" else _run_hf
+    res = run(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed)
+    res.update(impl=args.impl, samples=args.child_samples, peak_rss_mb=peak_rss_mb())
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="tidal engine vs transformers generate on a GRPO rollout")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, nargs="+", default=[8], help="samples per prompt (several: a sweep)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--level", type=int, default=3, help="env:arithmetic level of the prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--impls", nargs="+", default=["hf_generate", "tidal"])
+    p.add_argument("--impl", help=argparse.SUPPRESS)
+    p.add_argument("--child-samples", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.impl:
+        return child(args)
+
+    rows = []
+    for n in args.samples:
+        for impl in args.impls:  # alternating, each in a fresh process
+            cmd = [sys.executable, "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
+            for k in ("prompts", "max_new_tokens", "level", "seed", "threads"):
+                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{impl} (samples {n}) failed:\n{out.stderr[-3000:]}")
+            r = json.loads(line[len("RESULT ") :])
+            r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
+            rows.append(r)
+            print(f"  {impl:<12} n={n:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s", flush=True)
+
+    print(f"\n{'engine':<12}{'samples':>8}{'tokens':>8}{'tok/s':>8}{'batch s':>9}{'peak RSS MB':>13}{'KV MB':>8}")
+    for r in rows:
+        kv = f"{r['kv_peak_mb']:.0f}" if "kv_peak_mb" in r else "-"
+        print(
+            f"{r['impl']:<12}{r['samples']:>8}{r['useful_tokens']:>8}{r['tokens_per_s']:>8.0f}"
+            f"{r['seconds']:>9.1f}{r['peak_rss_mb']:>13.0f}{kv:>8}"
+        )
+    ratios = {}
+    for n in args.samples:
+        by = {r["impl"]: r for r in rows if r["samples"] == n}
+        if "tidal" in by and "hf_generate" in by:
+            ratios[n] = {
+                "tokens_per_s": by["tidal"]["tokens_per_s"] / by["hf_generate"]["tokens_per_s"],
+                "batch_time": by["hf_generate"]["seconds"] / by["tidal"]["seconds"],
+            }
+            print(
+                f"samples {n}: tidal/hf tokens/s x{ratios[n]['tokens_per_s']:.2f}, "
+                f"batch time x{ratios[n]['batch_time']:.2f} faster"
+            )
+    settings = {k: v for k, v in vars(args).items() if k not in ("impl", "child_samples")}
+    path = write_result("engine", {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios})
+    print(f"wrote {path}")
