@@ -128,3 +128,12 @@ def test_critic_values_come_from_the_positions_that_predict_each_token(tiny_mode
             ref = critic.module["head"](h).squeeze(-1)[s.prompt_length - 1 : -1]
         torch.testing.assert_close(v[i, : s.response_length], ref, atol=1e-5, rtol=1e-5)
         assert not v[i, s.response_length :].any()
+
+
+def test_distillation_from_a_teacher_folder(tiny_model_dir, tmp_path):
+    """The teacher is the initial policy: its log-probs equal the student's on the first step, so
+    the distillation term starts at exactly 0 and moves once the student has been updated."""
+    over = {"train.num_steps": 2, "algo.teacher": str(tiny_model_dir), "algo.distill_coef": 0.5}
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **over))
+    assert history[0]["distill/teacher_minus_student"] == 0.0
+    assert history[1]["distill/teacher_minus_student"] != 0.0
