@@ -251,6 +251,7 @@ class MetricsLogger:
             parts.append(f"len {_fmt(length, '.1f')}{cut}")
         for label, keys, spec in (
             ("pg", ("loss/pg",), "+.4f"),
+            ("nll", ("loss/sft",), ".4f"),
             # The KL penalty term when the trainer uses one, else the policy-shift diagnostic.
             ("kl", ("loss/kl", "actor/kl"), ".3g"),
             ("gnorm", ("actor/grad_norm",), ".3g"),
