@@ -48,19 +48,23 @@ def test_every_algorithm_trains_through_the_loop(tiny_model_dir, tmp_path, name)
 
 
 def test_mask_truncated_takes_truncated_samples_out_of_the_loss(tiny_model_dir, tmp_path):
-    # the random tiny model never stops within 8 tokens: every sample is truncated
+    # step 1 samples the same responses with and without the option (same seeds, same weights);
+    # a truncated response has exactly max_new_tokens = 8 tokens, all of which leave the loss
+    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "a", **{"train.num_steps": 1}))[0]
     over = {"train.num_steps": 1, "algo.mask_truncated": True}
-    (h,) = tidal.loop.train(config(tiny_model_dir, tmp_path, **over))
-    assert h["response/truncated_ratio"] == 1.0
-    assert h["actor/tokens"] == 0.0 and h["actor/grad_norm"] == 0.0
+    masked = tidal.loop.train(config(tiny_model_dir, tmp_path / "b", **over))[0]
+    truncated = round(masked["response/truncated_ratio"] * 16)
+    assert truncated > 0
+    assert full["actor/tokens"] - masked["actor/tokens"] == 8 * truncated
 
 
 def test_overlong_penalty_is_added_to_the_reward(tiny_model_dir, tmp_path):
     base = tidal.loop.train(config(tiny_model_dir, tmp_path / "a", **{"train.num_steps": 1}))[0]
-    over = {"train.num_steps": 1, "algo.overlong_buffer": 4, "algo.overlong_penalty": 0.5}
+    over = {"train.num_steps": 1, "algo.overlong_buffer": 8, "algo.overlong_penalty": 0.5}
     shaped = tidal.loop.train(config(tiny_model_dir, tmp_path / "b", **over))[0]
-    # every response has the full 8 tokens: L = max_len, so each reward drops by the full 0.5
-    assert shaped["reward/mean"] == pytest.approx(base["reward/mean"] - 0.5)
+    # buffer = max_new_tokens = 8: every response of length L gets -L / 8 * 0.5
+    expected = base["reward/mean"] - base["response/length_mean"] * 0.5 / 8
+    assert shaped["reward/mean"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_ppo_resume_restores_the_critic(tiny_model_dir, tmp_path):
