@@ -1,0 +1,361 @@
+"""The quickstart GRPO workload run by tidal and by TRL's `GRPOTrainer`, one framework per process.
+
+Shared by `bench.grpo_step` (seconds per step) and `bench.learning` (reward curves). The parent
+calls `run_child`, which starts
+
+    python -m bench.trl_runner --framework {tidal|trl} --steps N --warmup W ...
+
+and reads back one `RESULT {json}` line: per-step records (the first W are warm-up) plus the
+process's peak RSS. The workload comes from `examples/quickstart/config.yaml`: SmolLM2-135M-Instruct
+(the folder `tidal.convert.ensure_model("smollm2")` converts), `env:arithmetic` level-1 prompts
+through the chat template, the `math` reward, GRPO with group-normalised advantages, no KL.
+
+Both frameworks see the same prompts in the same order: tidal's `DataSource` (shuffled with
+`data.seed`) decides the order and TRL gets those prompts as a conversational `datasets.Dataset`
+with `shuffle_dataset=False`. TRL is mapped onto the same batch shape:
+
+    tidal rollout.rollout_batch_size x rollout.n_samples_per_prompt = train.global_batch_size
+    TRL   per_device_train_batch_size = train.micro_batch_size       (completions per fwd/bwd)
+          gradient_accumulation_steps = global_batch_size / micro_batch_size
+          steps_per_generation        = gradient_accumulation_steps (TRL's default: one generation per
+                                        optimizer step, so generation_batch_size = global_batch_size)
+          num_generations = n_samples_per_prompt, num_iterations = 1, beta = 0, loss_type = "dapo"
+          (token mean over the whole optimizer batch, as tidal's token_mean), scale_rewards = "group",
+          epsilon = 0.2, max_grad_norm = 1, constant lr, no gradient checkpointing
+
+Each step record holds: `seconds` (wall time of the step), `rollout_s` (generate + score),
+`generate_s` (sampling alone, TRL only; tidal's rollout is its generation plus a negligible reward
+call), `train_s` (advantages + forward/backward + optimizer), `other_s` (the rest: tidal's weight
+sync and bookkeeping, TRL's data loading and logging between steps), `completion_tokens`,
+`train_tokens` (prompt + completion tokens, no padding) and `reward_mean`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
+FRAMEWORKS = ("tidal", "trl")
+
+
+@dataclass
+class Workload:
+    """The knobs both frameworks share; defaults are the quickstart config's."""
+
+    prompts: int = 8
+    samples: int = 4
+    max_new_tokens: int = 48
+    micro_batch: int = 8
+    lr: float = 1e-5
+    temperature: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    trl_dtype: str = "bfloat16"
+
+    def tidal_overrides(self, steps: int, out_dir: str) -> dict:
+        """Command-line style overrides of the quickstart config for this workload."""
+        return {
+            "rollout.rollout_batch_size": self.prompts,
+            "rollout.n_samples_per_prompt": self.samples,
+            "rollout.max_new_tokens": self.max_new_tokens,
+            "rollout.temperature": self.temperature,
+            "rollout.seed": self.seed,
+            "train.global_batch_size": self.prompts * self.samples,
+            "train.micro_batch_size": self.micro_batch,
+            "train.lr": self.lr,
+            "train.seed": self.seed,
+            "train.num_threads": self.threads,
+            "train.num_steps": steps,
+            "train.output_dir": out_dir,
+            "train.save_interval": 0,
+            "log.tensorboard": False,
+            "log.console": False,
+            "log.log_samples": 0,
+        }
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """One option per `Workload` field (defaults: the quickstart config)."""
+    for f in fields(Workload):
+        default = getattr(Workload, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(**{f.name: getattr(args, f.name) for f in fields(Workload)})
+
+
+# -- tidal ----------------------------------------------------------------------------------------
+
+
+def _tidal_config(w: Workload, steps: int, out_dir: str):
+    from tidal.config import build_config
+
+    return build_config(str(QUICKSTART), w.tidal_overrides(steps, out_dir))
+
+
+def _tidal_record(m: dict) -> dict:
+    rollout, train, step = m["time/rollout"], m["time/train"], m["time/step"]
+    return {
+        "seconds": step,
+        "rollout_s": rollout,
+        "generate_s": rollout,
+        "train_s": train,
+        "other_s": step - rollout - train,
+        "completion_tokens": round(m["perf/rollout_tokens_per_s"] * rollout),
+        "train_tokens": round(m["perf/train_tokens_per_s"] * train),
+        "reward_mean": m["reward/mean"],
+        "response_len_mean": m["response/length_mean"],
+    }
+
+
+def run_tidal(w: Workload, steps: int) -> tuple[list[dict], dict]:
+    """`steps` steps of `tidal.loop.train` on the workload: one record per step, and what ran."""
+    from tidal.loop import train
+
+    with tempfile.TemporaryDirectory(prefix="bench-tidal-") as tmp:
+        cfg = _tidal_config(w, steps, tmp)
+        history = train(cfg)
+    info = {"engine": cfg.rollout.engine, "rollout_dtype": cfg.rollout.dtype, "train_autocast": cfg.train.dtype}
+    return [_tidal_record(m) for m in history], info
+
+
+# -- TRL ------------------------------------------------------------------------------------------
+
+
+def tidal_prompt_order(w: Workload, steps: int, tokenizer) -> list:
+    """The PromptRecords tidal's data source hands out over `steps` steps, in order."""
+    from tidal.data.source import DataSource
+    from tidal.loop import load_data
+
+    cfg = _tidal_config(w, steps, tempfile.gettempdir())
+    source = DataSource(load_data(cfg.data, tokenizer), w.prompts, cfg.data.shuffle, cfg.data.seed)
+    return [r for _ in range(steps) for r in source.next_batch()]
+
+
+def _trl_dataset(records):
+    """A conversational dataset: TRL applies the tokenizer's chat template, as tidal does."""
+    from datasets import Dataset
+
+    rows = []
+    for r in records:
+        if not isinstance(r.prompt, str):
+            raise ValueError("the bench expects plain-text prompts")
+        rows.append({"prompt": [{"role": "user", "content": r.prompt}], "label": r.label})
+    return Dataset.from_list(rows)
+
+
+def math_reward(completions, label, **kwargs) -> list[float]:
+    """tidal's `math` reward (1.0 when the completion's final answer equals the label) for TRL."""
+    from tidal.rollout.rewards import math_verify
+
+    return [math_verify(c[-1]["content"], y) for c, y in zip(completions, label, strict=True)]
+
+
+def trl_config(w: Workload, steps: int, out_dir: str):
+    """GRPOConfig with the workload's batch shape (see the module docstring)."""
+    from trl import GRPOConfig
+
+    per_step = w.prompts * w.samples
+    if per_step % w.micro_batch:
+        raise ValueError(f"prompts x samples ({per_step}) must be a multiple of micro_batch ({w.micro_batch})")
+    return GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=w.trl_dtype == "bfloat16",
+        model_init_kwargs={"dtype": "float32"},  # fp32 master weights, like tidal
+        per_device_train_batch_size=w.micro_batch,
+        gradient_accumulation_steps=per_step // w.micro_batch,
+        num_generations=w.samples,
+        num_iterations=1,
+        max_completion_length=w.max_new_tokens,
+        temperature=w.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=w.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        max_steps=steps,
+        seed=w.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_completions=False,
+    )
+
+
+def _recorder_cls():
+    """A TrainerCallback that keeps one record per optimizer step (defined lazily: imports transformers)."""
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict] = []
+            self.current: dict = {}
+            self._last_end: float | None = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.current = {"t_begin": time.perf_counter(), "generate_s": 0.0, "rollout_s": 0.0}
+            self.current.update(completion_tokens=0, train_tokens=0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now, c = time.perf_counter(), self.current
+            in_step = now - c.pop("t_begin")
+            c["seconds"] = now - (self._last_end if self._last_end is not None else now - in_step)
+            c["train_s"] = in_step - c["rollout_s"]
+            c["other_s"] = c["seconds"] - in_step
+            self._last_end = now
+            self.steps.append(c)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs and self.steps:
+                self.steps[-1]["reward_mean"] = float(logs["reward"])
+                self.steps[-1]["response_len_mean"] = float(logs.get("completions/mean_length", float("nan")))
+
+    return StepRecorder
+
+
+def _timed_trainer_cls():
+    """GRPOTrainer that times its generation and its whole rollout (generate + score + advantages)."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        recorder = None  # set after construction
+
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            self.recorder.current["generate_s"] += time.perf_counter() - t0
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            c = self.recorder.current
+            c["rollout_s"] += time.perf_counter() - t0
+            completion = int(out["completion_mask"].sum())
+            c["completion_tokens"] += completion
+            c["train_tokens"] += completion + int(out["prompt_mask"].sum())
+            return out
+
+    return TimedGRPOTrainer
+
+
+def run_trl(w: Workload, steps: int) -> tuple[list[dict], dict]:
+    """`steps` optimizer steps of TRL's GRPOTrainer on the workload: one record per step, and what ran."""
+    from transformers import AutoTokenizer
+
+    from tidal.convert import ensure_model
+
+    model_dir = ensure_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    dataset = _trl_dataset(tidal_prompt_order(w, steps, tokenizer))
+    recorder = _recorder_cls()()
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+        trainer = _timed_trainer_cls()(
+            model=str(model_dir),
+            reward_funcs=math_reward,
+            args=trl_config(w, steps, tmp),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[recorder],
+        )
+        trainer.recorder = recorder
+        trainer.train()
+    info = {
+        "weights_dtype": str(trainer.model.dtype),
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        # accelerate wraps forward in autocast, so HF generate inside TRL runs under it too
+        "forward_autocast": hasattr(trainer.model, "_original_forward"),
+        "generation": "transformers generate (no vLLM, no continuous batching)",
+    }
+    return recorder.steps, info
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def child_main() -> None:
+    """Entry point of one measured process: run one framework, print `RESULT {json}`."""
+    import torch
+
+    from bench.common import peak_rss_mb
+
+    p = argparse.ArgumentParser(description="one framework's GRPO run (started by bench.grpo_step / bench.learning)")
+    p.add_argument("--framework", choices=FRAMEWORKS, required=True)
+    p.add_argument("--steps", type=int, required=True, help="measured steps (after the warm-up ones)")
+    p.add_argument("--warmup", type=int, default=1)
+    add_workload_args(p)
+    args = p.parse_args()
+    w = workload_from_args(args)
+    torch.set_num_threads(w.threads)
+    t0 = time.perf_counter()
+    run = run_tidal if args.framework == "tidal" else run_trl
+    steps, info = run(w, args.warmup + args.steps)
+    res = {
+        "framework": args.framework,
+        "info": info,
+        "warmup_steps": steps[: args.warmup],
+        "steps": steps[args.warmup :],
+        "process_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+        "torch_threads": torch.get_num_threads(),
+        # this run alone loads the machine by about `threads`; much more means something else ran too
+        "loadavg_1m_at_end": os.getloadavg()[0],
+    }
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
+    """Run one framework in a fresh process and return its RESULT (exits with its stderr on failure)."""
+    cmd = [sys.executable, "-m", "bench.trl_runner", "--framework", framework]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+    for k, v in asdict(w).items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{framework} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    res = json.loads(line[len("RESULT ") :])
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def run_note(res: dict) -> str:
+    """`process 95 s, load 2.1` for a progress line: a load well above `threads` means a shared machine."""
+    return f"process {res['wall_s']:.0f} s, load {res['loadavg_1m_at_end']:.1f}"
+
+
+def versions() -> dict:
+    """Versions of the peer baseline's packages (bench.common.machine has torch/transformers)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("trl", "accelerate", "datasets"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+if __name__ == "__main__":
+    child_main()
