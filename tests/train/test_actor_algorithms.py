@@ -7,13 +7,12 @@ gives exact reference values and exact relations between losses and aggregation 
 """
 
 import math
-import random
 import re
 import warnings
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, make_samples
 
 from tidal.config import AlgoConfig, TrainConfig
 from tidal.train.actor import Actor
@@ -32,21 +31,6 @@ LAYOUTS = {
     "packed_budget30": {"max_tokens_per_micro_batch": 30, "packing": True},
     "padded_budget30": {"max_tokens_per_micro_batch": 30, "packing": False},
 }
-
-
-def make_samples(n=8, seed=0):
-    """Samples with ragged prompt and response lengths and a masked (tool-output-like) span."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = [1] + [rng.randrange(3, 300) for _ in range(rng.randrange(2, 9))]
-        r = rng.randrange(1, 12)
-        resp = [rng.randrange(3, 300) for _ in range(r)]
-        mask = [1] * r
-        if r > 4 and i % 3 == 0:
-            mask[1:3] = [0, 0]
-        out.append(Sample(tokens=p + resp, response_length=r, loss_mask=mask, rollout_log_probs=[-1.0] * r, index=i))
-    return out
 
 
 def actor_with(layout="padded_mbs8", max_response_len=MAX_RESPONSE_LEN, **algo):
