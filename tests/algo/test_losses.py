@@ -10,6 +10,7 @@ import torch
 from tidal.algo import (
     entropy_from_logits,
     kl_estimate,
+    log_probs_and_entropy,
     log_probs_from_logits,
     masked_mean,
     masked_sum,
@@ -272,3 +273,27 @@ def test_per_micro_batch_mean_would_differ():
     assert global_mean.item() == pytest.approx(1.75) and naive.item() == pytest.approx(2.5)
     summed = token_mean_loss(x[:1], mask[:1], 4) + token_mean_loss(x[1:], mask[1:], 4)
     assert summed.item() == pytest.approx(1.75)
+
+
+def test_log_probs_and_entropy_is_both_functions_in_one_pass():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 4, 9, dtype=torch.float64) * 4
+    logits[0, 1, 2] = -math.inf  # a banned token
+    labels = torch.randint(0, 9, (3, 4))
+    labels[0, 1] = 0
+    for temperature in (1.0, 0.6):
+        z = logits.clone().requires_grad_()
+        lp, h = log_probs_and_entropy(z, labels, temperature)
+        torch.testing.assert_close(lp, log_probs_from_logits(logits, labels, temperature), rtol=0, atol=1e-12)
+        torch.testing.assert_close(h, entropy_from_logits(logits / temperature), rtol=0, atol=1e-12)
+        (lp.sum() + h.sum()).backward()
+        ref = logits.clone().requires_grad_()
+        (
+            log_probs_from_logits(ref, labels, temperature).sum() + entropy_from_logits(ref / temperature).sum()
+        ).backward()
+        torch.testing.assert_close(z.grad, ref.grad, rtol=0, atol=1e-12)
+        assert torch.isfinite(z.grad).all()
+    lp, h = log_probs_and_entropy(logits.clone().requires_grad_(), labels, entropy_grad=False)
+    assert lp.requires_grad and not h.requires_grad  # a metric: no graph kept for it
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        log_probs_and_entropy(logits, labels, 0.0)
