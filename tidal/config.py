@@ -80,6 +80,7 @@ ESTIMATORS = (
 )
 POLICY_LOSSES = ("auto", "ppo", "gspo", "cispo")
 AGGREGATE_MODES = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+TRAIN_DTYPES = ("bfloat16", "autocast", "float32")
 
 
 def _is_dotted(name: str) -> bool:
@@ -144,7 +145,10 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     adam_betas: list = _opt([0.9, 0.999], "AdamW betas")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
-    dtype: str = _opt("bfloat16", "compute dtype (autocast): bfloat16 or float32; weights stay fp32")
+    dtype: str = _opt(
+        "bfloat16",
+        "compute precision, weights and AdamW stay fp32: bfloat16 (a bf16 copy computes), autocast or float32",
+    )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
     seed: int = _opt(0, "torch seed")
@@ -417,7 +421,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     need(t.warmup_steps >= 0, "train.warmup_steps: must be >= 0")
     need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0 (0 turns clipping off)")
-    need(t.dtype in ("bfloat16", "float32"), f"train.dtype: bfloat16 or float32, got {t.dtype!r}")
+    need(t.dtype in TRAIN_DTYPES, f"train.dtype: one of {', '.join(TRAIN_DTYPES)}, got {t.dtype!r}")
     need(
         len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas),
         f"train.adam_betas: two numbers in [0, 1), got {t.adam_betas}",

@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import warnings
 
@@ -104,3 +105,54 @@ def test_masked_tokens_do_not_move_the_model():
 def test_batch_size_must_divide():
     with pytest.raises(ValueError, match="7 samples is not a multiple of global_batch_size 8"):
         actor_with(4).train_step(make_samples(7), torch.zeros(7))
+
+
+class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts fp32 → bf16 casts of tensors shaped like the embedding (the tied output projection)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.casts = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") is torch.bfloat16:
+            self.casts += tuple(args[0].shape) == self.shape
+        return func(*args, **kwargs)
+
+
+def train_grads(actor, samples, adv):
+    grads = []
+    step = actor.optimizer.step
+
+    def record(*a, **kw):
+        grads.extend(p.grad.detach().clone() for p in actor.params)
+        return step(*a, **kw)
+
+    actor.optimizer.step = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        actor.train_step(samples, adv)
+    return grads
+
+
+def test_bf16_weights_are_cast_once_per_optimizer_step_with_the_same_gradient():
+    """Under bf16 autocast each fp32 weight is cast once per optimizer step, not once per
+    micro-batch, and the gradient is bitwise the one of casting per micro-batch."""
+    samples = make_samples()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    cached = actor_with(2, dtype="autocast")
+    counter = CastCounter(cached.model.get_input_embeddings().weight.shape)
+    with counter:
+        got = train_grads(cached, samples, adv)
+    assert len(cached.fwd.plan(samples)) == 4 and counter.casts == 1
+
+    per_micro_batch = actor_with(2, dtype="autocast")
+    per_micro_batch._one_cast_per_update = contextlib.nullcontext  # each _score region casts again
+    counter = CastCounter(per_micro_batch.model.get_input_embeddings().weight.shape)
+    with counter:
+        want = train_grads(per_micro_batch, samples, adv)
+    assert counter.casts == 4
+    assert any(g.abs().max() > 0 for g in want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -2,8 +2,11 @@
 
 Every loss term of a micro-batch is reduced with the normalisers of the whole optimizer batch
 (token count, sequence count), so the accumulated gradient is exactly the full-batch loss's
-gradient however the batch is cut into micro-batches or packed. Weights stay fp32 (bf16 weights
-lose small updates); `dtype` only sets the autocast compute dtype.
+gradient however the batch is cut into micro-batches or packed.
+
+Precision (`train.dtype`): the weights the optimizer updates, saves and syncs are always fp32.
+`bfloat16` computes forward and backward on a bf16 copy of them (`tidal.train.precision`);
+`autocast` computes under bf16 autocast over the fp32 weights; `float32` computes in fp32.
 """
 
 from __future__ import annotations
@@ -21,21 +24,29 @@ from transformers import AutoModelForCausalLM
 from tidal.algo import (
     aggregate,
     cispo_loss,
-    entropy_from_logits,
     importance_weights,
     kl_estimate,
+    log_probs_and_entropy,
     log_probs_from_logits,
     policy_loss,
 )
 from tidal.config import AlgoConfig, TrainConfig, resolved_loss_agg, resolved_policy_loss
+from tidal.train.attention import use_packed_attention
 from tidal.train.estimate import response_mask
 from tidal.train.forward import Forward
+from tidal.train.precision import Bf16Compute, to_bf16_params
 from tidal.types import Sample
 from tidal.utils import load_object
 
 
 def load_frozen(path: str | Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().requires_grad_(False)
+
+
+def to_grid(values: Tensor, valid: Tensor) -> Tensor:
+    """Scatter [T] per-token values back onto the [B, R] grid `valid` marks, zeros elsewhere
+    (differentiable)."""
+    return values.new_zeros(valid.shape).masked_scatter(valid, values)
 
 
 def batch_normalizers(mask: Tensor, mode: str, max_len: int) -> dict[str, float]:
@@ -71,7 +82,10 @@ class Actor:
         self.model.train()
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.fwd = Forward(train, self.model, pad_id)
+        # `model` holds the fp32 master weights; `compute` is the model forward/backward run on
+        self.mixed = Bf16Compute(self.model) if train.dtype == "bfloat16" else None
+        self.compute = self.mixed.model if self.mixed is not None else self.model
+        self.fwd = Forward(train, self.compute, pad_id)
         self.loss_name = "sft" if algo.mode == "sft" else resolved_policy_loss(algo)
         self.user_loss = None
         if self.loss_name not in ("sft", "ppo", "gspo", "cispo"):
@@ -80,10 +94,9 @@ class Actor:
         self.max_response_len = max_response_len  # Dr.GRPO's constant normaliser
         self.ref = None
         if algo.kl_coef > 0:  # `reference` is the initial model when `model` is a resumed checkpoint
-            self.ref = (
-                copy.deepcopy(self.model).eval().requires_grad_(False) if reference is None else load_frozen(reference)
-            )
-        self.teacher = load_frozen(algo.teacher) if algo.teacher else None
+            ref = copy.deepcopy(self.model) if reference is None else load_frozen(reference)
+            self.ref = self._frozen(ref)
+        self.teacher = self._frozen(load_frozen(algo.teacher)) if algo.teacher else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -96,36 +109,57 @@ class Actor:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
 
+    def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model computed like the policy (precision, attention), so that a reference or
+        teacher equal to the policy gives exactly the policy's log-probs (KL exactly 0)."""
+        model = model.eval().requires_grad_(False)
+        if self.fwd.packing:
+            use_packed_attention(model)
+        return to_bf16_params(model) if self.mixed is not None else model
+
     # ---------------------------------------------------------------- forward
     def _autocast(self):
-        if self.cfg.dtype == "float32":
+        if self.cfg.dtype != "autocast":
             return contextlib.nullcontext()
         return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
 
-    def _response_logits(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        """Logits that predict each response token, [B, R, V].
+    @contextlib.contextmanager
+    def _one_cast_per_update(self):
+        """Run an optimizer step's micro-batches inside one outer autocast region, itself switched
+        off so only `_score` computes in bf16. Autocast keeps its bf16 copy of each fp32 weight
+        until the outermost region exits, so each weight (the 28M-parameter embedding included)
+        is cast once per optimizer step instead of once per micro-batch; the weights only change at
+        `optimizer.step()`, after the region has closed."""
+        if self.cfg.dtype != "autocast":
+            yield
+            return
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
+            yield
 
-        Only response positions go through the output projection: with a 49k vocabulary that
-        projection dominates the cost, and prompt positions are never scored.
+    def _response_logits(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Logits [T, V] at the T real response positions (row-major over [B, R]) and that [B, R]
+        position mask.
+
+        Only real response positions go through the output projection and the vocabulary-wide
+        log-softmax: with a 49k vocabulary they dominate the cost, prompt positions are never
+        scored, and the padding of the [B, R] grid is often 30-40% of it.
         """
-        hidden = self.fwd.hidden(model.base_model, batch)
-        return model.get_output_embeddings()(hidden).float() / self.temperature
+        valid = batch["response_valid"]
+        hidden = self.fwd.hidden(model.base_model, batch)[valid]
+        return model.get_output_embeddings()(hidden), valid
 
     def _score(self, model: torch.nn.Module, batch: dict[str, Tensor], entropy_grad: bool = False):
-        """(log-probs, entropy) of the response tokens; the entropy carries a gradient only when
-        it is a loss term, otherwise it is a metric computed from the same logits."""
+        """(log-probs, entropy) [B, R] of the response tokens, 0 past each response; the entropy
+        carries a gradient only when it is a loss term, otherwise it is a metric."""
         with self._autocast():
-            logits = self._response_logits(model, batch)
-        logp = log_probs_from_logits(logits, batch["response_ids"])
-        if entropy_grad:
-            return logp, entropy_from_logits(logits)
-        with torch.no_grad():
-            return logp, entropy_from_logits(logits.detach())
+            logits, valid = self._response_logits(model, batch)
+        logp, ent = log_probs_and_entropy(logits, batch["response_ids"][valid], self.temperature, entropy_grad)
+        return to_grid(logp, valid), to_grid(ent, valid)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample], which: str = "policy") -> Tensor:
         """[N, R] response log-probs (zero-padded) under the policy, `reference` or `teacher`."""
-        model = {"policy": self.model, "reference": self.ref, "teacher": self.teacher}[which]
+        model = {"policy": self.compute, "reference": self.ref, "teacher": self.teacher}[which]
         if model is None:
             raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
         width = max(max(s.response_length for s in samples), 1)
@@ -133,10 +167,9 @@ class Actor:
         for idx in self.fwd.plan(samples):
             batch = self.fwd.collate([samples[i] for i in idx])
             with self._autocast():
-                logits = self._response_logits(model, batch)
-            logp = log_probs_from_logits(logits, batch["response_ids"])
-            for j, i in enumerate(idx):  # only the response's own positions: padding stays 0
-                out[i, : samples[i].response_length] = logp[j, : samples[i].response_length]
+                logits, valid = self._response_logits(model, batch)
+            logp = log_probs_from_logits(logits, batch["response_ids"][valid], self.temperature)
+            out[idx, : valid.shape[1]] = to_grid(logp, valid)
         return out
 
     def _policy_loss(self, logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
@@ -192,60 +225,63 @@ class Actor:
 
         tokens = 0.0
         grad_norms = []
-        self.model.train()
+        self.compute.train()
         for u in range(n_updates):
             chunk = list(range(u * gbs, (u + 1) * gbs))
             norm = batch_normalizers(mask_all[chunk], self.agg, self.max_response_len)
             self.optimizer.zero_grad(set_to_none=True)
-            for pos in self.fwd.plan([samples[i] for i in chunk]):
-                idx = [chunk[p] for p in pos]
-                batch = self.fwd.collate([samples[i] for i in idx])
-                mask = batch["loss_mask"]
-                r = mask.shape[1]
-                n_tok = float(mask.sum())
-                logp, ent = self._score(self.model, batch, entropy_grad=want_entropy)
-                old_lp = logp.detach() if old is None else old[idx, :r]
-                if self.loss_name == "sft":
-                    per_token, m = -logp, {}
-                else:
-                    per_token, m = self._policy_loss(logp, old_lp, advantages[idx, :r].to(logp.dtype), mask)
-                    if self.algo.is_correction != "none":
-                        w, wm = importance_weights(
-                            old_lp,
-                            batch["rollout_log_probs"],
-                            mask,
-                            self.algo.is_level,
-                            self.algo.is_correction,
-                            self.algo.is_low,
-                            self.algo.is_high,
+            with self._one_cast_per_update():
+                for pos in self.fwd.plan([samples[i] for i in chunk]):
+                    idx = [chunk[p] for p in pos]
+                    batch = self.fwd.collate([samples[i] for i in idx])
+                    mask = batch["loss_mask"]
+                    r = mask.shape[1]
+                    n_tok = float(mask.sum())
+                    logp, ent = self._score(self.compute, batch, entropy_grad=want_entropy)
+                    old_lp = logp.detach() if old is None else old[idx, :r]
+                    if self.loss_name == "sft":
+                        per_token, m = -logp, {}
+                    else:
+                        per_token, m = self._policy_loss(logp, old_lp, advantages[idx, :r].to(logp.dtype), mask)
+                        if self.algo.is_correction != "none":
+                            w, wm = importance_weights(
+                                old_lp,
+                                batch["rollout_log_probs"],
+                                mask,
+                                self.algo.is_level,
+                                self.algo.is_correction,
+                                self.algo.is_low,
+                                self.algo.is_high,
+                            )
+                            per_token = per_token * w
+                            m = {**m, **{f"is/{k}": v for k, v in wm.items()}}
+                    loss = aggregate(per_token, mask, self.agg, **norm)
+                    if kl_loss:
+                        kl = kl_estimate(logp, ref_log_probs[idx, :r], self.algo.kl_kind)
+                        loss = loss + self.algo.kl_coef * aggregate(kl, mask, self.agg, **norm)
+                        add("loss/kl", float(aggregate(kl.detach(), mask, "token_mean")), n_tok)
+                    if want_entropy:
+                        loss = loss - self.algo.entropy_coef * aggregate(ent, mask, self.agg, **norm)
+                    loss.backward()
+                    with torch.no_grad():
+                        add(
+                            "loss/sft" if self.loss_name == "sft" else "loss/pg",
+                            float(aggregate(per_token.detach(), mask)),
+                            n_tok,
                         )
-                        per_token = per_token * w
-                        m = {**m, **{f"is/{k}": v for k, v in wm.items()}}
-                loss = aggregate(per_token, mask, self.agg, **norm)
-                if kl_loss:
-                    kl = kl_estimate(logp, ref_log_probs[idx, :r], self.algo.kl_kind)
-                    loss = loss + self.algo.kl_coef * aggregate(kl, mask, self.agg, **norm)
-                    add("loss/kl", float(aggregate(kl.detach(), mask, "token_mean")), n_tok)
-                if want_entropy:
-                    loss = loss - self.algo.entropy_coef * aggregate(ent, mask, self.agg, **norm)
-                loss.backward()
-                with torch.no_grad():
-                    add(
-                        "loss/sft" if self.loss_name == "sft" else "loss/pg",
-                        float(aggregate(per_token.detach(), mask)),
-                        n_tok,
-                    )
-                    add("actor/entropy", float(aggregate(ent.detach(), mask)), n_tok)
-                    for k, v in m.items():
-                        add(k if "/" in k else f"actor/{k}", float(v), n_tok)
-                    if self.loss_name != "sft":
-                        diff = (logp.detach() - batch["rollout_log_probs"]).abs()
-                        add("actor/rollout_logprob_abs_diff", float(aggregate(diff, mask)), n_tok)
-                tokens += n_tok
+                        add("actor/entropy", float(aggregate(ent.detach(), mask)), n_tok)
+                        for k, v in m.items():
+                            add(k if "/" in k else f"actor/{k}", float(v), n_tok)
+                        if self.loss_name != "sft":
+                            diff = (logp.detach() - batch["rollout_log_probs"]).abs()
+                            add("actor/rollout_logprob_abs_diff", float(aggregate(diff, mask)), n_tok)
+                    tokens += n_tok
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
             self.optimizer.step()
             self.scheduler.step()
+            if self.mixed is not None:
+                self.mixed.sync()
         t = max(tokens, 1.0)
         metrics = {k: v / t for k, v in sums.items()}
         metrics.update(

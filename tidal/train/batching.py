@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tidal.train.attention import NAME as PACKED_ATTENTION
+from tidal.train.attention import packed_layout
 from tidal.types import Sample
 
 
@@ -28,7 +30,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
 
 def response_fields(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The per-response-token tensors both layouts share: `prompt_lengths` [B] and
-    `response_ids`, `loss_mask`, `rollout_log_probs` [B, R], right-padded (R >= 1)."""
+    `response_ids`, `loss_mask`, `rollout_log_probs` [B, R], right-padded (R >= 1), and
+    `response_valid` [B, R] (bool): which grid positions hold a response token."""
     b = len(samples)
     resp = max(max(s.response_length for s in samples), 1)
     resp_ids = torch.full((b, resp), pad_id, dtype=torch.long)
@@ -47,6 +50,7 @@ def response_fields(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, tor
         "response_ids": resp_ids,
         "loss_mask": loss_mask,
         "rollout_log_probs": rollout_lp,
+        "response_valid": torch.arange(resp)[None, :] < (torch.tensor([s.response_length for s in samples]))[:, None],
     }
 
 
@@ -77,7 +81,7 @@ def micro_batches(n: int, size: int) -> list[slice]:
 # attention implementations verified (tests/train/test_packing.py, CPU, log-probs and gradients) to
 # give exact packed results. "flex_attention" also matched in a CPU forward check, but it has no
 # backward on CPU and a slow compile, so it is not verified for training and not listed.
-PACKING_ATTN_IMPLEMENTATIONS = frozenset({"sdpa", "eager"})
+PACKING_ATTN_IMPLEMENTATIONS = frozenset({"sdpa", "eager", PACKED_ATTENTION})
 
 
 def token_budget_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -174,9 +178,12 @@ def packed_response_hidden(
 
     By default transformers detects the packing from `position_ids` (needs `supports_packing`);
     `explicit_mask=True` passes a ready 4D block-diagonal mask instead (boolean for sdpa, additive
-    otherwise), for models whose mask code does not detect packing.
+    otherwise), for models whose mask code does not detect packing. A model switched to
+    `tidal.train.attention` gets the row's layout and ignores the mask.
     """
     kwargs = {}
+    if _attn_implementation(base_model) == PACKED_ATTENTION:
+        kwargs["tidal_layout"] = packed_layout(batch["position_ids"])
     if explicit_mask:
         dtype = None if _attn_implementation(base_model) == "sdpa" else base_model.get_input_embeddings().weight.dtype
         kwargs["attention_mask"] = packed_attention_mask(batch["position_ids"], dtype)

@@ -1,0 +1,118 @@
+"""Attention for packed training rows: the samples of a row attended as a right-padded batch.
+
+transformers runs a packed row ([1, S], positions restarting per sample) through sdpa with an
+[S, S] block-diagonal mask. On CPU that is slow twice over: the masked kernel scores all S^2
+pairs (a row of 8 samples does 8x the work of attending each sample alone), and the bf16
+backward of the CPU flash kernel is ~3x slower than the fp32 one. `packed_attention` gathers the
+row's q/k/v into a right-padded [B, L] batch instead, where plain causal attention is exact (a
+real token never attends to the padding after it, and padded queries are dropped, so they pass
+no gradient), attends with `is_causal` (in fp32 on CPU), and gathers the result back into the row.
+On SmolLM2's heads, a 692-token row of 8 samples: forward + backward 23.8 ms -> 8.6 ms per layer.
+
+`use_packed_attention(model)` switches an sdpa model to it. Calls without a `tidal_layout`
+keyword (padded batches, generation) and sliding-window or soft-capped layers go to transformers'
+sdpa with its usual mask, so the switched model computes everything else exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "tidal_packed"
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each token of a packed row sits in the padded [batch, length] view of it.
+
+    `to_padded` [batch * length]: for each padded slot, the row position it copies (a padding slot
+    copies its sample's first token: any finite value works, since no real query attends to it).
+    `to_packed` [S]: for each row position, its padded slot (sample * length + offset).
+    """
+
+    batch: int
+    length: int
+    to_padded: Tensor
+    to_packed: Tensor
+
+
+def packed_layout(position_ids: Tensor) -> PackedLayout:
+    """The layout of a packed row from its [1, S] `position_ids`: a new sample starts wherever the
+    position does not step by +1 (the rule transformers uses to detect packing)."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        raise ValueError(f"packed_layout: position_ids must be [1, S], got {tuple(position_ids.shape)}")
+    pos = position_ids[0]
+    s = pos.shape[0]
+    starts = torch.ones(s, dtype=torch.bool, device=pos.device)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    seg = starts.long().cumsum(0) - 1
+    first = torch.nonzero(starts)[:, 0]
+    lengths = torch.diff(first, append=torch.tensor([s], device=pos.device))
+    offset = torch.arange(s, device=pos.device) - first[seg]
+    batch, length = int(first.shape[0]), int(lengths.max())
+    to_packed = seg * length + offset
+    to_padded = first.repeat_interleave(length)  # padding slots: the sample's first token
+    to_padded[to_packed] = torch.arange(s, device=pos.device)
+    return PackedLayout(batch, length, to_padded, to_packed)
+
+
+def _to_padded(x: Tensor, layout: PackedLayout) -> Tensor:
+    """[1, heads, S, D] row → [B, heads, L, D] right-padded batch."""
+    h, d = x.shape[1], x.shape[3]
+    return x[0].index_select(1, layout.to_padded).view(h, layout.batch, layout.length, d).transpose(0, 1)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tidal_layout: PackedLayout | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """A transformers attention function (query [1, H, S, D], key/value [1, KV, S, D]; returns
+    [1, S, H, D]). Falls back to sdpa with `attention_mask` without a layout, for sliding-window
+    layers and for soft-capped logits."""
+    sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if tidal_layout is None or sliding or kwargs.get("softcap") is not None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    lay = tidal_layout
+    q, k, v = (_to_padded(x, lay) for x in (query, key, value))
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu":  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+            )
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+    h, d = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
+    return out[None].to(query.dtype), None
+
+
+AttentionInterface.register(NAME, packed_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # the fallback path gets sdpa's masks
+
+
+def use_packed_attention(model: torch.nn.Module) -> bool:
+    """Switch an sdpa model (and its submodels) to `packed_attention`; True if it now uses it.
+    Other implementations (eager, flash) are left alone."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == NAME:
+        return True
+    if impl != "sdpa":
+        return False
+    model.set_attn_implementation(NAME)
+    return model.config._attn_implementation == NAME
