@@ -5,10 +5,11 @@
 
 Workload (see `bench.trl_runner`): SmolLM2-135M-Instruct, `env:arithmetic` level 1 through the
 chat template, math reward, 8 prompts x 4 samples = 32 completions of at most 48 tokens per step,
-one AdamW step (lr 1e-5) in micro-batches of 8, no KL, 2 torch threads. tidal trains in bf16
-autocast over fp32 weights and samples with its own engine in bf16; TRL (`use_cpu=True`,
-`bf16=True`) trains in accelerate's bf16 autocast over fp32 weights and samples with transformers'
-`generate` under the same autocast.
+one AdamW step (lr 1e-5) in micro-batches of 8, no KL, 2 torch threads. tidal samples with its own
+engine in bf16 and trains a bf16 compute copy of fp32 master weights (`train.dtype: bfloat16`:
+fp32 gradient accumulation and AdamW; `--tidal-dtype autocast` trains as TRL does). TRL
+(`use_cpu=True`, `bf16=True`) trains in accelerate's bf16 autocast over fp32 weights and samples
+with transformers' `generate` under the same autocast.
 
 Each framework runs in its own process (alternating: tidal, TRL, tidal, TRL ... for `--repeats`),
 one warm-up step then `--steps` measured steps. Reported per framework, over the measured steps:
@@ -25,7 +26,7 @@ import statistics
 from dataclasses import asdict
 
 from bench.common import machine, write_result
-from bench.trl_runner import FRAMEWORKS, add_workload_args, run_child, run_note, versions, workload_from_args
+from bench.trl_runner import add_run_args, run_alternating, versions, workload_from_args
 
 PHASES = ("rollout", "generate", "train", "other")
 
@@ -99,21 +100,13 @@ def print_table(by: dict[str, dict], cmp: dict | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="seconds per GRPO step: tidal vs TRL GRPOTrainer (CPU)")
-    p.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    add_run_args(p, 4, "measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first in each run")
-    p.add_argument("--repeats", type=int, default=1, help="runs per framework (alternating)")
-    p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    add_workload_args(p)
     args = p.parse_args()
     w = workload_from_args(args)
-
-    runs: dict[str, list[dict]] = {f: [] for f in args.frameworks}
-    for rep in range(args.repeats):
-        for fw in args.frameworks:
-            r = run_child(fw, w, args.steps, args.warmup)
-            runs[fw].append(r)
-            sec = statistics.fmean(s["seconds"] for s in r["steps"])
-            print(f"  run {rep + 1} {fw:<6} {sec:6.1f} s/step  ({run_note(r)})", flush=True)
+    runs = run_alternating(
+        args, args.warmup, lambda r: f"{statistics.fmean(s['seconds'] for s in r['steps']):6.1f} s/step"
+    )
 
     by = {fw: summarize(rs) for fw, rs in runs.items()}
     cmp = compare(by) if set(by) == {"tidal", "trl"} else None

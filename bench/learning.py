@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict
 
 from bench.common import machine, write_result
-from bench.trl_runner import FRAMEWORKS, add_workload_args, run_child, run_note, versions, workload_from_args
+from bench.trl_runner import add_run_args, run_alternating, versions, workload_from_args
 
 
 def curve(run: dict) -> list[float]:
@@ -53,21 +53,11 @@ def print_table(by: dict[str, dict], last: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="reward curves: tidal vs TRL GRPOTrainer on the same budget (CPU)")
-    p.add_argument("--steps", type=int, default=10, help="training steps per run")
+    add_run_args(p, 10, "training steps per run")
     p.add_argument("--last", type=int, default=3, help="average the reward over this many final steps")
-    p.add_argument("--repeats", type=int, default=1, help="runs per framework (alternating)")
-    p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    add_workload_args(p)
     args = p.parse_args()
     w = workload_from_args(args)
-
-    runs: dict[str, list[dict]] = {f: [] for f in args.frameworks}
-    for rep in range(args.repeats):
-        for fw in args.frameworks:
-            r = run_child(fw, w, args.steps, warmup=0)
-            runs[fw].append(r)
-            rewards = " ".join(f"{x:.2f}" for x in curve(r))
-            print(f"  run {rep + 1} {fw:<6} rewards {rewards}  ({run_note(r)})", flush=True)
+    runs = run_alternating(args, 0, lambda r: "rewards " + " ".join(f"{x:.2f}" for x in curve(r)))
 
     by = {fw: summarize(rs, args.last) for fw, rs in runs.items()}
     print_table(by, args.last)

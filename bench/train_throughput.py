@@ -3,13 +3,16 @@
     python -m bench train_throughput                      # 32 samples, 2 measured steps per layout
     python -m bench train_throughput --steps 3 --budget 2048
 
-Workload: SmolLM2-135M-Instruct, fp32 weights, bf16 autocast, GRPO (PPO-clip loss, no KL), one
+Workload: SmolLM2-135M-Instruct, fp32 master weights and a bf16 compute copy (`train.dtype:
+bfloat16`), GRPO (PPO-clip loss, no KL), one
 optimizer step per 32 synthetic samples (random token ids, prompt 30-60 and response 8-200 tokens,
 fixed seed). Layouts, each in its own subprocess (one warm-up step, then `--steps` timed steps):
 
 - `padded`: micro-batches of 8 samples, right-padded to the longest (`train.packing=false`);
 - `packed`: micro-batches of 8 samples, concatenated into one row (`train.packing=true`);
-- `budget`: packed rows filled first-fit up to `--budget` tokens (`train.max_tokens_per_micro_batch`).
+- `budget`: packed rows filled first-fit up to `--budget` tokens (`train.max_tokens_per_micro_batch`);
+- `packed_autocast`: `packed` computed under bf16 autocast over the fp32 weights (`train.dtype:
+  autocast`, the precision recipe of TRL's `bf16=True` on CPU) instead of on a bf16 copy.
 
 Tokens are real tokens (prompt + response, no padding); tokens/s is per whole optimizer step, and
 `fwd_bwd_tokens_per_s` leaves out the AdamW step (timed with optimizer hooks). Machine limit: a subprocess times large
@@ -35,7 +38,7 @@ import torch
 
 from bench.common import machine, peak_rss_mb, write_result
 
-LAYOUTS = ("padded", "packed", "budget")
+LAYOUTS = ("padded", "packed", "budget", "packed_autocast")
 
 
 def synthetic_samples(n: int, prompt_range, response_range, seed: int, vocab: int) -> list:
@@ -62,7 +65,7 @@ def train_config(layout: str, args):
         packing=layout != "padded",
         max_tokens_per_micro_batch=args.budget if layout == "budget" else 0,
         lr=1e-6,
-        dtype="bfloat16",
+        dtype="autocast" if layout == "packed_autocast" else "bfloat16",
         num_threads=args.threads,
     )
     return cfg
@@ -70,8 +73,8 @@ def train_config(layout: str, args):
 
 def layout_shape(fwd, samples) -> dict:
     """Micro-batch count and the token slots the layout computes: the padded [B, L] grid for
-    `padded`, the row length for packed ones, plus the [B, R] response grid the output
-    projection runs on in both."""
+    `padded`, the row length for packed ones, plus the response tokens the output projection
+    runs on in both (real ones only: padding of the [B, R] response grid is skipped)."""
     slots = resp_slots = 0
     sizes = []
     for idx in fwd.plan(samples):
@@ -79,7 +82,7 @@ def layout_shape(fwd, samples) -> dict:
         sizes.append(len(mb))
         width = max(len(s.tokens) for s in mb)
         slots += sum(len(s.tokens) for s in mb) if fwd.packing else width * len(mb)
-        resp_slots += max(s.response_length for s in mb) * len(mb)
+        resp_slots += sum(s.response_length for s in mb)
     return {"micro_batches": len(sizes), "micro_batch_sizes": sizes, "token_slots": slots, "response_slots": resp_slots}
 
 
@@ -198,7 +201,6 @@ def derive(r: dict, mm: dict) -> None:
     r["tokens_per_s"] = r["tokens"] / step
     r["fwd_bwd_tokens_per_s"] = r["tokens"] / (step - opt)
     r["padding_fraction"] = 1 - r["tokens"] / r["token_slots"]
-    r["response_padding_fraction"] = 1 - r["response_tokens"] / r["response_slots"]
     r["model_gflops_6nd"] = 6 * r["params_all"] * r["tokens"] / 1e9
     r["achieved_gflops_6nd"] = r["model_gflops_6nd"] / step
     r["achieved_gflops_matmul"] = r["matmul_flops"] / 1e9 / step
@@ -212,13 +214,13 @@ def print_table(rows: list[dict], mm: dict) -> None:
         f"fp32 {mm['float32_gflops']:.0f} GFLOP/s"
     )
     print(
-        f"{'layout':<8}{'mbs':>5}{'tokens':>8}{'slots':>8}{'pad %':>7}{'s/step':>8}{'adam s':>8}{'tok/s':>8}"
+        f"{'layout':<16}{'mbs':>5}{'tokens':>8}{'slots':>8}{'pad %':>7}{'s/step':>8}{'adam s':>8}{'tok/s':>8}"
         f"{'fb tok/s':>10}"
         f"{'GF/s 6ND':>10}{'% bf16':>8}{'GF/s mm':>9}{'% bf16':>8}{'RSS MB':>8}"
     )
     for r in rows:
         print(
-            f"{r['layout']:<8}{r['micro_batches']:>5}{r['tokens']:>8}{r['token_slots']:>8}"
+            f"{r['layout']:<16}{r['micro_batches']:>5}{r['tokens']:>8}{r['token_slots']:>8}"
             f"{100 * r['padding_fraction']:>7.1f}{r['seconds_per_step']:>8.2f}{r['optimizer_seconds_per_step']:>8.2f}"
             f"{r['tokens_per_s']:>8.0f}{r['fwd_bwd_tokens_per_s']:>10.0f}"
             f"{r['achieved_gflops_6nd']:>10.0f}{100 * r['fraction_of_bf16_matmul_6nd']:>8.1f}"
@@ -259,10 +261,14 @@ def main() -> None:
         r = run_child(layout, args)
         derive(r, mm)
         rows.append(r)
-        print(f"  {layout:<8} {r['tokens_per_s']:6.0f} tok/s  {r['seconds_per_step']:6.2f} s/step", flush=True)
+        print(f"  {layout:<16} {r['tokens_per_s']:6.0f} tok/s  {r['seconds_per_step']:6.2f} s/step", flush=True)
     print_table(rows, mm)
     settings = {k: v for k, v in vars(args).items() if k != "layout"}
-    settings.update(dtype="bfloat16 autocast, fp32 weights", algo="grpo (ppo clip loss, no KL)", model="smollm2")
+    settings.update(
+        dtype="bf16 compute copy, fp32 master weights (packed_autocast: bf16 autocast over fp32 weights)",
+        algo="grpo (ppo clip loss, no KL)",
+        model="smollm2",
+    )
     payload = {
         "machine": machine(),
         "settings": settings,
@@ -270,7 +276,7 @@ def main() -> None:
         "rows": rows,
         "flops_note": (
             "model_gflops_6nd = 6 x params_all (embedding included, tied output projection counted once) x tokens; "
-            "an approximation: tidal applies the output projection only on the [B, R] response grid, not at "
+            "an approximation: tidal applies the output projection only at response tokens, not at "
             "prompt positions, and 6ND ignores attention. matmul_flops = 6 x params_non_embedding x tokens + "
             "6 x params_embedding x response tokens + 6 x layers x attn_width x sum(len^2) (causal attention)."
         ),

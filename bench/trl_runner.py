@@ -59,6 +59,7 @@ class Workload:
     seed: int = 0
     threads: int = 2
     trl_dtype: str = "bfloat16"
+    tidal_dtype: str = "bfloat16"  # train.dtype: autocast is TRL's bf16=True precision recipe
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -71,6 +72,7 @@ class Workload:
             "train.global_batch_size": self.prompts * self.samples,
             "train.micro_batch_size": self.micro_batch,
             "train.lr": self.lr,
+            "train.dtype": self.tidal_dtype,
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,
@@ -124,7 +126,7 @@ def run_tidal(w: Workload, steps: int) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory(prefix="bench-tidal-") as tmp:
         cfg = _tidal_config(w, steps, tmp)
         history = train(cfg)
-    info = {"engine": cfg.rollout.engine, "rollout_dtype": cfg.rollout.dtype, "train_autocast": cfg.train.dtype}
+    info = {"engine": cfg.rollout.engine, "rollout_dtype": cfg.rollout.dtype, "train_dtype": cfg.train.dtype}
     return [_tidal_record(m) for m in history], info
 
 
@@ -337,6 +339,28 @@ def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
     res = json.loads(line[len("RESULT ") :])
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def add_run_args(p: argparse.ArgumentParser, steps: int, steps_help: str) -> None:
+    """The options every tidal-vs-TRL benchmark shares: steps, repeats, frameworks, the workload."""
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--repeats", type=int, default=1, help="runs per framework (alternating)")
+    p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    add_workload_args(p)
+
+
+def run_alternating(args: argparse.Namespace, warmup: int, describe) -> dict[str, list[dict]]:
+    """`args.repeats` rounds of one run per framework (tidal, TRL, tidal, TRL ...), so a machine
+    that slows down or speeds up mid-benchmark affects both alike; prints `describe(run)` for
+    each run as it ends. Returns the runs by framework."""
+    w = workload_from_args(args)
+    runs: dict[str, list[dict]] = {f: [] for f in args.frameworks}
+    for rep in range(args.repeats):
+        for fw in args.frameworks:
+            r = run_child(fw, w, args.steps, warmup)
+            runs[fw].append(r)
+            print(f"  run {rep + 1} {fw:<6} {describe(r)}  ({run_note(r)})", flush=True)
+    return runs
 
 
 def run_note(res: dict) -> str:
