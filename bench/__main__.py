@@ -1,9 +1,9 @@
-"""python -m bench <name> [options]: run one benchmark (see bench/README.md)."""
+"""python -m bench <name> [options]: run one benchmark (see docs/performance.md)."""
 
 import importlib
 import sys
 
-BENCHES = ("engine", "train_throughput", "scaling", "grpo_step", "learning")
+BENCHES = ("engine", "train_throughput", "scaling", "grpo_step", "learning", "profile_train")
 
 
 def main() -> None:

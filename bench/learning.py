@@ -5,10 +5,11 @@
 
 Same workload, prompts (in the same order), seed and sample budget as `bench.grpo_step` (see
 `bench.trl_runner`): 8 prompts x 4 samples per step, one optimizer step per rollout. Each
-framework runs `--steps` steps from the base model in its own process (alternating for
-`--repeats`); no warm-up step is dropped, every step counts. Prints the per-step mean reward of
-each run and the mean over the last `--last` steps. With 32 samples a step the curves are noisy:
-read a difference of a few hundredths as a tie.
+framework runs `--steps` steps from the base model in its own process, alternating for
+`--repeats`; repeat k uses sampling seed `--seed` + k, the same for both frameworks. No warm-up
+step is dropped, every step counts. Prints the per-step mean reward of each run and the mean over
+the last `--last` steps. With 32 samples a step the curves are noisy: read a difference of a few
+hundredths as a tie.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def main() -> None:
     p.add_argument("--last", type=int, default=3, help="average the reward over this many final steps")
     args = p.parse_args()
     w = workload_from_args(args)
-    runs = run_alternating(args, 0, lambda r: "rewards " + " ".join(f"{x:.2f}" for x in curve(r)))
+    runs = run_alternating(
+        args, 0, lambda r: "rewards " + " ".join(f"{x:.2f}" for x in curve(r)), new_seed_per_repeat=True
+    )
 
     by = {fw: summarize(rs, args.last) for fw, rs in runs.items()}
     print_table(by, args.last)

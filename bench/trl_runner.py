@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
@@ -349,15 +349,22 @@ def add_run_args(p: argparse.ArgumentParser, steps: int, steps_help: str) -> Non
     add_workload_args(p)
 
 
-def run_alternating(args: argparse.Namespace, warmup: int, describe) -> dict[str, list[dict]]:
+def run_alternating(
+    args: argparse.Namespace, warmup: int, describe, new_seed_per_repeat: bool = False
+) -> dict[str, list[dict]]:
     """`args.repeats` rounds of one run per framework (tidal, TRL, tidal, TRL ...), so a machine
     that slows down or speeds up mid-benchmark affects both alike; prints `describe(run)` for
-    each run as it ends. Returns the runs by framework."""
+    each run as it ends. With `new_seed_per_repeat`, round k uses seed `args.seed + k` (the
+    sampling and training seeds; the prompt order stays), so repeats are independent samples
+    rather than replays.
+    Returns the runs by framework."""
     w = workload_from_args(args)
     runs: dict[str, list[dict]] = {f: [] for f in args.frameworks}
     for rep in range(args.repeats):
+        wr = replace(w, seed=w.seed + rep) if new_seed_per_repeat else w
         for fw in args.frameworks:
-            r = run_child(fw, w, args.steps, warmup)
+            r = run_child(fw, wr, args.steps, warmup)
+            r["seed"] = wr.seed
             runs[fw].append(r)
             print(f"  run {rep + 1} {fw:<6} {describe(r)}  ({run_note(r)})", flush=True)
     return runs
