@@ -29,7 +29,7 @@ GROUPS = {
     ),
     "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::index_select", "aten::index_add_"),
     "vocabulary softmax": ("aten::_log_softmax", "aten::_log_softmax_backward_data"),
-    "AdamW": ("aten::_fused_adamw_",),
+    "AdamW": ("aten::_fused_adamw_",),  # the optimizer phase also holds grad clipping and the copy sync
 }
 
 

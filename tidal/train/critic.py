@@ -40,7 +40,11 @@ class Critic:
             lm.gradient_checkpointing_enable()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=algo.critic_lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay
+            self.params,
+            lr=algo.critic_lr,
+            betas=tuple(train.adam_betas),
+            weight_decay=train.weight_decay,
+            fused=True,
         )
 
     def _autocast(self):
