@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,3 +41,17 @@ def write_result(name: str, payload: dict) -> Path:
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)
     return path
+
+
+def run_measurement(cmd: list[str], what: str) -> dict:
+    """Run one measurement `cmd` in a fresh process and return the JSON of its `RESULT {json}`
+    stdout line, with `process_seconds` (its wall time) added; exit naming `what` and showing the
+    end of its stderr when it prints none."""
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    res = json.loads(line[len("RESULT ") :])
+    res["process_seconds"] = time.perf_counter() - t0
+    return res

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
 import torch
 
-from bench.common import machine, peak_rss_mb, write_result
+from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 
 def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
@@ -141,11 +140,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
             for k in ("prompts", "max_new_tokens", "level", "seed", "threads"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{impl} (samples {n}) failed:\n{out.stderr[-3000:]}")
-            r = json.loads(line[len("RESULT ") :])
+            r = run_measurement(cmd, f"{impl} (samples {n})")
             r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
             rows.append(r)
             print(f"  {impl:<12} n={n:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s", flush=True)

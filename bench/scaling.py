@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine, peak_rss_mb, write_result
+from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
 SWEEPS = ("rollout_n", "rollout_len", "grpo_step")
@@ -144,14 +143,7 @@ def run_child(sweep: str, n: int, max_new: int, args) -> dict:
     cmd = [sys.executable, "-m", "bench", "scaling", "--child", sweep, "--n", str(n), "--max-new", str(max_new)]
     cmd += ["--prompts", str(args.prompts), "--seed", str(args.seed), "--threads", str(args.threads)]
     cmd += ["--grpo-set", *args.grpo_set] if args.grpo_set else []
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"{sweep} n={n} max_new={max_new} failed:\n{out.stderr[-3000:]}")
-    res = json.loads(line[len("RESULT ") :])
-    res["process_seconds"] = time.perf_counter() - t0
-    return res
+    return run_measurement(cmd, f"{sweep} n={n} max_new={max_new}")
 
 
 def fit(xs: list[float], ys: list[float]) -> dict:

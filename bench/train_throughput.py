@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 import torch
 
-from bench.common import machine, peak_rss_mb, write_result
+from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 LAYOUTS = ("padded", "packed", "budget", "packed_autocast")
 
@@ -182,14 +181,7 @@ def run_child(layout: str, args) -> dict:
     for k in ("samples", "micro_batch_size", "budget", "steps", "seed", "threads", "matmul_size"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--prompt-len", *map(str, args.prompt_len), "--response-len", *map(str, args.response_len)]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"{layout} failed:\n{out.stderr[-3000:]}")
-    res = json.loads(line[len("RESULT ") :])
-    res["process_seconds"] = time.perf_counter() - t0
-    return res
+    return run_measurement(cmd, layout)
 
 
 def derive(r: dict, mm: dict) -> None:

@@ -35,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+from bench.common import run_measurement
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
 FRAMEWORKS = ("tidal", "trl")
@@ -331,13 +332,8 @@ def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
     for k, v in asdict(w).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"{framework} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
-    res = json.loads(line[len("RESULT ") :])
-    res["wall_s"] = time.perf_counter() - t0
+    res = run_measurement(cmd, f"{framework} run")
+    res["wall_s"] = res["process_seconds"]  # the name grpo_step/learning JSON has always used
     return res
 
 
