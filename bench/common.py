@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import resource
 import subprocess
@@ -18,10 +17,12 @@ def machine() -> dict:
     import torch
     import transformers
 
+    from tidal.hardware import cpu_info
+
+    # the CPU model, the capability torch dispatches to and whether bf16 is native: figures from
+    # an AVX2-only CPU and from one with AVX512-BF16 are not comparable
     return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **cpu_info(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

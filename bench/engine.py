@@ -5,7 +5,8 @@
 
 Each measurement runs in its own subprocess (so peak memory is that run's alone), alternating
 the engines, after one warm-up batch in the same process. Workload: `env:arithmetic` prompts
-through SmolLM2-135M-Instruct's chat template, temperature 1, bf16. The engines:
+through SmolLM2-135M-Instruct's chat template, temperature 1, both engines in `--dtype` (auto:
+bf16 where the CPU computes it natively, else fp32). The engines:
 
 - `hf_generate`: one `model.generate(do_sample=True, num_return_sequences=n)` over the
   left-padded prompts; the batch runs until its longest sample ends (EOS-padded rows keep going).
@@ -37,10 +38,12 @@ def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
     return [r.input_ids for r in records]
 
 
-def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed) -> dict:
+def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    from tidal.hardware import TORCH_DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype]).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad)
@@ -78,12 +81,12 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed) -> dict:
     return {"useful_tokens": useful, "seconds": time.perf_counter() - t0, "decode_steps": steps}
 
 
-def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed) -> dict:
+def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.sampling import SamplingParams
     from tidal.rollout.manager import sample_seed
 
-    engine = LLMEngine(model_dir, tokenizer, dtype="bfloat16")
+    engine = LLMEngine(model_dir, tokenizer, dtype=dtype)
     batch, params = [], []
     for g, p in enumerate(prompts):
         for j in range(n):
@@ -114,8 +117,8 @@ def child(args) -> None:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = _prompts(tok, args.prompts, args.level)
     run = _run_tidal if args.impl == "tidal" else _run_hf
-    res = run(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed)
-    res.update(impl=args.impl, samples=args.child_samples, peak_rss_mb=peak_rss_mb())
+    res = run(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype)
+    res.update(impl=args.impl, samples=args.child_samples, dtype=args.dtype, peak_rss_mb=peak_rss_mb())
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -127,18 +130,22 @@ def main() -> None:
     p.add_argument("--level", type=int, default=3, help="env:arithmetic level of the prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"), help="both engines' weights")
     p.add_argument("--impls", nargs="+", default=["hf_generate", "tidal"])
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--child-samples", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.impl:
         return child(args)
+    from tidal.hardware import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, "bench engine --dtype").dtype  # the children run exactly this
 
     rows = []
     for n in args.samples:
         for impl in args.impls:  # alternating, each in a fresh process
             cmd = [sys.executable, "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
-            for k in ("prompts", "max_new_tokens", "level", "seed", "threads"):
+            for k in ("prompts", "max_new_tokens", "level", "seed", "threads", "dtype"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             r = run_measurement(cmd, f"{impl} (samples {n})")
             r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
@@ -165,5 +172,6 @@ def main() -> None:
                 f"batch time x{ratios[n]['batch_time']:.2f} faster"
             )
     settings = {k: v for k, v in vars(args).items() if k not in ("impl", "child_samples")}
-    path = write_result("engine", {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios})
+    payload = {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios}
+    path = write_result(f"engine_{args.dtype}", payload)
     print(f"wrote {path}")

@@ -60,8 +60,10 @@ def timed_phases(actor, samples, adv) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="profile one tidal train step (SmolLM2, quickstart-shaped batch)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "autocast", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "autocast", "float32"))
     p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--group", type=int, default=4, help="samples per prompt (a GRPO group shares its prompt)")
+    p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
@@ -72,9 +74,11 @@ def main() -> None:
     from tidal.train.actor import Actor
 
     torch.set_num_threads(args.threads)
-    cfg = TrainConfig(global_batch_size=args.samples, micro_batch_size=8, lr=1e-6, dtype=args.dtype)
+    cfg = TrainConfig(
+        global_batch_size=args.samples, micro_batch_size=8, lr=1e-6, dtype=args.dtype, share_prompts=args.share_prompts
+    )
     actor = Actor(ensure_model("smollm2"), cfg, AlgoConfig(), pad_id=2)
-    samples = synthetic_samples(args.samples, (45, 60), (10, 48), 0, actor.model.config.vocab_size)
+    samples = synthetic_samples(args.samples, (45, 60), (10, 48), 0, actor.model.config.vocab_size, args.group)
     adv = torch.randn(args.samples, generator=torch.Generator().manual_seed(0))
     for _ in range(args.warmup):
         actor.train_step(samples, adv)
@@ -91,7 +95,7 @@ def main() -> None:
     groups["everything else"] = total / 1e6 - sum(groups.values())
 
     tokens = sum(len(s.tokens) for s in samples)
-    print(f"\none train step, {args.samples} samples, {tokens} tokens, train.dtype {args.dtype}")
+    print(f"\none train step, {args.samples} samples, {tokens} tokens, train.dtype {args.dtype} -> {actor.dtype}")
     print("phase             seconds")
     for k, v in phases.items():
         print(f"{k:<18}{v:>7.2f}")
@@ -103,6 +107,7 @@ def main() -> None:
         print(f"{o['op'][:57]:<58}{o['self_s']:>8.2f}{100 * o['self_s'] / (total / 1e6):>7.1f}%{o['calls']:>7}")
     payload = {
         "machine": machine(),
+        "train_dtype": actor.dtype,
         "settings": {**vars(args), "tokens": tokens, "model": "smollm2", "micro_batch_size": 8, "packing": True},
         "phases_s": phases,
         "profiled_self_cpu_s": total / 1e6,

@@ -40,17 +40,30 @@ from bench.common import machine, peak_rss_mb, run_measurement, write_result
 LAYOUTS = ("padded", "packed", "budget", "packed_autocast")
 
 
-def synthetic_samples(n: int, prompt_range, response_range, seed: int, vocab: int) -> list:
-    """`n` samples of random non-special token ids with lengths drawn uniformly from the ranges."""
+def synthetic_samples(n: int, prompt_range, response_range, seed: int, vocab: int, group: int = 1) -> list:
+    """`n` samples of random non-special token ids with lengths drawn uniformly from the ranges;
+    each run of `group` consecutive samples shares one prompt (a GRPO group)."""
     from tidal.types import Sample
 
     rng = random.Random(seed)
     out = []
+    prompt: list[int] = []
     for i in range(n):
-        p, r = rng.randint(*prompt_range), rng.randint(*response_range)
-        tokens = [rng.randrange(32, vocab) for _ in range(p + r)]
+        if i % group == 0:
+            prompt = [rng.randrange(32, vocab) for _ in range(rng.randint(*prompt_range))]
+        r = rng.randint(*response_range)
+        tokens = prompt + [rng.randrange(32, vocab) for _ in range(r)]
         lps = [-rng.uniform(0.1, 3.0) for _ in range(r)]
-        out.append(Sample(tokens=tokens, response_length=r, loss_mask=[1] * r, rollout_log_probs=lps, index=i))
+        out.append(
+            Sample(
+                tokens=tokens,
+                response_length=r,
+                loss_mask=[1] * r,
+                rollout_log_probs=lps,
+                index=i,
+                group_index=i // group,
+            )
+        )
     return out
 
 

@@ -59,8 +59,10 @@ class Workload:
     temperature: float = 1.0
     seed: int = 0
     threads: int = 2
-    trl_dtype: str = "bfloat16"
-    tidal_dtype: str = "bfloat16"  # train.dtype: autocast is TRL's bf16=True precision recipe
+    # auto: each side in the best dtype the machine computes natively (bf16 only with AVX512-BF16/AMX)
+    trl_dtype: str = "auto"  # bfloat16 = TRL's bf16=True (autocast over fp32 weights) | float32
+    tidal_dtype: str = "auto"  # train.dtype; autocast is TRL's bf16=True precision recipe
+    rollout_dtype: str = "auto"  # tidal's rollout.dtype
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -74,6 +76,7 @@ class Workload:
             "train.micro_batch_size": self.micro_batch,
             "train.lr": self.lr,
             "train.dtype": self.tidal_dtype,
+            "rollout.dtype": self.rollout_dtype,
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,
@@ -127,7 +130,12 @@ def run_tidal(w: Workload, steps: int) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory(prefix="bench-tidal-") as tmp:
         cfg = _tidal_config(w, steps, tmp)
         history = train(cfg)
-    info = {"engine": cfg.rollout.engine, "rollout_dtype": cfg.rollout.dtype, "train_dtype": cfg.train.dtype}
+        resolved = json.loads((Path(tmp) / "config.json").read_text())["resolved"]
+    info = {
+        "engine": cfg.rollout.engine,
+        "rollout_dtype": resolved["rollout.dtype"]["dtype"],
+        "train_dtype": resolved["train.dtype"]["dtype"],
+    }
     return [_tidal_record(m) for m in history], info
 
 
@@ -163,6 +171,13 @@ def math_reward(completions, label, **kwargs) -> list[float]:
     return [math_verify(c[-1]["content"], y) for c, y in zip(completions, label, strict=True)]
 
 
+def trl_dtype(w: Workload) -> str:
+    """TRL's precision: `auto` is bf16 autocast where the CPU computes bf16 natively, else fp32."""
+    from tidal.hardware import resolve_dtype
+
+    return resolve_dtype(w.trl_dtype, "trl dtype").dtype
+
+
 def trl_config(w: Workload, steps: int, out_dir: str):
     """GRPOConfig with the workload's batch shape (see the module docstring)."""
     from trl import GRPOConfig
@@ -173,7 +188,7 @@ def trl_config(w: Workload, steps: int, out_dir: str):
     return GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
-        bf16=w.trl_dtype == "bfloat16",
+        bf16=trl_dtype(w) == "bfloat16",
         model_init_kwargs={"dtype": "float32"},  # fp32 master weights, like tidal
         per_device_train_batch_size=w.micro_batch,
         gradient_accumulation_steps=per_step // w.micro_batch,
@@ -283,6 +298,7 @@ def run_trl(w: Workload, steps: int) -> tuple[list[dict], dict]:
         trainer.recorder = recorder
         trainer.train()
     info = {
+        "dtype": trl_dtype(w),
         "weights_dtype": str(trainer.model.dtype),
         "mixed_precision": trainer.accelerator.mixed_precision,
         # accelerate wraps forward in autocast, so HF generate inside TRL runs under it too

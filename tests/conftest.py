@@ -115,3 +115,9 @@ def token_parity_reward(sample) -> float:
     """A reward a random tiny model earns about half the time, so GRPO has signal in loop tests
     (used as `rollout.reward: conftest:token_parity_reward`)."""
     return float(sample.response_tokens[0] % 2 == 0)
+
+
+def token_sum_parity_reward(sample) -> float:
+    """Like `token_parity_reward`, over the whole response: a real model's first token is often
+    the same in every sample of a group, the parity of the sum almost never is."""
+    return float(sum(sample.response_tokens) % 2 == 0)

@@ -333,8 +333,8 @@ def test_validate_micro_batch_larger_than_global():
 @pytest.mark.parametrize(
     "group, key, value, message",
     [
-        ("train", "dtype", "float16", "train.dtype: one of bfloat16, autocast, float32, got 'float16'"),
-        ("rollout", "dtype", "fp8", "rollout.dtype: bfloat16 or float32, got 'fp8'"),
+        ("train", "dtype", "float16", "train.dtype: one of auto, bfloat16, autocast, float32, got 'float16'"),
+        ("rollout", "dtype", "fp8", "rollout.dtype: one of auto, bfloat16, float32, got 'fp8'"),
         ("algo", "kl_kind", "k4", "algo.kl_kind: k1, k2 or k3, got 'k4'"),
         (
             "algo",

@@ -60,7 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="local HF model folder or smollm2")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype")
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="weights dtype (default: auto = bfloat16 where the hardware computes it natively, else float32)",
+    )
     s.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache size in tokens (default: 32768)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once (default: 256)")
     s.add_argument("--max-model-len", type=int, help="context length (default: the model's)")

@@ -54,7 +54,10 @@ class RolloutConfig:
     stop: list = _opt([], "stop strings")
     stop_token_ids: list = _opt([], "extra stop token ids (the tokenizer's eos always stops)")
     seed: int = _opt(0, "base seed; each sample's seed is derived from it, the step and its index")
-    dtype: str = _opt("bfloat16", "engine weights dtype: bfloat16 or float32")
+    dtype: str = _opt(
+        "auto",
+        "engine weights: auto (bfloat16 where the hardware computes it natively, else float32) | bfloat16 | float32",
+    )
     engine: str = _opt(
         "tidal", "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote"
     )
@@ -80,7 +83,8 @@ ESTIMATORS = (
 )
 POLICY_LOSSES = ("auto", "ppo", "gspo", "cispo")
 AGGREGATE_MODES = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-TRAIN_DTYPES = ("bfloat16", "autocast", "float32")
+TRAIN_DTYPES = ("auto", "bfloat16", "autocast", "float32")
+ROLLOUT_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def _is_dotted(name: str) -> bool:
@@ -140,14 +144,23 @@ class TrainConfig:
         0, "pack micro-batches first-fit up to this many tokens instead of micro_batch_size samples (0 = off)"
     )
     packing: bool = _opt(True, "concatenate a micro-batch's sequences into one row without padding")
+    share_prompts: bool = _opt(
+        True, "packing: a micro-batch stores a group's shared prompt once (same log-probs, fewer tokens to compute)"
+    )
+    skip_zero_advantage: bool = _opt(
+        True,
+        "do not compute samples whose loss is exactly 0 (advantage 0 on every token, no KL or entropy term): "
+        "the same gradient, less compute",
+    )
     lr: float = _opt(1e-6, "AdamW learning rate")
     warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     adam_betas: list = _opt([0.9, 0.999], "AdamW betas")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
     dtype: str = _opt(
-        "bfloat16",
-        "compute precision, weights and AdamW stay fp32: bfloat16 (a bf16 copy computes), autocast or float32",
+        "auto",
+        "compute precision, weights and AdamW stay fp32: auto (bfloat16 where the hardware computes it natively, "
+        "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
@@ -389,7 +402,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(r.temperature >= 0, f"rollout.temperature: must be >= 0, got {r.temperature}")
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
-    need(r.dtype in ("bfloat16", "float32"), f"rollout.dtype: bfloat16 or float32, got {r.dtype!r}")
+    need(r.dtype in ROLLOUT_DTYPES, f"rollout.dtype: one of {', '.join(ROLLOUT_DTYPES)}, got {r.dtype!r}")
     need(r.engine in ("tidal", "hf", "remote"), f"rollout.engine: tidal, hf or remote, got {r.engine!r}")
     need(
         r.engine != "remote" or (r.engine_urls and all(isinstance(u, str) for u in r.engine_urls)),

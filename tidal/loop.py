@@ -15,6 +15,7 @@ for step in steps:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
 from tidal.engine.base import Engine
 from tidal.engine.factory import make_engine
+from tidal.hardware import cpu_info, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.manager import RolloutManager
 from tidal.rollout.rewards import scalar_reward
@@ -146,6 +148,21 @@ def collect(
     return out, metrics
 
 
+def resolve_precision(cfg: Config) -> tuple[Config, dict]:
+    """`cfg` with `rollout.dtype` and `train.dtype` resolved from the hardware (`auto`: bf16 only
+    where it is native), and a record of each choice, its reason and the CPU, for config.json."""
+    record: dict = {"machine": cpu_info()}
+    groups = {}
+    for group, name in (("rollout", "dtype"), ("train", "dtype")):
+        field_name = f"{group}.{name}"
+        requested = getattr(getattr(cfg, group), name)
+        choice = resolve_dtype(requested, field_name)
+        log.info("%s: %s (%s)", field_name, choice.dtype, choice.reason)
+        record[field_name] = {"requested": requested, **choice.to_dict()}
+        groups[group] = dataclasses.replace(getattr(cfg, group), **{name: choice.dtype})
+    return dataclasses.replace(cfg, **groups), record
+
+
 def train(cfg: Config, resume: bool = False) -> list[dict]:
     """Run `cfg.train.num_steps` steps of RL (or SFT when `algo.mode` is sft), continuing from the
     latest checkpoint when `resume`. Returns the metrics history."""
@@ -157,7 +174,9 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
     torch.manual_seed(t_cfg.seed)
     out_dir = Path(t_cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "config.json", cfg.to_dict())
+    cfg, precision = resolve_precision(cfg)
+    atomic_write_json(out_dir / "config.json", {**cfg.to_dict(), "resolved": precision})
+    t_cfg, r_cfg = cfg.train, cfg.rollout
 
     model_dir = ensure_model(t_cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

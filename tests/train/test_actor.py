@@ -58,7 +58,72 @@ def test_gradient_is_identical_for_any_micro_batch_size(algo):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
         for k in ("loss/pg", "actor/grad_norm", "actor/entropy", "actor/clip_frac"):
             assert m[k] == pytest.approx(base_m[k], rel=1e-5, abs=1e-7), k
-    assert base_m["actor/tokens"] == sum(sum(s.loss_mask) for s in samples)
+    # the sample with advantage 0 is skipped unless a KL or entropy term gives it a loss
+    skipped = 0 if algo else 1
+    assert base_m["actor/skipped_samples"] == skipped
+    assert base_m["actor/tokens"] == sum(sum(s.loss_mask) for s in samples) - skipped * sum(samples[5].loss_mask)
+
+
+def grads_and_metrics(actor, samples, adv, steps=1):
+    """Gradients seen by the optimizer at each step, the metrics, and the parameters after."""
+    grads = []
+    step = actor.optimizer.step
+
+    def record(*a, **kw):
+        grads.append([p.grad.detach().clone() for p in actor.params])
+        return step(*a, **kw)
+
+    actor.optimizer.step = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        metrics = [actor.train_step(samples, adv) for _ in range(steps)]
+    return grads, metrics, [p.detach().clone() for p in actor.params]
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+def test_skipping_zero_advantage_samples_keeps_gradient_metrics_and_update(loss):
+    samples = make_samples()
+    adv = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, -1.0, 0.0, 0.25])
+    runs = {}
+    for skip in (True, False):
+        cfg = TrainConfig(micro_batch_size=3, global_batch_size=8, lr=1e-3, dtype="float32", skip_zero_advantage=skip)
+        actor = Actor(make_model(seed=0), cfg, AlgoConfig(policy_loss=loss), temperature=0.8)
+        runs[skip] = grads_and_metrics(actor, samples, adv, steps=2)
+    (g_skip, m_skip, p_skip), (g_all, m_all, p_all) = runs[True], runs[False]
+    assert m_skip[0]["actor/skipped_samples"] == 4 and m_all[0]["actor/skipped_samples"] == 0
+    for a, b in zip(g_skip[0] + g_skip[1], g_all[0] + g_all[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    for a, b in zip(p_skip, p_all, strict=True):  # AdamW divides by sqrt(v): float noise on tiny gradients
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for k in ("loss/pg", "actor/grad_norm"):
+        assert m_skip[1][k] == pytest.approx(m_all[1][k], rel=1e-5, abs=1e-8), k
+
+
+def test_a_batch_with_no_signal_still_takes_the_adamw_step():
+    """All advantages 0: nothing is computed, yet AdamW's step (momentum from the step before,
+    weight decay) moves the weights exactly as with the zero gradient computed."""
+    samples = make_samples()
+    first = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    after = {}
+    for skip in (True, False):
+        cfg = TrainConfig(
+            micro_batch_size=4,
+            global_batch_size=8,
+            lr=1e-3,
+            dtype="float32",
+            weight_decay=0.1,
+            skip_zero_advantage=skip,
+        )
+        actor = Actor(make_model(seed=0), cfg, AlgoConfig(), temperature=0.8)
+        actor.train_step(samples, first)
+        before = [p.detach().clone() for p in actor.params]
+        m = actor.train_step(samples, torch.zeros(8))
+        assert m["actor/skipped_samples"] == (8 if skip else 0)
+        assert m["loss/pg"] == 0.0 and m["actor/grad_norm"] == 0.0
+        assert any(not torch.equal(a, b) for a, b in zip(before, actor.params, strict=True))
+        after[skip] = [p.detach().clone() for p in actor.params]
+    for a, b in zip(after[True], after[False], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_on_policy_first_step_loss_is_minus_token_mean_advantage():

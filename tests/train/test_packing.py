@@ -258,3 +258,73 @@ def test_supports_packing():
     bidirectional = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa", is_causal=False))
     assert not supports_packing(bidirectional)
     assert not supports_packing(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ shared prompts
+def grouped_samples(groups=3, n=4, seed=0, vocab=320):
+    """GRPO-like: `groups` prompts with `n` responses each (one empty, one with a masked span)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        p = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+        for j in range(n):
+            r = 0 if (g, j) == (1, 2) else rng.randrange(1, 11)
+            mask = [1] * r
+            if r > 4 and j == 1:
+                mask[1:3] = [0, 0]
+            out.append(sample(p, [rng.randrange(vocab) for _ in range(r)], mask, index=g * n + j))
+    return out
+
+
+def test_shared_prompts_store_each_prompt_once():
+    p, q = [5, 6, 7], [9, 8]
+    samples = [sample(p, [1, 2]), sample(p, [3]), sample(q, [4, 4, 4]), sample(p, [7, 7])]
+    batch = collate_packed(samples, share_prompts=True)
+    # p + [1, 2], then [3] continuing p, then q + [4, 4, 4], then [7, 7] continuing p
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 2, 3, 9, 8, 4, 4, 4, 7, 7]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4, 3, 4]]
+    # each response token is predicted from the row position of the token before it in its sample
+    assert batch["response_index"].tolist() == [[2, 3, 0], [2, 0, 0], [7, 8, 9], [2, 11, 0]]
+    lay = batch["layout"]
+    assert (lay.batch, lay.length) == (4, 5)
+    # sample 1's padded view: the shared prompt's positions, then its own token
+    assert lay.to_padded.view(4, 5)[1, :4].tolist() == [0, 1, 2, 5]
+    # every row position is computed by exactly one sample: the prompt by the first that holds it
+    owner = (lay.to_packed // lay.length).tolist()
+    assert owner == [0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompts_give_the_unshared_log_probs_and_gradients(dtype):
+    from tidal.train.attention import use_packed_attention
+
+    model = make_model()
+    assert use_packed_attention(model)
+    model.to(dtype)
+    samples = grouped_samples()
+    ok = valid_mask(samples, max(s.response_length for s in samples))
+    plain = collate_packed(samples)
+    shared = collate_packed(samples, share_prompts=True)
+    assert shared["input_ids"].shape[1] < plain["input_ids"].shape[1]
+    got = {}
+    for name, batch in (("plain", plain), ("shared", shared)):
+        lp = response_log_probs(model, packed_response_hidden(model.base_model, batch), batch)
+        got[name] = (lp, grads_of(model, (lp * batch["loss_mask"]).sum()))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got["shared"][0][ok], got["plain"][0][ok], atol=tol, rtol=0)
+    assert_grads_close(got["shared"][1], got["plain"][1], rel=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_shared_prompts_need_the_packed_attention():
+    model = make_model(attn_implementation="sdpa")
+    batch = collate_packed(grouped_samples(), share_prompts=True)
+    with pytest.raises(ValueError, match="needs the tidal_packed attention"):
+        packed_response_hidden(model.base_model, batch)
+
+
+def test_token_budget_counts_a_shared_prompt_once():
+    lengths = [10, 10, 10, 10]  # prompt 6 + response 4 each, one prompt
+    prompts = [("p", 6)] * 4
+    assert token_budget_batches(lengths, 20) == [[0, 1], [2, 3]]
+    assert token_budget_batches(lengths, 20, prompts) == [[0, 1, 2], [3]]  # 10 + 4 + 4 = 18
+    assert token_budget_batches(lengths, 22, prompts) == [[0, 1, 2, 3]]  # 10 + 3 * 4 = 22

@@ -18,8 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from tidal.engine.base import GenerationOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
 from tidal.engine.weights import load_named_tensors, read_safetensors_dir
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from tidal.hardware import weights_dtype
 
 
 class HFEngine:
@@ -29,14 +28,16 @@ class HFEngine:
         self,
         model: str | Path | torch.nn.Module,
         tokenizer=None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         device: str = "cpu",
         max_context: int | None = None,
     ) -> None:
         if isinstance(model, torch.nn.Module):
             self.model = model
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=DTYPES[dtype])
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(model), dtype=weights_dtype(dtype, "engine dtype", device)
+            )
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.tokenizer = tokenizer

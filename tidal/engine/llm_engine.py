@@ -28,13 +28,12 @@ from tidal.engine.sampling import SamplingParams, sample_tokens
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
 from tidal.engine.weights import load_named_tensors, read_safetensors_dir
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from tidal.hardware import TORCH_DTYPES, weights_dtype
 
 
 @dataclass
 class EngineConfig:
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
     block_size: int = 16
     kv_cache_tokens: int = 32768  # the memory budget: token slots across all blocks
     max_num_seqs: int = 256  # sequences decoding at once
@@ -42,8 +41,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
 
     def validate(self) -> EngineConfig:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"engine dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *TORCH_DTYPES):
+            raise ValueError(f"engine dtype must be one of auto, {', '.join(TORCH_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
@@ -80,10 +79,11 @@ class LLMEngine:
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
         self.cfg = cfg.validate()
+        dtype = weights_dtype(cfg.dtype, "engine dtype")
         if isinstance(model, torch.nn.Module):
-            self.model = model.to(DTYPES[cfg.dtype])
+            self.model = model.to(dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=DTYPES[cfg.dtype])
+            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         self.model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)

@@ -6,7 +6,8 @@ gradient however the batch is cut into micro-batches or packed.
 
 Precision (`train.dtype`): the weights the optimizer updates, saves and syncs are always fp32.
 `bfloat16` computes forward and backward on a bf16 copy of them (`tidal.train.precision`);
-`autocast` computes under bf16 autocast over the fp32 weights; `float32` computes in fp32.
+`autocast` computes under bf16 autocast over the fp32 weights; `float32` computes in fp32; `auto`
+is `bfloat16` where the hardware computes bf16 natively, else `float32` (`tidal.hardware`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tidal.algo import (
     policy_loss,
 )
 from tidal.config import AlgoConfig, TrainConfig, resolved_loss_agg, resolved_policy_loss
+from tidal.hardware import resolve_dtype
 from tidal.train.attention import use_packed_attention
 from tidal.train.estimate import response_mask
 from tidal.train.forward import Forward
@@ -82,8 +84,9 @@ class Actor:
         self.model.train()
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.dtype = resolve_dtype(train.dtype, "train.dtype").dtype
         # `model` holds the fp32 master weights; `compute` is the model forward/backward run on
-        self.mixed = Bf16Compute(self.model) if train.dtype == "bfloat16" else None
+        self.mixed = Bf16Compute(self.model) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.model
         self.fwd = Forward(train, self.compute, pad_id)
         self.loss_name = "sft" if algo.mode == "sft" else resolved_policy_loss(algo)
@@ -120,7 +123,7 @@ class Actor:
 
     # ---------------------------------------------------------------- forward
     def _autocast(self):
-        if self.cfg.dtype != "autocast":
+        if self.dtype != "autocast":
             return contextlib.nullcontext()
         return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
 
@@ -131,7 +134,7 @@ class Actor:
         until the outermost region exits, so each weight (the 28M-parameter embedding included)
         is cast once per optimizer step instead of once per micro-batch; the weights only change at
         `optimizer.step()`, after the region has closed."""
-        if self.cfg.dtype != "autocast":
+        if self.dtype != "autocast":
             yield
             return
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
@@ -220,20 +223,33 @@ class Actor:
         want_entropy = self.algo.entropy_coef > 0
 
         sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
 
         def add(key: str, value: float, weight: float) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
+            weights[key] = weights.get(key, 0.0) + weight
 
         tokens = 0.0
         grad_norms = []
+        # samples whose loss is exactly zero pass no gradient: not computing them is exact
+        active = self._contributes(mask_all, advantages, kl_loss or want_entropy)
+        skipped = 0
         self.compute.train()
         for u in range(n_updates):
             chunk = list(range(u * gbs, (u + 1) * gbs))
             norm = batch_normalizers(mask_all[chunk], self.agg, self.max_response_len)
             self.optimizer.zero_grad(set_to_none=True)
+            live = [i for i in chunk if active[i]]
+            skipped += len(chunk) - len(live)
+            # the skipped tokens' policy loss is exactly 0: they count in its mean
+            add(
+                "loss/sft" if self.loss_name == "sft" else "loss/pg",
+                0.0,
+                float(mask_all[chunk].sum() - mask_all[live].sum()),
+            )
             with self._one_cast_per_update():
-                for pos in self.fwd.plan([samples[i] for i in chunk]):
-                    idx = [chunk[p] for p in pos]
+                for pos in self.fwd.plan([samples[i] for i in live]):
+                    idx = [live[p] for p in pos]
                     batch = self.fwd.collate([samples[i] for i in idx])
                     mask = batch["loss_mask"]
                     r = mask.shape[1]
@@ -277,23 +293,39 @@ class Actor:
                             diff = (logp.detach() - batch["rollout_log_probs"]).abs()
                             add("actor/rollout_logprob_abs_diff", float(aggregate(diff, mask)), n_tok)
                     tokens += n_tok
+            for p in self.params:  # a fully skipped batch still takes its (zero-gradient) AdamW step
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
             self.optimizer.step()
             self.scheduler.step()
             if self.mixed is not None:
                 self.mixed.sync()
-        t = max(tokens, 1.0)
-        metrics = {k: v / t for k, v in sums.items()}
+        metrics = {k: v / max(weights[k], 1.0) for k, v in sums.items()}
         metrics.update(
             {
                 "actor/grad_norm": sum(grad_norms) / len(grad_norms),
                 "actor/lr": self.scheduler.get_last_lr()[0],
                 "actor/updates": float(n_updates),
                 "actor/tokens": tokens,
+                "actor/skipped_samples": float(skipped),
             }
         )
         return metrics
+
+    def _contributes(self, mask: Tensor, advantages: Tensor | None, extra_terms: bool) -> list[bool]:
+        """Per sample: whether its loss can be non-zero. A sample with no loss token never can; with
+        `train.skip_zero_advantage`, neither can one whose advantage is 0 on every loss token under a
+        built-in policy loss with no KL or entropy term (each of them is A times a function of
+        the ratio, so its value and gradient are exactly 0)."""
+        has_tokens = mask.sum(dim=1) > 0
+        if not self.cfg.skip_zero_advantage:
+            return [True] * mask.shape[0]
+        keep = has_tokens
+        if advantages is not None and not extra_terms and self.loss_name in ("ppo", "gspo", "cispo"):
+            keep = keep & ((advantages * mask) != 0).any(dim=1)
+        return keep.tolist()
 
     # ---------------------------------------------------------------- weights / state
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

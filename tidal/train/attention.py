@@ -63,6 +63,29 @@ def packed_layout(position_ids: Tensor) -> PackedLayout:
     return PackedLayout(batch, length, to_padded, to_packed)
 
 
+def shared_prefix_layout(rows: list[list[int]], owned: list[list[int]], row_length: int) -> PackedLayout:
+    """The layout of a row in which samples share stored tokens (a group's prompt, stored once).
+
+    `rows[b]`: the row positions of sample b's tokens in order (its prompt's, then its own);
+    `owned[b]`: the offsets into `rows[b]` whose attention output sample b provides. Every row
+    position must be owned by exactly one sample; the others attend over the same keys and values
+    (duplicated in the padded view, so their gradients add up) and their outputs are dropped.
+    Exact: a position's keys are its sample's earlier tokens, which are the same tokens whichever
+    sample holds the shared ones."""
+    batch, length = len(rows), max(len(r) for r in rows)
+    to_padded = torch.empty(batch * length, dtype=torch.long)
+    to_packed = torch.full((row_length,), -1, dtype=torch.long)
+    for b, (row, own) in enumerate(zip(rows, owned, strict=True)):
+        idx = torch.tensor(row, dtype=torch.long)
+        to_padded[b * length : (b + 1) * length] = idx[0]  # padding slots: the sample's first token
+        to_padded[b * length : b * length + len(row)] = idx
+        own_t = torch.tensor(own, dtype=torch.long)
+        to_packed[idx[own_t]] = b * length + own_t
+    if (to_packed < 0).any():
+        raise ValueError("shared_prefix_layout: some row positions belong to no sample")
+    return PackedLayout(batch, length, to_padded, to_packed)
+
+
 def _to_padded(x: Tensor, layout: PackedLayout) -> Tensor:
     """[1, heads, S, D] row → [B, heads, L, D] right-padded batch."""
     h, d = x.shape[1], x.shape[3]

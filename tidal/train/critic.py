@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tidal.algo import aggregate, value_loss
 from tidal.config import AlgoConfig, TrainConfig
+from tidal.hardware import resolve_dtype
 from tidal.train.actor import batch_normalizers
 from tidal.train.estimate import response_mask
 from tidal.train.forward import Forward
@@ -28,6 +29,7 @@ class Critic:
 
     def __init__(self, model: str | Path, train: TrainConfig, algo: AlgoConfig, pad_id: int = 0) -> None:
         self.cfg, self.algo = train, algo
+        self.dtype = resolve_dtype(train.dtype, "train.dtype").dtype
         lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
         self.fwd = Forward(train, lm, pad_id)
         head = torch.nn.Linear(lm.config.hidden_size, 1)
@@ -48,7 +50,7 @@ class Critic:
         )
 
     def _autocast(self):
-        if self.cfg.dtype == "float32":
+        if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
 

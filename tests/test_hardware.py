@@ -1,0 +1,86 @@
+"""`auto` precision follows the hardware: bf16 only where it is native (the check faked here)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.conftest import make_model
+from tidal import hardware
+from tidal.config import Config, TrainConfig
+from tidal.hardware import resolve_dtype, weights_dtype
+from tidal.loop import resolve_precision
+
+
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """Set whether the (faked) CPU computes bf16 natively; forget earlier warnings."""
+
+    def set_native(native: bool) -> None:
+        monkeypatch.setattr(hardware, "_mkldnn_bf16", lambda: native)
+        monkeypatch.setattr(hardware, "_warned", set())
+        monkeypatch.setattr(hardware, "measured_bf16_slowdown", lambda: 61.0)
+
+    return set_native
+
+
+@pytest.mark.parametrize(("native", "expected"), [(False, "float32"), (True, "bfloat16")])
+def test_auto_resolves_from_native_bf16(cpu_bf16, native, expected):
+    cpu_bf16(native)
+    for field in ("rollout.dtype", "train.dtype"):
+        choice = resolve_dtype("auto", field)
+        assert choice.dtype == expected
+        assert choice.reason.startswith("auto: ")
+    assert weights_dtype("auto", "engine dtype") == {"float32": torch.float32, "bfloat16": torch.bfloat16}[expected]
+
+
+def test_explicit_bf16_without_native_warns_once_with_the_measured_reason(cpu_bf16, caplog):
+    cpu_bf16(False)
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        first = resolve_dtype("bfloat16", "train.dtype")
+        resolve_dtype("bfloat16", "train.dtype")
+    assert first.dtype == "bfloat16"  # kept: the user asked for it
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "train.dtype: bfloat16 is slow here" in warnings[0]
+    assert "emulated" in warnings[0] and "61x slower than fp32" in warnings[0]
+
+
+def test_explicit_choices_on_native_hardware_are_kept_silently(cpu_bf16, caplog):
+    cpu_bf16(True)
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        assert resolve_dtype("float32", "rollout.dtype").dtype == "float32"
+        assert resolve_dtype("autocast", "train.dtype").dtype == "autocast"
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_weights_dtype_rejects_unknown_names():
+    with pytest.raises(ValueError, match="engine dtype: one of auto, bfloat16, float32, got 'fp16'"):
+        weights_dtype("fp16", "engine dtype")
+
+
+@pytest.mark.parametrize(("native", "expected"), [(False, "float32"), (True, "bfloat16")])
+def test_run_config_records_the_choice_and_its_reason(cpu_bf16, native, expected):
+    cpu_bf16(native)
+    cfg, record = resolve_precision(Config())
+    assert (cfg.rollout.dtype, cfg.train.dtype) == (expected, expected)
+    for field in ("rollout.dtype", "train.dtype"):
+        assert record[field]["requested"] == "auto"
+        assert record[field]["dtype"] == expected
+        assert ("emulated" in record[field]["reason"]) != native
+    assert record["machine"]["bf16_native"] is native
+    assert set(record["machine"]) >= {"cpu_model", "cpu_capability", "cores"}
+
+
+def test_actor_on_auto_computes_in_what_the_hardware_has(cpu_bf16):
+    from tidal.config import AlgoConfig
+    from tidal.train.actor import Actor
+
+    cpu_bf16(False)
+    actor = Actor(make_model(), TrainConfig(), AlgoConfig())
+    assert actor.mixed is None and next(actor.compute.parameters()).dtype == torch.float32
+    cpu_bf16(True)
+    actor = Actor(make_model(), TrainConfig(), AlgoConfig())
+    assert actor.mixed is not None and next(actor.compute.parameters()).dtype == torch.bfloat16
