@@ -35,9 +35,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def machine_kind() -> str:
+    """The kind of CPU a result belongs to, in its file name: `avx2`, `avx512-bf16`, ..."""
+    from tidal.hardware import cpu_info
+
+    info = cpu_info()
+    return str(info["cpu_capability"]).lower() + ("-bf16" if info["bf16_native"] else "")
+
+
 def write_result(name: str, payload: dict) -> Path:
+    """`bench/results/<name>-<machine kind>.json`, written atomically: each kind of CPU keeps its own."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{name}-{machine_kind()}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)

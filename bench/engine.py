@@ -173,5 +173,5 @@ def main() -> None:
             )
     settings = {k: v for k, v in vars(args).items() if k not in ("impl", "child_samples")}
     payload = {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios}
-    path = write_result(f"engine_{args.dtype}", payload)
+    path = write_result(f"engine-{args.dtype}", payload)
     print(f"wrote {path}")

@@ -73,8 +73,9 @@ def hf_greedy(model, prompt, n):
     return toks[: toks.index(2) + 1] if 2 in toks else toks
 
 
-def make_samples(n=8, seed=0):
-    """Samples with ragged prompt and response lengths and a masked (tool-output-like) span."""
+def make_samples(n=8, seed=0, group=2):
+    """Samples with ragged prompt and response lengths and a masked (tool-output-like) span;
+    each run of `group` consecutive samples shares its prompt, as a GRPO group does."""
     import random
 
     from tidal.types import Sample
@@ -82,7 +83,8 @@ def make_samples(n=8, seed=0):
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        p = [1] + [rng.randrange(3, 300) for _ in range(rng.randrange(2, 9))]
+        if i % group == 0:
+            p = [1] + [rng.randrange(3, 300) for _ in range(rng.randrange(2, 9))]
         r = rng.randrange(1, 12)
         resp = [rng.randrange(3, 300) for _ in range(r)]
         mask = [1] * r

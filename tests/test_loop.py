@@ -213,3 +213,26 @@ def test_jsonl_prompts_without_chat_template_and_stop_strings(tiny_model_dir, tm
     assert [h["step"] for h in history] == [1, 2]
     # stop strings end responses early, so few reach max_new_tokens
     assert all(h["response/length_mean"] < 32 for h in history)
+
+
+@pytest.mark.parametrize(("dtype", "shared"), [("float32", "master"), ("bfloat16", "compute")])
+def test_in_process_engine_shares_the_trainers_weights(tiny_model_dir, tmp_path, monkeypatch, dtype, shared):
+    """No second copy of the weights: the engine's parameters are the trainer's tensors (its fp32
+    master weights, or its bf16 compute copy), so a sync copies nothing and the next rollout runs
+    on exactly the updated weights."""
+    seen = {}
+    real = tidal.loop.rl_step
+
+    def spy(step, source, rollout, actor, critic, engine, cfg):
+        out = real(step, source, rollout, actor, critic, engine, cfg)
+        trainer = actor.model if shared == "master" else actor.mixed.model
+        ptrs = {n: p.data_ptr() for n, p in trainer.named_parameters()}
+        seen[step] = all(p.data_ptr() == ptrs[n] for n, p in engine.model.named_parameters())
+        seen["version"] = engine.weight_version
+        return out
+
+    monkeypatch.setattr(tidal.loop, "rl_step", spy)
+    tidal.loop.train(
+        config(tiny_model_dir, tmp_path, **{"train.num_steps": 2, "train.dtype": dtype, "rollout.dtype": dtype})
+    )
+    assert seen == {0: True, 1: True, "version": 2}

@@ -64,7 +64,11 @@ class RolloutConfig:
     engine_urls: list = _opt(
         [], "remote: URLs of running `tidal serve` (or SGLang) servers, e.g. [http://127.0.0.1:30000]"
     )
-    kv_cache_tokens: int = _opt(32768, "tidal engine: KV cache size in tokens (the memory budget)")
+    kv_cache_tokens: int = _opt(
+        0,
+        "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "
+        "rollout_batch_size x (data.max_prompt_length + n_samples_per_prompt x max_new_tokens), at most 32768)",
+    )
     max_num_seqs: int = _opt(256, "tidal engine: sequences decoded at once")
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
@@ -163,6 +167,11 @@ class TrainConfig:
         "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    logits_chunk_tokens: int = _opt(
+        1024,
+        "compute the output projection and log-softmax this many response tokens at a time, so a micro-batch's "
+        "[tokens, vocabulary] logits are never held whole (0 = all at once)",
+    )
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
     seed: int = _opt(0, "torch seed")
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
@@ -408,7 +417,10 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         r.engine != "remote" or (r.engine_urls and all(isinstance(u, str) for u in r.engine_urls)),
         "rollout.engine_urls: rollout.engine remote needs a list of server URLs",
     )
-    need(r.kv_cache_tokens >= 16, f"rollout.kv_cache_tokens: must be >= 16, got {r.kv_cache_tokens}")
+    need(
+        r.kv_cache_tokens == 0 or r.kv_cache_tokens >= 16,
+        f"rollout.kv_cache_tokens: 0 (sized from the workload) or >= 16, got {r.kv_cache_tokens}",
+    )
     need(r.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {r.max_num_seqs}")
     need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
     need(all(isinstance(s, str) and s for s in r.stop), "rollout.stop: must be a list of non-empty strings")
@@ -442,5 +454,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch: must be >= 0 (0 = off)")
     need(t.save_interval >= 0, "train.save_interval: must be >= 0")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
+    need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

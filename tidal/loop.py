@@ -207,8 +207,8 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
 
     engine = None
     if not sft:
-        engine = make_engine(r_cfg, model_dir, tokenizer)
-        engine.update_weights_from_tensors(actor.named_weights(), version=start)
+        engine = make_engine(r_cfg, model_dir, tokenizer, cfg.data.max_prompt_length)
+        sync_weights(engine, actor, start)
         rollout = RolloutManager(engine, r_cfg)
     logger = MetricsLogger(
         cfg.log.dir or out_dir,
@@ -255,6 +255,18 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
     return history
 
 
+def sync_weights(engine: Engine, actor: Actor, version: int) -> None:
+    """Hand the policy's weights to the engine as `version`. An engine in this process shares the
+    trainer's tensors where the dtypes agree (no copy, no second copy in memory): the sync loop
+    never generates while the trainer updates them."""
+    model = getattr(engine, "model", None)
+    if isinstance(model, torch.nn.Module):
+        dtype = next(model.parameters()).dtype
+        engine.update_weights_from_tensors(actor.named_weights(dtype), version=version, share=True)
+    else:
+        engine.update_weights_from_tensors(actor.named_weights(), version=version)
+
+
 def rl_step(
     step: int,
     source: DataSource,
@@ -294,7 +306,7 @@ def rl_step(
     t_train = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    engine.update_weights_from_tensors(actor.named_weights(), version=step + 1)
+    sync_weights(engine, actor, step + 1)
     t_sync = time.perf_counter() - t2
 
     resp_tokens = sum(s.response_length for s in samples)

@@ -94,7 +94,7 @@ def test_skipping_zero_advantage_samples_keeps_gradient_metrics_and_update(loss)
     for a, b in zip(g_skip[0] + g_skip[1], g_all[0] + g_all[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
     for a, b in zip(p_skip, p_all, strict=True):  # AdamW divides by sqrt(v): float noise on tiny gradients
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
     for k in ("loss/pg", "actor/grad_norm"):
         assert m_skip[1][k] == pytest.approx(m_all[1][k], rel=1e-5, abs=1e-8), k
 

@@ -23,13 +23,15 @@ MAX_RESPONSE_LEN = 16
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
-# the same 8 samples, one optimizer step (global_batch_size 8), cut and laid out five ways
+# the same 8 samples, one optimizer step (global_batch_size 8), cut and laid out six ways
 LAYOUTS = {
     "padded_mbs8": {"micro_batch_size": 8, "packing": False},
     "padded_mbs1": {"micro_batch_size": 1, "packing": False},
     "packed_mbs3": {"micro_batch_size": 3, "packing": True},
     "packed_budget30": {"max_tokens_per_micro_batch": 30, "packing": True},
     "padded_budget30": {"max_tokens_per_micro_batch": 30, "packing": False},
+    # the output projection and log-softmax 7 response tokens at a time (tidal.train.logits)
+    "packed_chunked_logits": {"micro_batch_size": 8, "packing": True, "logits_chunk_tokens": 7},
 }
 
 

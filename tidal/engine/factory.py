@@ -7,10 +7,29 @@ from pathlib import Path
 from tidal.config import RolloutConfig
 from tidal.engine.base import Engine
 
+MAX_AUTO_KV_TOKENS = 32768
+BLOCK_SIZE = 16
 
-def make_engine(cfg: RolloutConfig, model_dir: str | Path, tokenizer) -> Engine:
+
+def kv_cache_tokens(cfg: RolloutConfig, max_prompt_length: int, prompts: int | None = None) -> int:
+    """`rollout.kv_cache_tokens`, or when it is 0 the KV slots one rollout call needs: each of
+    `prompts` (default `rollout_batch_size`) prompts once, since its group shares its blocks, plus
+    `n_samples_per_prompt` responses, plus a block of rounding per sequence; at most 32768. A
+    bigger call still runs: requests wait for blocks or are preempted, never dropped."""
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens
+    prompts = prompts or cfg.rollout_batch_size
+    n = cfg.n_samples_per_prompt
+    need = prompts * (max_prompt_length + n * cfg.max_new_tokens) + prompts * (n + 1) * BLOCK_SIZE
+    return min(need, MAX_AUTO_KV_TOKENS)
+
+
+def make_engine(
+    cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
+) -> Engine:
     """`rollout.engine: tidal` (the default), `hf` (transformers forward, for architectures the
-    tidal engine does not run) or `remote` (HTTP servers at `rollout.engine_urls`)."""
+    tidal engine does not run) or `remote` (HTTP servers at `rollout.engine_urls`). The tidal
+    engine's KV cache is sized by `kv_cache_tokens`."""
     if cfg.engine == "remote":
         from tidal.engine.client import RemoteEngine
 
@@ -22,5 +41,10 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, tokenizer) -> Engine:
     from tidal.engine.llm_engine import LLMEngine
 
     return LLMEngine(
-        model_dir, tokenizer, dtype=cfg.dtype, kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs
+        model_dir,
+        tokenizer,
+        dtype=cfg.dtype,
+        block_size=BLOCK_SIZE,
+        kv_cache_tokens=kv_cache_tokens(cfg, max_prompt_length, prompts),
+        max_num_seqs=cfg.max_num_seqs,
     )

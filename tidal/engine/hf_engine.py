@@ -51,9 +51,12 @@ class HFEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
 
     # ---------------------------------------------------------------- weights
-    def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy tensors into the engine's parameters by name (cast to the engine dtype)."""
-        load_named_tensors(self.model, named)
+    def update_weights_from_tensors(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, share: bool = False
+    ) -> None:
+        """Copy tensors into the engine's parameters by name (cast to the engine dtype; `share`:
+        alias same-dtype tensors, see `load_named_tensors`)."""
+        load_named_tensors(self.model, named, share)
         self.weight_version = version
 
     def update_weights_from_disk(self, path: str | Path, version: int) -> None:

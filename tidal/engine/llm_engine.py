@@ -207,9 +207,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None, share: bool = False
     ) -> None:
-        load_named_tensors(self.model, named)
+        """Load weights by name (`share`: alias same-dtype tensors, see `load_named_tensors`)."""
+        load_named_tensors(self.model, named, share)
         self.weight_version = self.weight_version + 1 if version is None else version
         self.flush_cache()
 

@@ -9,9 +9,13 @@ import torch
 
 
 @torch.no_grad()
-def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], share: bool = False) -> None:
     """Copy tensors into `model`'s parameters and buffers by name (cast to their dtype).
 
+    `share`: a parameter given a tensor of its own dtype and shape takes that tensor's storage
+    instead of a copy (an in-process engine beside its trainer: no second copy of the weights, and
+    the trainer's in-place updates need no copy at sync). Only for an engine that never generates
+    while the trainer updates. A tensor that already is the parameter's storage is not copied.
     Every parameter must be given, except an output projection tied to the input embedding (it
     appears under one name only): a missing tensor would leave the engine on stale weights.
     """
@@ -21,7 +25,21 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     for name, tensor in named:
         if name not in params:
             raise KeyError(f"update_weights: engine model has no parameter {name!r}")
-        params[name].copy_(tensor)
+        target = params[name]
+        if target.data_ptr() == tensor.data_ptr() and target.dtype == tensor.dtype:
+            pass  # already shared
+        elif (
+            share
+            and isinstance(target, torch.nn.Parameter)
+            and (target.dtype, target.shape)
+            == (
+                tensor.dtype,
+                tensor.shape,
+            )
+        ):
+            target.data = tensor.detach()
+        else:
+            target.copy_(tensor)
         seen.add(name)
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = {n for n, _ in model.named_parameters()} - seen

@@ -36,6 +36,7 @@ from tidal.hardware import resolve_dtype
 from tidal.train.attention import use_packed_attention
 from tidal.train.estimate import response_mask
 from tidal.train.forward import Forward
+from tidal.train.logits import token_log_probs, token_log_probs_and_entropy
 from tidal.train.precision import Bf16Compute, to_bf16_params
 from tidal.types import Sample
 from tidal.utils import load_object
@@ -140,24 +141,32 @@ class Actor:
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
             yield
 
-    def _response_logits(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Logits [T, V] at the T real response positions (row-major over [B, R]) and that [B, R]
-        position mask.
+    def _response_hidden(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Hidden states [T, H] at the T real response positions (row-major over [B, R]) and that
+        [B, R] position mask.
 
         Only real response positions go through the output projection and the vocabulary-wide
         log-softmax: with a 49k vocabulary they dominate the cost, prompt positions are never
         scored, and the padding of the [B, R] grid is often 30-40% of it.
         """
         valid = batch["response_valid"]
-        hidden = self.fwd.hidden(model.base_model, batch)[valid]
-        return model.get_output_embeddings()(hidden), valid
+        return self.fwd.hidden(model.base_model, batch)[valid], valid
 
     def _score(self, model: torch.nn.Module, batch: dict[str, Tensor], entropy_grad: bool = False):
         """(log-probs, entropy) [B, R] of the response tokens, 0 past each response; the entropy
-        carries a gradient only when it is a loss term, otherwise it is a metric."""
+        carries a gradient only when it is a loss term, otherwise it is a metric. Logits are
+        computed `train.logits_chunk_tokens` tokens at a time (see `tidal.train.logits`)."""
+        head = model.get_output_embeddings()
         with self._autocast():
-            logits, valid = self._response_logits(model, batch)
-        logp, ent = log_probs_and_entropy(logits, batch["response_ids"][valid], self.temperature, entropy_grad)
+            hidden, valid = self._response_hidden(model, batch)
+            logits = head(hidden) if self.dtype == "autocast" else None
+        labels = batch["response_ids"][valid]
+        if logits is not None:  # the output projection computed under autocast, as TRL does
+            logp, ent = log_probs_and_entropy(logits, labels, self.temperature, entropy_grad)
+        else:
+            logp, ent = token_log_probs_and_entropy(
+                hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens, entropy_grad
+            )
         return to_grid(logp, valid), to_grid(ent, valid)
 
     @torch.no_grad()
@@ -168,11 +177,16 @@ class Actor:
             raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
         width = max(max(s.response_length for s in samples), 1)
         out = torch.zeros(len(samples), width)
+        head = model.get_output_embeddings()
         for idx in self.fwd.plan(samples):
             batch = self.fwd.collate([samples[i] for i in idx])
             with self._autocast():
-                logits, valid = self._response_logits(model, batch)
-            logp = log_probs_from_logits(logits, batch["response_ids"][valid], self.temperature)
+                hidden, valid = self._response_hidden(model, batch)
+                labels = batch["response_ids"][valid]
+                if self.dtype == "autocast":
+                    logp = log_probs_from_logits(head(hidden), labels, self.temperature)
+                else:
+                    logp = token_log_probs(hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens)
             out[idx, : valid.shape[1]] = to_grid(logp, valid)
         return out
 
@@ -328,10 +342,15 @@ class Actor:
         return keep.tolist()
 
     # ---------------------------------------------------------------- weights / state
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters by name, for weight sync to the engines."""
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters by name, for weight sync to the engines: the fp32 master weights, or with
+        `dtype` bf16 and a bf16 compute copy, that copy's tensors (kept equal to the master's after
+        every optimizer step), so an engine in the same process can share them."""
+        compute = None
+        if dtype == torch.bfloat16 and self.mixed is not None:
+            compute = dict(self.mixed.model.named_parameters(remove_duplicate=False))
         for name, p in self.model.named_parameters():
-            yield name, p.detach()
+            yield name, (compute[name] if compute is not None else p).detach()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -1,0 +1,43 @@
+"""The engine the rollout config builds: its KV budget sized from the workload, weights shared."""
+
+import pytest
+import torch
+from conftest import make_model
+
+from tidal.config import RolloutConfig
+from tidal.engine.factory import kv_cache_tokens
+from tidal.engine.weights import load_named_tensors
+
+
+def test_kv_budget_is_what_one_rollout_step_needs():
+    cfg = RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=48)
+    # 8 prompts of up to 128 tokens held once each + 32 responses of 48, + a block per sequence
+    assert kv_cache_tokens(cfg, max_prompt_length=128) == 8 * (128 + 4 * 48) + 8 * 5 * 16 == 3200
+    assert kv_cache_tokens(cfg, 128, prompts=64) == 64 * (128 + 4 * 48) + 64 * 5 * 16
+    assert kv_cache_tokens(RolloutConfig(rollout_batch_size=512), 1024) == 32768  # capped
+    assert kv_cache_tokens(RolloutConfig(kv_cache_tokens=4096), 128) == 4096  # explicit wins
+
+
+def test_shared_weights_alias_same_dtype_tensors_and_copy_the_rest():
+    src, dst = make_model(seed=1), make_model(seed=2)
+    named = [(n, p.detach()) for n, p in src.named_parameters()]
+    load_named_tensors(dst, named, share=True)
+    for (_, p), (_, q) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
+        assert p.data_ptr() == q.data_ptr()
+    with torch.no_grad():  # the source's in-place update is the engine's weights
+        next(src.parameters()).add_(1.0)
+    assert torch.equal(next(src.parameters()), next(dst.parameters()))
+    # another dtype cannot be shared: it is copied (cast)
+    bf16 = make_model(seed=3).to(torch.bfloat16)
+    load_named_tensors(bf16, named, share=True)
+    for (_, p), (_, q) in zip(src.named_parameters(), bf16.named_parameters(), strict=True):
+        assert p.data_ptr() != q.data_ptr() and torch.equal(q, p.to(torch.bfloat16))
+
+
+def test_copying_is_the_default():
+    src, dst = make_model(seed=1), make_model(seed=2)
+    load_named_tensors(dst, [(n, p.detach()) for n, p in src.named_parameters()])
+    for (_, p), (_, q) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
+        assert p.data_ptr() != q.data_ptr() and torch.equal(p, q)
+    with pytest.raises(KeyError, match="no tensor given for"):
+        load_named_tensors(dst, [("model.norm.weight", torch.ones(64))])

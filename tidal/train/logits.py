@@ -1,0 +1,107 @@
+"""Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens, so
+the [tokens, vocabulary] logits are never held whole.
+
+With a 49k vocabulary, the logits of 4,096 response tokens are 800 MB in fp32, and autograd keeps
+them, their log-softmax and its gradient alive together. `chunked_log_probs_and_entropy` computes
+one chunk of logits at a time and keeps only the hidden states; backward computes each chunk's
+logits again (one more output-projection matmul, about a third of its forward + backward cost).
+
+For z = h W^T / tau, p = softmax(z), the sampled token y and the entropy H = -sum_v p_v log p_v:
+
+    d log p_y / dz = onehot(y) - p
+    d H / dz_v     = -p_v (log p_v + H)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tidal.algo import log_probs_and_entropy, log_probs_from_logits
+
+
+def _chunk_stats(h: Tensor, weight: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-softmax [n, V] in fp32, log-probs of `labels` [n], entropies [n]) of one chunk."""
+    z = torch.nn.functional.linear(h, weight).float()
+    if temperature != 1.0:
+        z = z / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    picked = log_p.gather(-1, labels[:, None])[:, 0]
+    # clamp: a -inf log-prob (p = 0) contributes 0 * finite, not 0 * inf = NaN
+    ent = -(log_p.exp() * log_p.clamp(min=torch.finfo(log_p.dtype).min)).sum(dim=-1)
+    return log_p, picked, ent
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int):
+        logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        ent = torch.empty_like(logp)
+        for s in range(0, hidden.shape[0], chunk):
+            _, logp[s : s + chunk], ent[s : s + chunk] = _chunk_stats(
+                hidden[s : s + chunk], weight, labels[s : s + chunk], temperature
+            )
+        ctx.save_for_backward(hidden, weight, labels, ent)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates sends None, not zeros
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
+        hidden, weight, labels, ent = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            log_p, _, _ = _chunk_stats(h, weight, labels[s : s + chunk], tau)
+            p = log_p.exp()
+            grad_z = torch.zeros_like(log_p)
+            if g_logp is not None:
+                g = g_logp[s : s + chunk].float()
+                grad_z -= p * g[:, None]
+                grad_z.scatter_add_(-1, labels[s : s + chunk, None], g[:, None])
+            if g_ent is not None:
+                log_p_finite = log_p.clamp(min=torch.finfo(log_p.dtype).min)
+                grad_z -= g_ent[s : s + chunk, None].float() * p * (log_p_finite + ent[s : s + chunk, None])
+            if tau != 1.0:
+                grad_z = grad_z / tau
+            grad_z = grad_z.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s : s + chunk] = grad_z @ weight
+            if grad_w is not None:
+                grad_w += (grad_z.t() @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def token_log_probs_and_entropy(
+    hidden: Tensor,
+    head: torch.nn.Module,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk: int = 0,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """(log p(labels), entropy) [T] of softmax(head(hidden) / temperature) for hidden [T, H].
+
+    With `chunk` > 0 and more than `chunk` tokens, the logits are computed `chunk` tokens at a time
+    and never held whole (a bias-free linear `head` only); otherwise in one piece, as
+    `tidal.algo.log_probs_and_entropy`. Both give the same values and gradients."""
+    weight = getattr(head, "weight", None)
+    if chunk <= 0 or hidden.shape[0] <= chunk or getattr(head, "bias", None) is not None or weight is None:
+        return log_probs_and_entropy(head(hidden), labels, temperature, entropy_grad)
+    logp, ent = _ChunkedLogProbs.apply(hidden, weight, labels.long(), float(temperature), chunk)
+    return logp, ent if entropy_grad else ent.detach()
+
+
+@torch.no_grad()
+def token_log_probs(
+    hidden: Tensor, head: torch.nn.Module, labels: Tensor, temperature: float = 1.0, chunk: int = 0
+) -> Tensor:
+    """log p(labels) [T] without a graph, `chunk` tokens of logits at a time (0: all at once)."""
+    step = chunk if chunk > 0 else max(hidden.shape[0], 1)
+    parts = [
+        log_probs_from_logits(head(hidden[s : s + step]), labels[s : s + step], temperature)
+        for s in range(0, hidden.shape[0], step)
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
