@@ -144,8 +144,8 @@ def run_tidal(w: Workload, steps: int) -> tuple[list[dict], dict]:
 
 def tidal_prompt_order(w: Workload, steps: int, tokenizer) -> list:
     """The PromptRecords tidal's data source hands out over `steps` steps, in order."""
+    from tidal.data.load import load_data
     from tidal.data.source import DataSource
-    from tidal.loop import load_data
 
     cfg = _tidal_config(w, steps, tempfile.gettempdir())
     source = DataSource(load_data(cfg.data, tokenizer), w.prompts, cfg.data.shuffle, cfg.data.seed)

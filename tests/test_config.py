@@ -9,6 +9,7 @@ import pytest
 from tidal.config import (
     GROUPS,
     AlgoConfig,
+    ClusterConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -44,7 +45,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "log"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "log"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
@@ -85,7 +86,7 @@ def test_defaults_validate():
 def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
-    classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, LogConfig]
+    classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, LogConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
@@ -195,7 +196,7 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: data, rollout, algo, train, log"
+    assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: data, rollout, algo, train, cluster, log"
 
 
 def test_yaml_unknown_key_suggests(tmp_path):

@@ -156,7 +156,7 @@ def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):
 def test_rollout_metrics_with_dict_rewards():
     import torch
 
-    from tidal.loop import rollout_metrics
+    from tidal.rollout.collect import rollout_metrics
     from tidal.types import Sample, Status
 
     def s(reward, n, status=Status.COMPLETED):
@@ -223,8 +223,9 @@ def test_in_process_engine_shares_the_trainers_weights(tiny_model_dir, tmp_path,
     seen = {}
     real = tidal.loop.rl_step
 
-    def spy(step, source, rollout, actor, critic, engine, cfg):
-        out = real(step, source, rollout, actor, critic, engine, cfg)
+    def spy(step, source, rollout, roles, cfg):
+        out = real(step, source, rollout, roles, cfg)
+        actor, engine = roles.trainer, roles.engines.engine
         trainer = actor.model if shared == "master" else actor.mixed.model
         ptrs = {n: p.data_ptr() for n, p in trainer.named_parameters()}
         seen[step] = all(p.data_ptr() == ptrs[n] for n, p in engine.model.named_parameters())

@@ -117,7 +117,7 @@ def test_critic_values_come_from_the_positions_that_predict_each_token(tiny_mode
     from tidal.types import Sample
 
     critic = Critic(tiny_model_dir, TrainConfig(dtype="float32", micro_batch_size=2), AlgoConfig())
-    torch.nn.init.normal_(critic.module["head"].weight)
+    torch.nn.init.normal_(critic.module.head.weight)
     g = torch.Generator().manual_seed(0)
     samples = []
     for p_len, r_len in ((3, 5), (7, 2), (2, 9), (5, 1), (4, 6)):
@@ -128,8 +128,8 @@ def test_critic_values_come_from_the_positions_that_predict_each_token(tiny_mode
     v = critic.values(samples)
     for i, s in enumerate(samples):
         with torch.no_grad():
-            h = critic.module["backbone"](torch.tensor([s.tokens])).last_hidden_state[0]
-            ref = critic.module["head"](h).squeeze(-1)[s.prompt_length - 1 : -1]
+            h = critic.module.backbone(torch.tensor([s.tokens])).last_hidden_state[0]
+            ref = critic.module.head(h).squeeze(-1)[s.prompt_length - 1 : -1]
         torch.testing.assert_close(v[i, : s.response_length], ref, atol=1e-5, rtol=1e-5)
         assert not v[i, s.response_length :].any()
 

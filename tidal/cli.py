@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args) -> int:
     from tidal.convert import ensure_model
     from tidal.engine.server import serve
-    from tidal.loop import setup_logging
+    from tidal.log import setup_logging
 
     setup_logging()
     options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "eval":
         return _eval(cfg, args)
-    from tidal.loop import setup_logging, train
+    from tidal.log import setup_logging
+    from tidal.loop import train
 
     setup_logging()
     train(cfg, resume=args.resume)
@@ -119,7 +120,7 @@ def _eval(cfg, args) -> int:
     import json
 
     from tidal.eval import evaluate
-    from tidal.loop import setup_logging
+    from tidal.log import setup_logging
     from tidal.utils import atomic_write_json
 
     setup_logging()

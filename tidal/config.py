@@ -70,6 +70,7 @@ class RolloutConfig:
         "rollout_batch_size x (data.max_prompt_length + n_samples_per_prompt x max_new_tokens), at most 32768)",
     )
     max_num_seqs: int = _opt(256, "tidal engine: sequences decoded at once")
+    request_timeout: float = _opt(300.0, "seconds one generate request to a remote engine may take")
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
@@ -177,6 +178,36 @@ class TrainConfig:
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
 
 
+WEIGHT_SYNCS = ("auto", "in-process", "broadcast", "http", "delta", "disk")
+
+
+@dataclass
+class ClusterConfig:
+    trainers: int = _opt(1, "trainer ranks: more than 1 trains with FSDP2 over torch.distributed (gloo/NCCL) on Ray")
+    engines: int = _opt(1, "rollout engines: more than 1 run as Ray actors behind the router")
+    colocate: bool = _opt(
+        False, "engines share the trainers' resources and free their KV cache and weights while the trainers train"
+    )
+    cpus_per_trainer: float = _opt(1.0, "CPUs reserved (and torch threads) per trainer rank on Ray")
+    gpus_per_trainer: float = _opt(0.0, "GPUs per trainer rank on Ray (0 = CPU, gloo)")
+    cpus_per_engine: float = _opt(1.0, "CPUs reserved (and torch threads) per engine on Ray")
+    gpus_per_engine: float = _opt(0.0, "GPUs per engine on Ray")
+    address: str | None = _opt(
+        None, "Ray cluster to join (else RAY_ADDRESS; else Ray starts on this machine when it is needed)"
+    )
+    weight_sync: str = _opt(
+        "auto",
+        "in-process | broadcast | http | delta | disk (auto: in-process for the in-process engine, broadcast "
+        "for Ray engines, http for rollout.engine remote)",
+    )
+    sync_timeout: float = _opt(300.0, "seconds a weight sync may take before the run stops naming the engine")
+    sync_dir: str | None = _opt(None, "disk weight sync: a folder every engine can read (default: output_dir/weights)")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.trainers > 1 or self.engines > 1 or bool(self.address)
+
+
 @dataclass
 class LogConfig:
     dir: str | None = _opt(None, "metrics folder (default: train.output_dir)")
@@ -191,6 +222,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
@@ -379,6 +411,29 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) ->
     need(a.is_low is None or 0 <= a.is_low < a.is_high, f"algo.is_low: must be in [0, is_high) or null, got {a.is_low}")
 
 
+def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, need) -> None:
+    need(c.trainers >= 1, f"cluster.trainers: must be >= 1, got {c.trainers}")
+    need(c.engines >= 1, f"cluster.engines: must be >= 1, got {c.engines}")
+    for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
+        need(getattr(c, name) >= 0, f"cluster.{name}: must be >= 0, got {getattr(c, name)}")
+    need(c.sync_timeout > 0, f"cluster.sync_timeout: must be > 0 seconds, got {c.sync_timeout}")
+    need(c.weight_sync in WEIGHT_SYNCS, f"cluster.weight_sync: one of {', '.join(WEIGHT_SYNCS)}, got {c.weight_sync!r}")
+    need(
+        r.engine == "tidal" or c.engines == 1,
+        f"cluster.engines: Ray engine actors run the tidal engine; rollout.engine {r.engine} takes 1, "
+        f"got {c.engines} (for several remote servers list them in rollout.engine_urls)",
+    )
+    need(
+        c.weight_sync != "in-process" or (r.engine != "remote" and not c.uses_ray),
+        "cluster.weight_sync: in-process needs the in-process engine (one trainer, one engine, no Ray)",
+    )
+    need(
+        not c.colocate or c.uses_ray,
+        "cluster.colocate: only Ray engines free their memory for the trainers; with one in-process engine "
+        "the engine already shares the trainer's weights",
+    )
+
+
 def resolved_policy_loss(a: AlgoConfig) -> str:
     """The loss `policy_loss: auto` stands for: the one named by a gspo/cispo estimator, else ppo."""
     if a.policy_loss != "auto":
@@ -423,6 +478,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     )
     need(r.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {r.max_num_seqs}")
     need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
+    need(r.request_timeout > 0, "rollout.request_timeout: must be > 0 seconds")
     need(all(isinstance(s, str) and s for s in r.stop), "rollout.stop: must be a list of non-empty strings")
     need(
         all(isinstance(i, int) and not isinstance(i, bool) for i in r.stop_token_ids),
@@ -455,5 +511,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.save_interval >= 0, "train.save_interval: must be >= 0")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
+    _validate_cluster(cfg.cluster, r, for_training, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from tidal.config import Config
 from tidal.convert import ensure_model
+from tidal.data.load import load_data
 from tidal.engine.factory import make_engine
-from tidal.loop import load_data
 from tidal.rollout.manager import RolloutManager
 from tidal.rollout.rewards import scalar_reward
 from tidal.types import Status

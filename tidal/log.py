@@ -8,6 +8,7 @@ of the same numbers; losing either (no tensorboard install, no TTY) never stops 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -343,3 +344,14 @@ def print_reward_table(
 
         console = Console(highlight=False)
     console.print(reward_table(history, key=key, first=first, last=last), markup=False, soft_wrap=True)
+
+
+def setup_logging() -> None:
+    """Log lines with a time stamp at `TIDAL_LOG_LEVEL` (default INFO), libraries' chatter quiet."""
+    level = os.environ.get("TIDAL_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury the per-step lines

@@ -121,11 +121,14 @@ class FakeCore:
         rids = list(self.reqs) if request_id is None else [r for r in [request_id] if r in self.reqs]
         return [self._output(r, "abort") for r in rids]
 
-    def update_weights_from_tensors(self, named, version: int | None = None) -> None:
+    def update_weights_from_tensors(self, named, version: int | None = None, stage: bool = False) -> None:
         self._call()
         self.received.append((dict(named), version))
-        if version is not None:
+        if version is not None and not stage:
             self.weight_version = version
+
+    def weights_checksum(self) -> str:
+        return f"crc-of-{len(self.received)}-updates"
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
         self._call()

@@ -213,7 +213,7 @@ def test_bf16_weights_are_cast_once_per_optimizer_step_with_the_same_gradient():
     assert len(cached.fwd.plan(samples)) == 4 and counter.casts == 1
 
     per_micro_batch = actor_with(2, dtype="autocast")
-    per_micro_batch._one_cast_per_update = contextlib.nullcontext  # each _score region casts again
+    per_micro_batch.trained.one_cast_per_update = contextlib.nullcontext  # each _score region casts again
     counter = CastCounter(per_micro_batch.model.get_input_embeddings().weight.shape)
     with counter:
         want = train_grads(per_micro_batch, samples, adv)

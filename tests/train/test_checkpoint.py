@@ -9,7 +9,9 @@ from tidal.train import checkpoint as ckpt
 
 def test_save_load_round_trip(tmp_path):
     model = make_model()
-    path = ckpt.save_checkpoint(tmp_path, 5, model, None, {"optimizer": {"x": torch.ones(2)}}, {"data": {"epoch": 1}})
+    path = ckpt.save_checkpoint(
+        tmp_path, 5, model.save_pretrained, None, {"optimizer": {"x": torch.ones(2)}}, {"data": {"epoch": 1}}
+    )
     assert path == tmp_path / "checkpoints" / "step_5"
     assert ckpt.latest_checkpoint(tmp_path) == path
     trainer_state, state = ckpt.load_checkpoint(path)
@@ -18,7 +20,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_rng_state_is_restored(tmp_path):
-    ckpt.save_checkpoint(tmp_path, 1, make_model(), None, {}, {})
+    ckpt.save_checkpoint(tmp_path, 1, make_model().save_pretrained, None, {}, {})
     expected = torch.rand(3)
     ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
     assert torch.equal(torch.rand(3), expected)
@@ -26,14 +28,14 @@ def test_rng_state_is_restored(tmp_path):
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model = make_model()
-    ckpt.save_checkpoint(tmp_path, 2, model, None, {}, {"data": {}})
+    ckpt.save_checkpoint(tmp_path, 2, model.save_pretrained, None, {}, {"data": {}})
 
     def boom(*a, **k):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt.torch, "save", boom)
     with pytest.raises(OSError, match="disk full"):
-        ckpt.save_checkpoint(tmp_path, 4, model, None, {}, {"data": {}})
+        ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, None, {}, {"data": {}})
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]  # no half-written step_4
     assert ckpt.latest_checkpoint(tmp_path) == root / "step_2"

@@ -39,10 +39,13 @@ class CoreEngine(Protocol):
     def step(self) -> list[Any]: ...
     def has_unfinished(self) -> bool: ...
     def abort(self, request_id: str | None = None) -> list[Any]: ...
-    def update_weights_from_tensors(self, named: Iterable[tuple[str, Tensor]], version: int | None = None) -> None: ...
+    def update_weights_from_tensors(
+        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, stage: bool = False
+    ) -> None: ...
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None: ...
     def flush_cache(self) -> bool: ...
     def stats(self) -> dict: ...
+    def weights_checksum(self) -> str: ...
 
 
 class EngineClosed(RuntimeError):
@@ -72,6 +75,8 @@ class AsyncEngine:
         # Read-only attributes the HTTP layer needs; read once here, before the thread starts.
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
+        model = getattr(core, "model", None)
+        self.dtype = next(model.parameters()).dtype if model is not None else None
         self._weight_version: int = core.weight_version
         self._stats_interval_s = stats_interval_s
         self._stats: dict = {}
@@ -159,6 +164,25 @@ class AsyncEngine:
 
     async def update_weights_from_disk(self, path: str, version: int | None = None, flush_cache: bool = True) -> None:
         await self._call(lambda: self._update(self.core.update_weights_from_disk, str(path), version, flush_cache))
+
+    async def stage_weights(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Check tensors and keep them for the next `update_weights_from_tensors` (a chunked
+        update: all or nothing)."""
+        await self._call(lambda: self.core.update_weights_from_tensors(named, None, stage=True))
+
+    async def weights_checksum(self) -> str:
+        return await self._call(self.core.weights_checksum)
+
+    async def sleep(self) -> None:
+        """Free the KV cache and weights (see `LLMEngine.sleep`)."""
+        await self._call(self.core.sleep)
+
+    async def wake(self) -> None:
+        def wake() -> None:
+            self.core.wake()
+            self._weight_version = self.core.weight_version
+
+        await self._call(wake)
 
     async def flush_cache(self) -> bool:
         return bool(await self._call(self.core.flush_cache))

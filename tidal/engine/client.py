@@ -265,16 +265,32 @@ class EngineClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout: float | None = None,
     ) -> None:
-        """Send tensors in tidal's wire format (see the module docstring); tidal servers only."""
+        """Send tensors in tidal's wire format (see the module docstring); tidal servers only. All
+        chunks but the last are staged, so the server loads everything at once or nothing."""
         for blob, last in _with_last(encode_tensors(named, chunk_bytes)):
             await self.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=timeout)
 
     async def send_tensor_chunk(
         self, blob: str, version: int | None, flush_cache: bool = True, timeout: float | None = None
     ) -> None:
-        """Post one encoded chunk; `version=None` keeps the server's weight version."""
-        payload = {"tensors": blob, "weight_version": version, "flush_cache": flush_cache}
-        await self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
+        """Post one encoded chunk: with `version` None it is staged, else it loads all staged
+        chunks with it as that version."""
+        payload = {"tensors": blob, "weight_version": version, "flush_cache": flush_cache, "stage": version is None}
+        body = await self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(self.base_url + "/update_weights_from_tensor", str(body.get("message")))
+
+    async def get_weight_checksum(self, timeout: float | None = None) -> tuple[int, str]:
+        """(weight version, CRC-32 of the loaded weights); tidal servers only."""
+        body = await self._request("GET", "/get_weight_version?checksum=true", timeout=timeout)
+        return _as_version(body.get("weight_version")), str(body.get("weight_checksum"))
+
+    async def release_memory(self) -> None:
+        """Free the server's KV cache and weights (SGLang: release_memory_occupation)."""
+        await self._request("POST", "/release_memory_occupation", {})
+
+    async def resume_memory(self) -> None:
+        await self._request("POST", "/resume_memory_occupation", {})
 
 
 def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:

@@ -24,6 +24,16 @@ def kv_cache_tokens(cfg: RolloutConfig, max_prompt_length: int, prompts: int | N
     return min(need, MAX_AUTO_KV_TOKENS)
 
 
+def engine_options(cfg: RolloutConfig, max_prompt_length: int = 1024, prompts: int | None = None) -> dict:
+    """Keyword options of the tidal engine (`LLMEngine`) for the rollout config."""
+    return {
+        "dtype": cfg.dtype,
+        "block_size": BLOCK_SIZE,
+        "kv_cache_tokens": kv_cache_tokens(cfg, max_prompt_length, prompts),
+        "max_num_seqs": cfg.max_num_seqs,
+    }
+
+
 def make_engine(
     cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
 ) -> Engine:
@@ -33,18 +43,11 @@ def make_engine(
     if cfg.engine == "remote":
         from tidal.engine.client import RemoteEngine
 
-        return RemoteEngine(cfg.engine_urls)
+        return RemoteEngine(cfg.engine_urls, timeout=cfg.request_timeout)
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 
         return HFEngine(model_dir, tokenizer, dtype=cfg.dtype)
     from tidal.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        model_dir,
-        tokenizer,
-        dtype=cfg.dtype,
-        block_size=BLOCK_SIZE,
-        kv_cache_tokens=kv_cache_tokens(cfg, max_prompt_length, prompts),
-        max_num_seqs=cfg.max_num_seqs,
-    )
+    return LLMEngine(model_dir, tokenizer, **engine_options(cfg, max_prompt_length, prompts))

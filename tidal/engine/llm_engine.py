@@ -27,7 +27,13 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.sampling import SamplingParams, sample_tokens
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
-from tidal.engine.weights import load_named_tensors, read_safetensors_dir
+from tidal.engine.weights import (
+    WeightsError,
+    check_named_tensors,
+    load_named_tensors,
+    model_checksum,
+    read_safetensors_dir,
+)
 from tidal.hardware import TORCH_DTYPES, weights_dtype
 
 
@@ -96,6 +102,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.weight_version = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        self._checksum: str | None = None
+        self.asleep = False
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -105,6 +114,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
         """Queue a request; raises ValueError (naming the request) when it cannot be served."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.asleep or self.weight_version < 0:
+            raise RuntimeError(f"request {rid}: the engine holds no weights (asleep, or woken without a weight update)")
         if rid in self.seqs:
             raise ValueError(f"request {rid}: id already in use")
         params.validate()
@@ -207,15 +218,64 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None, share: bool = False
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        share: bool = False,
+        stage: bool = False,
     ) -> None:
-        """Load weights by name (`share`: alias same-dtype tensors, see `load_named_tensors`)."""
-        load_named_tensors(self.model, named, share)
+        """Load weights by name, all or nothing (`share`: alias same-dtype tensors, see
+        `load_named_tensors`). `stage`: check these tensors and keep them until a later call
+        without `stage` loads everything at once, so an update sent in chunks is all or nothing
+        too. On failure the engine keeps its weights and version, and the staged tensors are
+        dropped."""
+        named = dict(named)
+        if stage:
+            try:
+                check_named_tensors(self.model, named, complete=False)
+            except WeightsError:
+                self._staged = {}
+                raise
+            self._staged.update(named)
+            return
+        named, self._staged = {**self._staged, **named}, {}
+        load_named_tensors(self.model, named.items(), share)
         self.weight_version = self.weight_version + 1 if version is None else version
+        self._checksum = None
         self.flush_cache()
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
         self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
+
+    def weights_checksum(self) -> str:
+        """`tidal.engine.weights.weights_checksum` of the loaded weights (computed once per load)."""
+        if self._checksum is None:
+            self._checksum = model_checksum(self.model)
+        return self._checksum
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights (colocated with a trainer that needs the memory).
+        Nothing may be running; `wake()` takes the memory back and the next weight update fills it."""
+        if self.has_unfinished():
+            raise RuntimeError("engine.sleep: requests are still running; abort or finish them first")
+        self._shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.runner.release()
+        self.blocks.reset_prefix_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Allocate the KV cache and weight storage again; generating needs a weight update first."""
+        if not self.asleep:
+            return
+        params = dict(self.model.named_parameters())
+        for n, (shape, dtype) in self._shapes.items():
+            params[n].data = torch.empty(shape, dtype=dtype)
+        self.runner.allocate()
+        self.asleep = False
+        self.weight_version = -1  # no weights until the next update
+        self._checksum = None
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache so no new request reuses K/V computed with older weights."""

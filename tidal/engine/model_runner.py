@@ -62,14 +62,24 @@ class ModelRunner:
         self.head_dim = attn.head_dim
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        dtype = next(model.parameters()).dtype
-        shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        self.cache_dtype = next(model.parameters()).dtype
+        self.cache_shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.allocate()
         self._offsets = torch.arange(block_size)
 
+    def allocate(self) -> None:
+        """The KV cache (pages are only resident once a block is written)."""
+        self.k_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype)
+        self.v_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype)
+
+    def release(self) -> None:
+        self.k_cache = self.v_cache = torch.empty(0, dtype=self.cache_dtype)
+
     def kv_bytes(self) -> int:
-        return self.k_cache.numel() * self.k_cache.element_size() * 2
+        n = 1
+        for d in self.cache_shape:
+            n *= d
+        return n * self.cache_dtype.itemsize * 2
 
     def _context_slots(self, seq: Sequence, end: int) -> Tensor:
         """Cache slots of positions 0..end-1 of `seq` (block b holds slots b*bs .. b*bs+bs-1)."""

@@ -6,7 +6,7 @@ a failure while generating is HTTP 500 with `{"error": "<ExceptionType>: <what>"
     POST /generate                   SGLang: input_ids | text, sampling_params, return_logprob, rid
     GET  /health                     200 while the engine runs, else 503
     GET  /get_model_info             {"model_path", "tokenizer_path", "is_generation", "max_model_len", ...}
-    GET  /get_weight_version         {"weight_version": int}
+    GET  /get_weight_version         {"weight_version": int}; ?checksum=true adds "weight_checksum" (CRC-32)
     GET  /get_server_info            engine stats
     POST /flush_cache                {"success": bool} (400 when the core refused)
     POST /abort_request              {"rid": str} or {"abort_all": true}
@@ -16,8 +16,11 @@ a failure while generating is HTTP 500 with `{"error": "<ExceptionType>: <what>"
                                      -> {"success", "message", "weight_version"}
     POST /update_weights_from_tensor tidal's format: {"tensors": base64 safetensors blob,
                                      "weight_version": int | null (null keeps the current one),
-                                     "flush_cache": bool = true}
+                                     "flush_cache": bool = true, "stage": bool = false}; staged
+                                     chunks load with the next unstaged one, all or nothing
                                      (see `tidal.engine.client`, which also encodes it)
+    POST /release_memory_occupation  free the KV cache and weights (a colocated trainer trains)
+    POST /resume_memory_occupation   take them back; a weight update must follow before generating
     POST /v1/completions, POST /v1/chat/completions, GET /v1/models   (OpenAI, no streaming)
 """
 
@@ -109,6 +112,7 @@ class TensorWeightsBody(_Body):
     tensors: str
     weight_version: int | str | None = None
     flush_cache: bool = True
+    stage: bool = False  # keep these tensors; the next request without `stage` loads all at once
 
 
 class _OpenAIBody(_Body):
@@ -302,11 +306,28 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             "is_generation": True,
             "max_model_len": engine.max_model_len,
             "weight_version": engine.weight_version,
+            "dtype": str(engine.dtype).removeprefix("torch."),
         }
 
     @app.get("/get_weight_version")
-    async def weight_version() -> dict:
-        return {"weight_version": engine.weight_version}
+    async def weight_version(checksum: bool = False) -> dict:
+        out: dict[str, Any] = {"weight_version": engine.weight_version}
+        if checksum:  # a CRC-32 of the loaded weights, for the trainer to check a transfer
+            out["weight_checksum"] = await engine.weights_checksum()
+        return out
+
+    @app.post("/release_memory_occupation")
+    async def release_memory() -> dict:
+        try:
+            await engine.sleep()
+        except RuntimeError as e:
+            raise BadRequest(str(e)) from None
+        return {"success": True, "message": "KV cache and weights released"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory() -> dict:
+        await engine.wake()
+        return {"success": True, "message": "memory taken back; send weights before generating"}
 
     @app.get("/get_server_info")
     async def server_info() -> dict:
@@ -398,11 +419,15 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         except Exception as e:
             raise BadRequest(f"tensors: not a base64 safetensors blob ({type(e).__name__}: {e})") from None
         try:
-            await engine.update_weights_from_tensors(named, version, flush_cache=body.flush_cache)
+            if body.stage:
+                await engine.stage_weights(named)
+            else:
+                await engine.update_weights_from_tensors(named, version, flush_cache=body.flush_cache)
         except (KeyError, ValueError, RuntimeError) as e:
             msg = f"tensors: {type(e).__name__}: {e}"
             return JSONResponse({"success": False, "message": msg, "error": msg}, status_code=400)
-        msg = f"updated {len(named)} tensors; weight version {engine.weight_version}"
+        what = "staged" if body.stage else "updated"
+        msg = f"{what} {len(named)} tensors; weight version {engine.weight_version}"
         return JSONResponse({"success": True, "message": msg, "weight_version": engine.weight_version})
 
     # ------------------------------------------------------------ OpenAI

@@ -1,61 +1,113 @@
-"""Loading new weights into an engine's model: by name from tensors, or from a safetensors folder."""
+"""Loading new weights into an engine's model: by name from tensors, or from a safetensors folder.
+
+A load is all or nothing: every tensor is checked against the model (name, shape, a floating
+dtype) before any live weight changes, so a bad update leaves the engine on its old weights.
+`weights_checksum` fingerprints what a model holds, so a trainer can check that an engine loaded
+exactly what it sent.
+"""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 
+class WeightsError(ValueError):
+    """An update names a parameter the model lacks, leaves one out, or has a wrong shape or dtype."""
+
+
+def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    return params
+
+
+def check_named_tensors(
+    model: torch.nn.Module, named: dict[str, torch.Tensor], complete: bool = True, where: str = "update_weights"
+) -> None:
+    """Raise `WeightsError` (naming the tensor) unless every tensor matches a parameter or buffer of
+    `model` in shape and is floating point where the target is; with `complete`, every parameter
+    must be given, except an output projection tied to the input embedding (one name only)."""
+    targets = _targets(model)
+    for name, tensor in named.items():
+        if name not in targets:
+            raise WeightsError(f"{where}: the engine's model has no parameter {name!r}")
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightsError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, the engine's is {tuple(target.shape)}"
+            )
+        if target.is_floating_point() != tensor.is_floating_point():
+            raise WeightsError(f"{where}: {name} has dtype {tensor.dtype}, the engine's is {target.dtype}")
+    if complete:
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        missing = {n for n, _ in model.named_parameters()} - set(named)
+        missing = {n for n in missing if not (tied and n == "lm_head.weight")}
+        if missing:
+            raise WeightsError(f"{where}: no tensor given for {sorted(missing)[:5]}")
+
+
 @torch.no_grad()
-def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], share: bool = False) -> None:
-    """Copy tensors into `model`'s parameters and buffers by name (cast to their dtype).
+def load_named_tensors(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], share: bool = False, complete: bool = True
+) -> None:
+    """Load tensors into `model`'s parameters and buffers by name (cast to their dtype), after
+    checking all of them (`check_named_tensors`): nothing changes unless everything fits.
 
     `share`: a parameter given a tensor of its own dtype and shape takes that tensor's storage
     instead of a copy (an in-process engine beside its trainer: no second copy of the weights, and
     the trainer's in-place updates need no copy at sync). Only for an engine that never generates
     while the trainer updates. A tensor that already is the parameter's storage is not copied.
-    Every parameter must be given, except an output projection tied to the input embedding (it
-    appears under one name only): a missing tensor would leave the engine on stale weights.
     """
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    seen = set()
-    for name, tensor in named:
-        if name not in params:
-            raise KeyError(f"update_weights: engine model has no parameter {name!r}")
-        target = params[name]
+    named = dict(named)
+    check_named_tensors(model, named, complete)
+    targets = _targets(model)
+    for name, tensor in named.items():
+        target = targets[name]
         if target.data_ptr() == tensor.data_ptr() and target.dtype == tensor.dtype:
-            pass  # already shared
-        elif (
-            share
-            and isinstance(target, torch.nn.Parameter)
-            and (target.dtype, target.shape)
-            == (
-                tensor.dtype,
-                tensor.shape,
-            )
-        ):
+            continue  # already shared
+        if share and isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype:
             target.data = tensor.detach()
         else:
             target.copy_(tensor)
-        seen.add(name)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = {n for n, _ in model.named_parameters()} - seen
-    missing = {n for n in missing if not (tied and n == "lm_head.weight")}
-    if missing:
-        raise KeyError(f"update_weights: no tensor given for {sorted(missing)[:5]}")
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
+    """A CRC-32 fingerprint of tensors by name (in name order), each as `dtype` when given: the
+    trainer's weights cast to the engine's dtype fingerprint the same as the engine's after a load.
+    About 40 ms for 270 MB."""
+    crc = 0
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous().cpu()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def model_checksum(model: torch.nn.Module) -> str:
+    """`weights_checksum` of a model's parameters (a tied weight once, under its first name)."""
+    return weights_checksum(model.named_parameters())
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the `*.safetensors` files in a folder saved by `save_pretrained`."""
+    """All tensors of the `*.safetensors` files in a folder saved by `save_pretrained`. Raises
+    `WeightsError` naming the file when one cannot be read."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors in {path}")
+        raise WeightsError(f"update_weights_from_disk: no *.safetensors in {path}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise WeightsError(f"update_weights_from_disk: cannot read {f}: {e}") from e
     return tensors

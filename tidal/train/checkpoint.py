@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,16 +22,25 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, state: dict) -> Path:
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    save_model: Callable[[Path], None],
+    tokenizer,
+    trainer_state: dict,
+    state: dict,
+) -> Path:
     """Write `checkpoints/step_{step}` atomically and point `checkpoints/latest` at it.
 
+    `save_model(folder)` writes the model as a Hugging Face folder (the trainer role's `save_model`;
+    a model object's `save_pretrained` also fits).
     `trainer_state` (optimizer, scheduler tensors) goes to `trainer_state.pt`; `state`
     (JSON-serializable: step, data-source position, weight version) to `state.json`.
     """
     root = checkpoint_root(output_dir)
     final = root / f"step_{step}"
     with atomic_directory(final) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_model(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}

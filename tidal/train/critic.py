@@ -1,4 +1,5 @@
-"""The PPO critic: the policy's backbone with a scalar value head, trained on GAE returns.
+"""The PPO critic: the policy's backbone with a scalar value head, trained on GAE returns with the
+same machinery as the policy (`TrainedModel`, `Optimizer`, `optimizer_steps`).
 
 V(s_t) is read from the hidden state that predicts response token t, i.e. the state in which
 the policy chose that token, the same positions the actor scores.
@@ -6,22 +7,39 @@ the policy chose that token, the same positions the actor scores.
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM
 
 from tidal.algo import aggregate, value_loss
 from tidal.config import AlgoConfig, TrainConfig
-from tidal.hardware import resolve_dtype
-from tidal.train.actor import batch_normalizers
 from tidal.train.estimate import response_mask
-from tidal.train.forward import Forward
+from tidal.train.model import TrainedModel, load_causal_lm
+from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps
 from tidal.types import Sample
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's backbone (`base_model`, as `TrainedModel` expects) and a linear value head."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.config = lm.config
+        self.backbone = lm.base_model
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        # zero init: the first values are 0, so the first advantages are the plain discounted rewards
+        # rather than noise from a random head
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self.backbone
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.backbone.set_attn_implementation(name)
 
 
 class Critic:
@@ -29,83 +47,61 @@ class Critic:
 
     def __init__(self, model: str | Path, train: TrainConfig, algo: AlgoConfig, pad_id: int = 0) -> None:
         self.cfg, self.algo = train, algo
-        self.dtype = resolve_dtype(train.dtype, "train.dtype").dtype
-        lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-        self.fwd = Forward(train, lm, pad_id)
-        head = torch.nn.Linear(lm.config.hidden_size, 1)
-        # zero init: the first values are 0, so the first advantages are the plain discounted rewards
-        # rather than noise from a random head
-        torch.nn.init.zeros_(head.weight)
-        torch.nn.init.zeros_(head.bias)
-        self.module = torch.nn.ModuleDict({"backbone": lm.base_model, "head": head})
-        if train.gradient_checkpointing:
-            lm.gradient_checkpointing_enable()
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=algo.critic_lr,
-            betas=tuple(train.adam_betas),
-            weight_decay=train.weight_decay,
-            fused=True,
-        )
+        self.trained = TrainedModel(ValueModel(load_causal_lm(model)), train, pad_id)
+        self.opt = Optimizer(self.trained.master, algo.critic_lr, train)
 
-    def _autocast(self):
-        if self.dtype == "float32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.trained.master
 
     def _values(self, batch: dict[str, Tensor]) -> Tensor:
-        with self._autocast():
-            hidden = self.fwd.hidden(self.module["backbone"], batch)
-            return self.module["head"](hidden).squeeze(-1).float()
+        model = self.trained.compute
+        with self.trained.autocast():
+            hidden = self.trained.fwd.hidden(model.base_model, batch)
+            return model.head(hidden).squeeze(-1).float()
 
     @torch.no_grad()
     def values(self, samples: Sequence[Sample]) -> Tensor:
         """[N, R] value of the state before each response token, zero-padded."""
         width = max(max(s.response_length for s in samples), 1)
         out = torch.zeros(len(samples), width)
-        self.module.eval()
-        for idx in self.fwd.plan(samples):
-            v = self._values(self.fwd.collate([samples[i] for i in idx]))
+        self.trained.compute.eval()
+        for idx in self.trained.fwd.plan(samples):
+            v = self._values(self.trained.fwd.collate([samples[i] for i in idx]))
             for j, i in enumerate(idx):
                 out[i, : samples[i].response_length] = v[j, : samples[i].response_length]
         return out
 
     def train_step(self, samples: Sequence[Sample], returns: Tensor, old_values: Tensor) -> dict[str, float]:
         """One value update per `global_batch_size` samples: token-mean of the clipped value loss."""
-        gbs = self.cfg.global_batch_size
-        mask_all = response_mask(samples)
-        self.module.train()
-        sums = {"critic/loss": 0.0, "critic/clip_frac": 0.0, "critic/value_mean": 0.0}
-        tokens, grad_norms = 0.0, []
-        for u in range(len(samples) // gbs):
-            chunk = list(range(u * gbs, (u + 1) * gbs))
-            norm = batch_normalizers(mask_all[chunk], "token_mean", 1)
-            self.optimizer.zero_grad(set_to_none=True)
-            for pos in self.fwd.plan([samples[i] for i in chunk]):
-                idx = [chunk[p] for p in pos]
-                batch = self.fwd.collate([samples[i] for i in idx])
-                mask = batch["loss_mask"]
-                r = mask.shape[1]
-                v = self._values(batch)
-                per_token, m = value_loss(v, old_values[idx, :r], returns[idx, :r], mask, self.algo.value_clip)
-                aggregate(per_token, mask, "token_mean", **norm).backward()
-                n_tok = float(mask.sum())
-                sums["critic/loss"] += float(aggregate(per_token.detach(), mask)) * n_tok
-                sums["critic/clip_frac"] += float(m.get("clip_frac", 0.0)) * n_tok
-                sums["critic/value_mean"] += float(aggregate(v.detach(), mask)) * n_tok
-                tokens += n_tok
-            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
-            self.optimizer.step()
-        t = max(tokens, 1.0)
-        out = {k: v / t for k, v in sums.items()}
-        out["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        return out
+
+        def micro_loss(batch: dict[str, Tensor], idx: list[int], norm: dict[str, float], sums: Sums) -> Tensor:
+            mask = batch["loss_mask"]
+            r = mask.shape[1]
+            v = self._values(batch)
+            per_token, m = value_loss(v, old_values[idx, :r], returns[idx, :r], mask, self.algo.value_clip)
+            n_tok = float(mask.sum())
+            sums.add("critic/loss", float(aggregate(per_token.detach(), mask)), n_tok)
+            sums.add("critic/clip_frac", float(m.get("clip_frac", 0.0)), n_tok)
+            sums.add("critic/value_mean", float(aggregate(v.detach(), mask)), n_tok)
+            return aggregate(per_token, mask, "token_mean", **norm)
+
+        self.trained.compute.train()
+        sums, grad_norms, _ = optimizer_steps(
+            samples,
+            self.cfg.global_batch_size,
+            self.trained,
+            self.opt,
+            response_mask(samples),
+            lambda m: batch_normalizers(m, "token_mean", 1),
+            micro_loss,
+        )
+        return {**sums.mean(), "critic/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)}
 
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.module.state_dict(), **self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.trained.after_step()
+        self.opt.load_state_dict(state)

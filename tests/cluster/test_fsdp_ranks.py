@@ -1,0 +1,108 @@
+"""Trainer ranks with FSDP2 over gloo take exactly the step one process takes, and their
+checkpoint state resumes on another number of ranks (two processes, a tiny model)."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_samples
+
+from tidal.config import AlgoConfig, TrainConfig
+from tidal.train.actor import Actor
+
+# packing with a token budget and shared prompts, fp32, two optimizer steps per train_step
+TRAIN = TrainConfig(
+    global_batch_size=4,
+    max_tokens_per_micro_batch=24,
+    packing=True,
+    lr=1e-3,
+    dtype="float32",
+    max_grad_norm=1.0,
+)
+ALGO = AlgoConfig()
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
+    from tidal.cluster.trainers import TrainerRank
+
+    tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 60)
+    samples = make_samples(8, seed=3)
+    sums, extra = tr.train_sums(samples, ADV, None, None)
+    logp = tr.compute_log_probs(samples, "policy")
+    weights = tr.full_weights(None)
+    state = tr.state_dict()
+    sums2, extra2 = tr.train_sums(samples, -ADV, None, None)
+    weights2 = tr.full_weights(None)
+    if rank == 0:
+        torch.save({"sums": sums, "extra": extra, "logp": logp, "w1": weights, "state": state, "w2": weights2}, out)
+    torch.save(logp, f"{out}.logp{rank}")  # every rank ends with the whole batch's
+    tr.close()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
+    init = f"tcp://127.0.0.1:{_port()}"
+    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    result = torch.load(out, weights_only=False)
+    result["logp_parts"] = [torch.load(f"{out}.logp{r}") for r in range(2)]
+    return result
+
+
+def single(model_dir):
+    return Actor(str(model_dir), TRAIN, ALGO, 0.8, 0, str(model_dir), 16)
+
+
+def test_two_ranks_take_the_single_process_step(two_ranks, tiny_model_dir):
+    actor = single(tiny_model_dir)
+    samples = make_samples(8, seed=3)
+    metrics = actor.train_step(samples, ADV)
+    got = two_ranks["w1"]
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=2e-6, rtol=1e-5)
+    initial = single(tiny_model_dir).model.named_parameters()
+    moved = sum(float((got[n] - w.detach()).abs().max()) for n, w in initial)
+    assert moved > 1e-3  # the step really changed the weights
+    dist_metrics = {**two_ranks["sums"].mean(), **two_ranks["extra"]}
+    assert dist_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert dist_metrics["actor/updates"] == 2
+    # the ranks' sums cover every token once; rank 0's alone is its share
+    assert two_ranks["extra"]["actor/tokens"] < metrics["actor/tokens"]
+
+
+def test_ranks_score_shares_that_add_up_to_the_batch(two_ranks, tiny_model_dir):
+    from tidal.cluster.trainers import balanced_share
+
+    samples = make_samples(8, seed=3)
+    shares = [balanced_share(samples, list(range(8)), r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(8)) and shares[0] and shares[1]
+    for share in shares:  # a group's samples (same prompt) stay on one rank
+        groups = {samples[i].group_index for i in share}
+        assert all(samples[i].group_index in groups for i in range(8) if i in share)
+    actor = single(tiny_model_dir)
+    actor.train_step(samples, ADV)
+    want = actor.compute_log_probs(samples)
+    for logp in two_ranks["logp_parts"]:
+        torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_process(two_ranks, tiny_model_dir, tmp_path):
+    """The optimizer state the ranks saved (full tensors by parameter name) continues on one
+    process exactly as the two ranks continued."""
+    model_dir = tmp_path / "step1"
+    base = single(tiny_model_dir)
+    base.model.load_state_dict(two_ranks["w1"], strict=False)
+    base.model.save_pretrained(model_dir)
+    resumed = Actor(str(model_dir), TRAIN, ALGO, 0.8, 0, str(tiny_model_dir), 16)
+    resumed.load_state_dict(two_ranks["state"])
+    resumed.train_step(make_samples(8, seed=3), -ADV)
+    for name, p in resumed.model.named_parameters():
+        torch.testing.assert_close(two_ranks["w2"][name], p.detach(), atol=5e-6, rtol=1e-5)

@@ -1,0 +1,79 @@
+"""Starting or joining Ray, and the placement group the trainer ranks and engines go into.
+
+Disaggregated: one bundle per trainer rank and one per engine. Colocated: one bundle per trainer
+rank; engine i shares bundle i with trainer rank i (its own reservation is 0), so the two take
+turns with the bundle's memory (the engine sleeps while the trainers train).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+
+from tidal.config import ClusterConfig
+
+log = logging.getLogger("tidal")
+
+
+def start_ray(cfg: ClusterConfig) -> None:
+    """Join `cluster.address` (or RAY_ADDRESS), else start Ray on this machine with enough
+    logical CPUs for every bundle (a 2-core laptop runs 2 trainers + 2 engines, time-sliced)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private Ray needs no token
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("cluster: joining Ray at %s", address)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return
+    need = cfg.trainers * cfg.cpus_per_trainer + (0 if cfg.colocate else cfg.engines * cfg.cpus_per_engine)
+    cpus = max(os.cpu_count() or 1, int(need + 0.999))
+    log.info("cluster: starting Ray on this machine (%d logical CPUs)", cpus)
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        _temp_dir=os.path.join(tempfile.gettempdir(), f"tidal-ray-{os.getuid()}"),
+    )
+
+
+def placement(cfg: ClusterConfig):
+    """A placement group for the run, ready; returns (group, trainer bundle indices, engine bundle
+    indices). Raises TimeoutError naming the resources when Ray cannot place it in 120 s."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    trainer = {"CPU": cfg.cpus_per_trainer, **({"GPU": cfg.gpus_per_trainer} if cfg.gpus_per_trainer else {})}
+    engine = {"CPU": cfg.cpus_per_engine, **({"GPU": cfg.gpus_per_engine} if cfg.gpus_per_engine else {})}
+    if cfg.colocate:
+        merged = {k: max(trainer.get(k, 0), engine.get(k, 0)) for k in set(trainer) | set(engine)}
+        bundles = [merged] * cfg.trainers
+        engines = [i % cfg.trainers for i in range(cfg.engines)]
+    else:
+        bundles = [trainer] * cfg.trainers + [engine] * cfg.engines
+        engines = list(range(cfg.trainers, cfg.trainers + cfg.engines))
+    group = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"cluster: Ray could not place {len(bundles)} bundles {bundles} within 120 s; "
+            f"available: {ray.available_resources()}"
+        ) from None
+    return group, list(range(cfg.trainers)), engines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -1,0 +1,259 @@
+"""Trainer ranks on Ray: one `Actor` per rank over its FSDP2 shard, and the group the loop drives
+as its trainer role.
+
+Every rank gets the whole batch and takes its share (`balanced_share`: whole prompt groups, so a
+group's prompt is still stored once, balanced by tokens); the loss of every micro-batch is divided
+by the counts of the whole optimizer batch and FSDP2 sums the gradients over ranks, so N ranks
+take exactly the step one process takes. Ranks run the same number of forward/backward passes
+(FSDP2 gathers and reduces in each): one with fewer runs zero-loss passes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tidal.config import AlgoConfig, ClusterConfig, TrainConfig
+from tidal.train.update import Sums
+from tidal.types import Sample
+
+log = logging.getLogger("tidal")
+
+
+def balanced_share(samples: Sequence[Sample], indices: list[int], rank: int, world: int) -> list[int]:
+    """This rank's part of `indices`: samples with the same prompt stay together (their prompt is
+    computed once), and groups go largest first to the rank with the fewest tokens so far (ties to
+    the lowest rank). Every rank computes the same split."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        s = samples[i]
+        groups.setdefault(tuple(s.tokens[: s.prompt_length]), []).append(i)
+    cost = {k: len(k) + sum(samples[i].response_length for i in v) for k, v in groups.items()}
+    load = [0] * world
+    mine: list[int] = []
+    for key in sorted(groups, key=lambda k: (-cost[k], groups[k][0])):
+        r = min(range(world), key=lambda j: (load[j], j))
+        load[r] += cost[key]
+        if r == rank:
+            mine.extend(groups[key])
+    return sorted(mine)
+
+
+class TrainerRank:
+    """One rank (a Ray actor): the process group, the sharded policy, and its calls."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        init_method: str,
+        train: TrainConfig,
+        algo: AlgoConfig,
+        model: str,
+        reference: str,
+        temperature: float,
+        pad_id: int,
+        max_response_len: int,
+        threads: int,
+        timeout_s: float,
+    ) -> None:
+        import torch.distributed as dist
+
+        from tidal.train.actor import Actor
+
+        torch.set_num_threads(max(1, threads))
+        self.rank, self.world = rank, world
+        if world > 1:
+            # the trainer computes on the CPU today, so the group is gloo (NCCL needs CUDA tensors)
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        shard = (lambda trained: trained.shard()) if world > 1 else None
+        self.actor = Actor(model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard)
+        self.actor.rank = rank
+        if world > 1:
+            self.actor.most_micro_batches = self._most
+            self.actor.all_sum = self._sum
+
+    def _most(self, n: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def _sum(self, t: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def _split(self, samples: Sequence[Sample]) -> None:
+        if self.world > 1:
+            self.actor.share = lambda idx: balanced_share(samples, idx, self.rank, self.world)
+
+    def ready(self) -> bool:
+        return True
+
+    def compute_log_probs(self, samples: list[Sample], which: str) -> Tensor:
+        self._split(samples)
+        return self.actor.compute_log_probs(samples, which)
+
+    def train_sums(self, samples, advantages, old_log_probs, ref_log_probs) -> tuple[Sums, dict]:
+        self._split(samples)
+        return self.actor.train_sums(samples, advantages, old_log_probs, ref_log_probs)
+
+    def full_weights(self, dtype: torch.dtype | None) -> dict[str, Tensor] | None:
+        """The whole model's weights (every rank gathers; rank 0 returns them)."""
+        out = {n: t.to(dtype) if dtype is not None else t for n, t in self.actor.named_weights()}
+        return out if self.rank == 0 else None
+
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, full shape) of each weight, in `named_weights` order."""
+        return [(n, tuple(p.shape)) for n, p in self.actor.model.named_parameters()]
+
+    def state_dict(self) -> dict | None:
+        state = self.actor.state_dict()  # a collective: every rank takes part
+        return state if self.rank == 0 else None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.actor.load_state_dict(state)
+
+    def save_model(self, path: str) -> None:
+        weights = {n: t for n, t in self.actor.named_weights()}  # every rank gathers
+        if self.rank == 0:
+            self.actor.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+
+    # weight sync over a process group of its own (`tidal.sync.broadcast`), rank 0 only
+    def join_weight_group(self, init_method: str, world: int, timeout_s: float) -> bool:
+        from tidal.sync.broadcast import join_group
+
+        self.weight_group = join_group(init_method, 0, world, timeout_s)
+        return True
+
+    def broadcast_weights(self, dtype: torch.dtype, bucket_bytes: int) -> str | None:
+        """Every rank gathers the weights; rank 0 broadcasts them (as `dtype`) and returns the
+        checksum of what it sent."""
+        from tidal.sync.broadcast import send_weights
+
+        named = [(n, t.to(dtype)) for n, t in self.actor.named_weights()]
+        if self.rank != 0:
+            return None
+        return send_weights(self.weight_group, named, bucket_bytes)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """The trainer role over `cluster.trainers` rank actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        algo: AlgoConfig,
+        model: str | Path,
+        reference: str | Path,
+        temperature: float,
+        pad_id: int,
+        max_response_len: int,
+        group,
+        bundles: list[int],
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from tidal.cluster.ray_setup import free_port, node_ip
+
+        self.timeout = cluster.sync_timeout
+        world = cluster.trainers
+        init = f"tcp://{node_ip()}:{free_port()}"
+        remote = ray.remote(TrainerRank)
+        self.ranks = [
+            remote.options(
+                num_cpus=cluster.cpus_per_trainer,
+                num_gpus=cluster.gpus_per_trainer,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[r]),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cluster.cpus_per_trainer)))}},
+            ).remote(
+                r,
+                world,
+                init,
+                train,
+                algo,
+                str(model),
+                str(reference),
+                temperature,
+                pad_id,
+                max_response_len,
+                int(cluster.cpus_per_trainer),
+                cluster.sync_timeout,
+            )
+            for r in range(world)
+        ]
+        self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", 600)
+        self.has_reference = algo.kl_coef > 0
+        self.has_teacher = bool(algo.teacher)
+
+    def _get(self, refs, what: str, timeout: float | None = None):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout or self.timeout * 4)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"trainer ranks: {what} took longer than {timeout or self.timeout * 4:g} s") from None
+
+    def compute_log_probs(self, samples: Sequence[Sample], which: str = "policy") -> Tensor:
+        # every rank scores its share and returns the sum over ranks
+        return self._get([r.compute_log_probs.remote(list(samples), which) for r in self.ranks], "log-probs")[0]
+
+    def train_step(self, samples, advantages, old_log_probs=None, ref_log_probs=None) -> dict[str, float]:
+        args = (list(samples), advantages, old_log_probs, ref_log_probs)
+        results = self._get([r.train_sums.remote(*args) for r in self.ranks], "a train step")
+        sums = Sums()
+        for s, _ in results:
+            sums.merge(s)
+        extra = dict(results[0][1])
+        extra["actor/tokens"] = sum(e["actor/tokens"] for _, e in results)
+        return {**sums.mean(), **extra}
+
+    def named_weights(self, dtype: torch.dtype | None = None):
+        weights = self._get([r.full_weights.remote(dtype) for r in self.ranks], "gathering the weights")[0]
+        return iter(weights.items())
+
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        import ray
+
+        return ray.get(self.ranks[0].weight_shapes.remote(), timeout=self.timeout)
+
+    def state_dict(self) -> dict:
+        return self._get([r.state_dict.remote() for r in self.ranks], "gathering the optimizer state")[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        self._get([r.load_state_dict.remote(state) for r in self.ranks], "loading the optimizer state")
+
+    def save_model(self, path: str | Path) -> None:
+        self._get([r.save_model.remote(str(path)) for r in self.ranks], f"saving the model to {path}")
+
+    def close(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            try:
+                ray.get(r.close.remote(), timeout=10)
+            except Exception:  # a rank that died has nothing left to close
+                pass
+            ray.kill(r)

@@ -1,0 +1,87 @@
+"""One step's samples from the rollout role: scalar rewards (+ DAPO's overlong penalty), dynamic
+sampling, and the rollout metrics."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from tidal.algo import groups_with_signal, overlong_penalty
+from tidal.config import AlgoConfig
+from tidal.data.source import DataSource
+from tidal.rollout.manager import RolloutManager
+from tidal.rollout.rewards import scalar_reward
+from tidal.types import Sample, Status
+
+
+def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) -> dict[str, float]:
+    lengths = [s.response_length for s in samples]
+    by_group = rewards.view(-1, group)
+    # a dict reward's numeric entries are logged as rewards/<key> (mean over samples that have it)
+    parts: dict[str, list[float]] = {}
+    for s in samples:
+        if isinstance(s.reward, dict):
+            for k, v in s.reward.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    parts.setdefault(f"rewards/{k}", []).append(float(v))
+    return {
+        **{k: statistics.fmean(v) for k, v in parts.items()},
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/solved_groups": float((by_group.std(dim=1) == 0).float().mean()),
+        "response/length_mean": statistics.fmean(lengths),
+        "response/length_max": float(max(lengths)),
+        "response/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        "response/failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
+    }
+
+
+def shaped_rewards(samples: list[Sample], algo: AlgoConfig, reward_key: str, max_new_tokens: int) -> torch.Tensor:
+    """[N] scalar rewards, plus DAPO's soft overlong penalty when `algo.overlong_buffer` is set."""
+    rewards = torch.tensor([scalar_reward(s, reward_key) for s in samples], dtype=torch.float32)
+    if algo.overlong_buffer:
+        lengths = torch.tensor([s.response_length for s in samples])
+        rewards = rewards + overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+    return rewards
+
+
+def collect(
+    source: DataSource, rollout: RolloutManager, step: int, algo: AlgoConfig, reward_key: str
+) -> tuple[list[Sample], dict[str, float]]:
+    """One step's samples. With `algo.dynamic_sampling` (DAPO), groups whose rewards are all equal
+    carry no signal and are dropped; more prompts are sampled (up to `max_sampling_rounds` rounds)
+    until `rollout_batch_size` groups remain. If the rounds run out, the batch is topped up with
+    dropped groups (their group-relative advantage is 0) and the shortfall is logged."""
+    r = rollout.cfg
+    if not algo.dynamic_sampling:
+        return rollout.generate(source.next_batch(), step), {}
+    n, need = r.n_samples_per_prompt, r.rollout_batch_size
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    drawn = rounds = 0
+    while len(kept) < need and rounds < algo.max_sampling_rounds:
+        prompts = math.ceil((need - len(kept)) * algo.oversample)
+        samples = rollout.generate(source.next_batch(prompts), step, first_index=drawn)
+        drawn += len(samples)
+        rounds += 1
+        rewards = shaped_rewards(samples, algo, reward_key, r.max_new_tokens)
+        valid = torch.tensor([s.status != Status.FAILED for s in samples])
+        signal = groups_with_signal(rewards, n, valid)
+        for g in range(len(samples) // n):
+            (kept if signal[g] else dropped).append(samples[g * n : (g + 1) * n])
+    filled = max(0, need - len(kept))
+    groups = kept[:need] + dropped[:filled]
+    out = []
+    for g, group in enumerate(groups):  # renumber: the trainer sees one contiguous batch
+        for j, s in enumerate(group):
+            s.group_index, s.index = g, g * n + j
+            out.append(s)
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/groups_sampled": float(drawn // n),
+        "dynamic_sampling/groups_kept": float(len(kept)),
+        "dynamic_sampling/filled_without_signal": float(filled),
+    }
+    return out, metrics

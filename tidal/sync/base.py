@@ -1,0 +1,59 @@
+"""What every weight transport shares: the error that ends a run, and the check after a transfer.
+
+A push hands the trainer's weights to every engine as one version. Each transport is versioned
+(the engine reports the version it holds), checked (the engine reports a CRC-32 of what it loaded,
+compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) and all-or-nothing
+(a failed load leaves the engine on its old weights and version), and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from tidal.engine.weights import weights_checksum
+
+
+class SyncError(RuntimeError):
+    """A weight transfer failed or timed out; the message names the engine and the transport."""
+
+    def __init__(self, engine: str, transport: str, what: str) -> None:
+        super().__init__(f"weight sync to engine {engine} over {transport}: {what}")
+        self.engine = engine
+        self.transport = transport
+
+
+class WeightSync(Protocol):
+    transport: str
+
+    def push(self, version: int) -> dict[str, float]:
+        """Give every engine the trainer's current weights as `version`; returns metrics
+        (`sync/bytes`, `sync/tensors`; the loop times it as `time/sync`). Raises `SyncError`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def expected_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> str:
+    """The checksum an engine holding `dtype` weights reports after loading `named`."""
+    return weights_checksum(named, dtype)
+
+
+def check_engine(
+    engine: str, transport: str, version: int, want_checksum: str | None, got_version: int, got_checksum: str | None
+) -> None:
+    """Raise `SyncError` unless the engine reports `version` (and, when both are known, the checksum)."""
+    if got_version != version:
+        raise SyncError(engine, transport, f"the engine reports weight version {got_version}, expected {version}")
+    if want_checksum is not None and got_checksum is not None and got_checksum != want_checksum:
+        raise SyncError(
+            engine,
+            transport,
+            f"the engine's weights have checksum {got_checksum}, the trainer sent {want_checksum} (version {version})",
+        )
+
+
+def tensor_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)

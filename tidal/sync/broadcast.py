@@ -1,0 +1,136 @@
+"""Weights by broadcast over a process group of their own: trainer rank 0 (rank 0 here) and every
+engine (ranks 1..E); gloo on CPU, NCCL on GPU. Tensors travel in buckets of about `bucket_bytes`,
+each one flat buffer in the engine's dtype; the engines load the whole set at once when the last
+bucket has arrived, and report the version and checksum they hold.
+
+The group is separate from the trainers' FSDP2 group (a `ProcessGroupGloo` over its own TCP
+store), so engines never join the trainers' collectives. Trainers and engines compute on the CPU
+today, so the group is gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from tidal.engine.weights import weights_checksum
+from tidal.sync.base import SyncError, check_engine
+
+BUCKET_BYTES = 64 * 2**20
+
+
+def join_group(init_method: str, rank: int, world: int, timeout_s: float):
+    """A process group of `world` ranks over a TCP store at `init_method` (tcp://host:port; rank 0
+    hosts it); blocks until every rank has joined, at most `timeout_s`."""
+    url = urlparse(init_method)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _buckets(shapes: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, bucket_bytes: int) -> list[list[int]]:
+    """Indices of consecutive tensors, about `bucket_bytes` each (one larger tensor goes alone)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape) in enumerate(shapes):
+        n = itemsize
+        for d in shape:
+            n *= d
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return [b for b in out if b]
+
+
+def send_weights(group, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES) -> str:
+    """Rank 0: broadcast `named` (all one dtype) bucket by bucket; returns their checksum."""
+    dtype = named[0][1].dtype
+    for idx in _buckets([(n, tuple(t.shape)) for n, t in named], dtype.itemsize, bucket_bytes):
+        flat = torch.cat([named[i][1].reshape(-1) for i in idx])
+        group.broadcast([flat], 0).wait()
+    return weights_checksum(named)
+
+
+def receive_weights(
+    group, meta: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES
+) -> list[tuple[str, torch.Tensor]]:
+    """Ranks 1..E: receive the broadcast described by `meta` (names and shapes, in order)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for idx in _buckets(meta, dtype.itemsize, bucket_bytes):
+        sizes = [torch.Size(meta[i][1]).numel() for i in idx]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        group.broadcast([flat], 0).wait()
+        for i, part in zip(idx, flat.split(sizes), strict=True):
+            out.append((meta[i][0], part.view(meta[i][1])))
+    return out
+
+
+class BroadcastSync:
+    """Trainer ranks (`TrainerGroup`) to engine actors (`EngineGroup`) by broadcast."""
+
+    transport = "broadcast"
+
+    def __init__(self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES) -> None:
+        import ray
+
+        from tidal.cluster.ray_setup import free_port, node_ip
+
+        self.trainers, self.engines = trainers, engines
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self.names = [f"{u} (engine {i})" for i, u in enumerate(engines.urls)]
+        world = 1 + len(engines.actors)
+        init = f"tcp://{node_ip()}:{free_port()}"
+        refs = [trainers.ranks[0].join_weight_group.remote(init, world, timeout)]
+        refs += [a.join_weight_group.remote(init, i + 1, world, timeout) for i, a in enumerate(engines.actors)]
+        self._wait(refs, ["trainer rank 0", *self.names], "joining the weight-sync group")
+        self.dtype = ray.get(engines.actors[0].dtype.remote(), timeout=timeout)
+        self.meta: list[tuple[str, tuple[int, ...]]] | None = None
+
+    def _wait(self, refs: list, who: list[str], what: str) -> list:
+        """Results of `refs` in order; the first failure (a dead actor, an error) or the sync
+        timeout raises SyncError naming whose it was."""
+        import ray
+
+        names = dict(zip(refs, who, strict=True))
+        pending, deadline = list(refs), time.monotonic() + self.timeout
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = ", ".join(names[r] for r in pending)
+                raise SyncError(late, self.transport, f"{what} timed out after {self.timeout:g} s")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                raise SyncError(
+                    names[done[0]], self.transport, f"{what}: the process died ({type(e).__name__})"
+                ) from None
+            except ray.exceptions.RayTaskError as e:
+                raise SyncError(names[done[0]], self.transport, f"{what} failed: {getattr(e, 'cause', e)}") from None
+        return ray.get(refs)
+
+    def push(self, version: int) -> dict[str, float]:
+        if self.meta is None:
+            self.meta = self.trainers.weight_shapes()
+        sends = [r.broadcast_weights.remote(self.dtype, self.bucket_bytes) for r in self.trainers.ranks]
+        recvs = [a.receive_weights.remote(self.meta, version, self.bucket_bytes) for a in self.engines.actors]
+        who = [f"trainer rank {i}" for i in range(len(sends))] + self.names
+        results = self._wait(sends + recvs, who, "the broadcast")
+        want = results[0]
+        for name, (got_version, got_sum) in zip(self.names, results[len(sends) :], strict=True):
+            check_engine(name, self.transport, version, want, got_version, got_sum)
+        n = sum(torch.Size(s).numel() for _, s in self.meta)
+        return {
+            "sync/bytes": float(n * self.dtype.itemsize),
+            "sync/tensors": float(len(self.meta)),
+        }
+
+    def close(self) -> None:
+        pass

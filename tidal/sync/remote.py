@@ -1,0 +1,176 @@
+"""Weights to engines behind HTTP: tensors in the request body (`http`, `delta`) or a safetensors
+folder the servers read (`disk`, what SGLang and vLLM servers load)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, _run_sync, encode_tensors
+from tidal.engine.weights import weights_checksum
+from tidal.sync.base import SyncError, check_engine
+from tidal.train.role import Trainer
+from tidal.utils import atomic_directory
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+
+
+class _RemoteSync:
+    transport = "?"
+
+    def __init__(self, trainer: Trainer, clients: Sequence[EngineClient], timeout: float, check: bool = True) -> None:
+        self.trainer = trainer
+        self.clients = list(clients)
+        self.timeout = timeout
+        self.check = check
+        self._dtypes: dict[str, torch.dtype | None] = {}
+        self._wants: dict[torch.dtype, asyncio.Task] = {}  # per push: our checksum per engine dtype
+
+    def _run(self, coro):
+        return _run_sync(coro)
+
+    async def _engine_dtype(self, c: EngineClient) -> torch.dtype | None:
+        if c.base_url not in self._dtypes:
+            info = await c._request("GET", "/get_model_info", timeout=self.timeout)
+            self._dtypes[c.base_url] = DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+        return self._dtypes[c.base_url]
+
+    async def _verify(self, c: EngineClient, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The engine's version, and its checksum against ours (tidal servers report one)."""
+        try:
+            if not self.check:
+                got = await c.get_weight_version()
+                check_engine(c.base_url, self.transport, version, None, got, None)
+                return
+            dtype = await self._engine_dtype(c)
+            got_version, got_sum = await c.get_weight_checksum(timeout=self.timeout)
+        except EngineError as e:
+            raise SyncError(c.base_url, self.transport, f"checking the loaded weights failed: {e}") from e
+        want = None
+        if dtype is not None:
+            if dtype not in self._wants:
+                self._wants[dtype] = asyncio.ensure_future(asyncio.to_thread(weights_checksum, named, dtype))
+            want = await self._wants[dtype]
+        check_engine(c.base_url, self.transport, version, want, got_version, got_sum)
+
+    async def _each(self, fn, what: str) -> None:
+        """Run `fn(client)` on every engine at once, each bounded by the timeout; the first failure
+        raises `SyncError` naming its engine."""
+
+        async def one(c: EngineClient) -> None:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await fn(c)
+            except TimeoutError:
+                raise SyncError(c.base_url, self.transport, f"{what} timed out after {self.timeout:g} s") from None
+            except EngineError as e:
+                raise SyncError(c.base_url, self.transport, f"{what} failed: {e}") from e
+
+        self._wants = {}
+        try:
+            await asyncio.gather(*(one(c) for c in self.clients))
+        finally:
+            self._wants = {}
+            await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+
+    def close(self) -> None:
+        pass
+
+
+class HttpSync(_RemoteSync):
+    """Tensors in tidal's wire format to `/update_weights_from_tensor` (tidal servers), in chunks of
+    `chunk_bytes`, all chunks but the last staged so a server loads all or nothing.
+
+    `delta`: send only the tensors whose bytes changed since the last push every engine confirmed
+    (for slow links, and models with frozen parts); the first push, and any push after a failed
+    one, sends everything."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        clients: Sequence[EngineClient],
+        timeout: float = 300.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        delta: bool = False,
+        check: bool = True,
+    ) -> None:
+        super().__init__(trainer, clients, timeout, check)
+        self.transport = "delta" if delta else "http"
+        self.chunk_bytes = chunk_bytes
+        self.delta = delta
+        self._sent: dict[str, int] | None = None  # tensor CRCs every engine holds
+
+    def push(self, version: int) -> dict[str, float]:
+        named = [(n, t.detach()) for n, t in self.trainer.named_weights()]
+        send = named
+        crcs = {n: _tensor_crc(t) for n, t in named} if self.delta else None
+        if self.delta and self._sent is not None:
+            send = [(n, t) for n, t in named if self._sent.get(n) != crcs[n]]
+        self._sent = None  # until every engine confirms this push
+        blobs = list(encode_tensors(send or named[:1], self.chunk_bytes))
+
+        async def main() -> None:
+            async def load(c: EngineClient) -> None:
+                for i, blob in enumerate(blobs):
+                    last = i == len(blobs) - 1
+                    await c.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=self.timeout)
+                await self._verify(c, version, named)
+
+            await self._each(load, "loading the weights")
+
+        self._run(main())
+        self._sent = crcs
+        return {
+            "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in send)),
+            "sync/tensors": float(len(send)),
+        }
+
+
+class DiskSync(_RemoteSync):
+    """The trainer writes a safetensors folder under `root` (on a filesystem every server can
+    read) and each server loads it with `/update_weights_from_disk`; the folder of the previous
+    version is removed once every server has moved on."""
+
+    transport = "disk"
+
+    def __init__(
+        self, trainer: Trainer, clients: Sequence[EngineClient], root: str | Path, timeout: float = 600.0, check=True
+    ) -> None:
+        super().__init__(trainer, clients, timeout, check)
+        self.root = Path(root)
+        self._last: Path | None = None
+
+    def push(self, version: int) -> dict[str, float]:
+        folder = self.root / f"weights_v{version}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        with atomic_directory(folder) as tmp:
+            self.trainer.save_model(tmp)
+        named = [(n, t.detach()) for n, t in self.trainer.named_weights()]
+
+        async def main() -> None:
+            async def load(c: EngineClient) -> None:
+                await c.update_weights_from_disk(folder, version, timeout=self.timeout)
+                await self._verify(c, version, named)
+
+            await self._each(load, f"loading {folder}")
+
+        self._run(main())
+        if self._last is not None and self._last != folder:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = folder
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        return {"sync/bytes": float(size), "sync/tensors": float(len(named))}
+
+    def close(self) -> None:
+        if self._last is not None:
+            shutil.rmtree(self._last, ignore_errors=True)

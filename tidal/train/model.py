@@ -1,0 +1,171 @@
+"""A model as a trainer runs it: the weights the optimizer updates, the module forward and backward
+run on, and the forward to the hidden states that predict response tokens.
+
+Precision (`train.dtype`, resolved from the hardware when `auto`): the weights the optimizer
+updates, saves and syncs are always fp32. `bfloat16` computes forward and backward on a bf16 copy
+of them (`tidal.train.precision`); `autocast` computes under bf16 autocast over the fp32 weights;
+`float32` computes in fp32. On trainer ranks with FSDP2 (`shard`), the sharded module is both:
+its mixed-precision policy casts the fp32 shards to bf16 for compute and reduces in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from tidal.config import TrainConfig
+from tidal.hardware import resolve_dtype
+from tidal.train.attention import packed_layout, use_packed_attention
+from tidal.train.forward import Forward
+from tidal.train.precision import Bf16Compute, to_bf16_params
+
+
+def load_causal_lm(path: str | Path) -> torch.nn.Module:
+    """A Hugging Face causal LM in fp32 (the master weights)."""
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def load_frozen(path: str | Path) -> torch.nn.Module:
+    return load_causal_lm(path).eval().requires_grad_(False)
+
+
+class TrainedModel:
+    """`master` (fp32, what the optimizer updates) and `compute` (what forward/backward run on),
+    with the `Forward` that plans micro-batches and runs `compute` to response hidden states.
+
+    `shard(mesh)` makes this a trainer rank's FSDP2 shard of the model (see `tidal.cluster`)."""
+
+    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, pad_id: int = 0, dtype: str | None = None) -> None:
+        self.cfg = cfg
+        self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype").dtype
+        self.master = module.float().train()
+        if cfg.gradient_checkpointing and hasattr(self.master, "gradient_checkpointing_enable"):
+            self.master.gradient_checkpointing_enable()
+        self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
+        self.compute = self.mixed.model if self.mixed is not None else self.master
+        self.fwd = Forward(cfg, self.compute, pad_id)
+        self.sharded = False
+        self.loss_scale = 1.0
+
+    def shard(self, mesh=None) -> None:
+        """FSDP2 over the default process group (or `mesh`): each decoder layer and the root are
+        `fully_shard`ed; bf16 compute comes from the mixed-precision policy, gradients are reduced
+        in fp32 and summed over ranks (each rank's loss is already divided by the global counts)."""
+        import torch.distributed  # noqa: F401  (the process group is the caller's)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
+            self.mixed = None
+            self.compute = self.master
+            self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id)
+        bf16 = self.dtype == "bfloat16"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+        layers = getattr(getattr(self.master, "base_model", self.master), "layers", [])
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.master, mesh=mesh, mp_policy=mp)
+        # FSDP2 averages gradients over ranks (gloo has no pre-scaled sum); each rank's loss is
+        # already divided by the global counts, so it is scaled by the rank count to make a sum
+        self.loss_scale = float(torch.distributed.get_world_size())
+        self.sharded = True
+
+    def reshard(self) -> None:
+        """Back to sharded parameters after a forward without backward (FSDP2 keeps the root's
+        gathered until its backward): the optimizer and state dicts know the shards."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.master.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.master.parameters() if p.requires_grad]
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model computed like this one (precision, attention), so that a reference or
+        teacher equal to the policy gives exactly the policy's log-probs (KL exactly 0)."""
+        model = model.eval().requires_grad_(False)
+        if self.fwd.packing:
+            use_packed_attention(model)
+        return to_bf16_params(model) if self.dtype == "bfloat16" else model
+
+    def autocast(self):
+        if self.dtype != "autocast":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+
+    @contextlib.contextmanager
+    def one_cast_per_update(self):
+        """Run an optimizer step's micro-batches inside one outer autocast region, itself switched
+        off so only the scoring computes in bf16. Autocast keeps its bf16 copy of each fp32 weight
+        until the outermost region exits, so each weight (the 28M-parameter embedding included)
+        is cast once per optimizer step instead of once per micro-batch; the weights only change at
+        `optimizer.step()`, after the region has closed."""
+        if self.dtype != "autocast":
+            yield
+            return
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
+            yield
+
+    def after_step(self) -> None:
+        """Refresh the compute copy from the master weights the optimizer just updated."""
+        if self.mixed is not None:
+            self.mixed.sync()
+
+    def response_hidden(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Hidden states [T, H] at the T real response positions of `batch` (row-major over
+        [B, R]) and that [B, R] position mask; `model` is a causal LM computed like `compute`.
+
+        Only real response positions go on to the output projection and the vocabulary-wide
+        log-softmax: prompt positions are never scored, and the padding of the [B, R] grid is
+        often 30-40% of it."""
+        valid = batch["response_valid"]
+        return self.fwd.hidden(model.base_model, batch)[valid], valid
+
+    def root_logits(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Logits [T, V] at the T real response positions and the [B, R] mask, from the causal LM's
+        own forward (`logits_to_keep` picks the positions), as FSDP2 needs: its root module gathers
+        the embedding and output projection only when its forward runs."""
+        valid = batch["response_valid"]
+        if "position_ids" in batch:  # packed row
+            kwargs = {}
+            if self.fwd.packing and getattr(self.master.config, "_attn_implementation", None) == "tidal_packed":
+                kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
+            out = self.master(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                logits_to_keep=batch["response_index"][valid],
+                **kwargs,
+            )
+            return out.logits[0], valid
+        r = batch["response_ids"].shape[1]
+        pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r)[None, :]
+        pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
+        out = self.master(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos
+        )
+        return out.logits[valid], valid
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Parameters by name, for weight sync to the engines: the fp32 master weights, or with
+        `dtype` bf16 and a bf16 compute copy, that copy's tensors (kept equal to the master's after
+        every optimizer step), so an engine in the same process can share them. On an FSDP2 rank
+        every rank must call this (each full tensor is gathered from the shards)."""
+        self.reshard()
+        compute = None
+        if dtype == torch.bfloat16 and self.mixed is not None:
+            compute = dict(self.mixed.model.named_parameters(remove_duplicate=False))
+        for name, p in self.master.named_parameters():
+            if self.sharded:  # every rank gathers each full tensor from the shards
+                yield name, p.detach().full_tensor()
+            else:
+                yield name, (compute[name] if compute is not None else p).detach()
