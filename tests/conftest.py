@@ -123,3 +123,21 @@ def token_sum_parity_reward(sample) -> float:
     """Like `token_parity_reward`, over the whole response: a real model's first token is often
     the same in every sample of a group, the parity of the sum almost never is."""
     return float(sum(sample.response_tokens) % 2 == 0)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the cluster tests (4 logical CPUs on any machine), shut down at the end."""
+    import os
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=os.path.join(tempfile.gettempdir(), f"tidal-ray-test-{os.getuid()}"),
+    )
+    yield ray
+    ray.shutdown()

@@ -87,7 +87,10 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             from tidal.cluster.ray_setup import placement, start_ray
             from tidal.cluster.trainers import TrainerGroup
 
-            start_ray(c)
+            if start_ray(c):
+                import ray
+
+                roles.closers.append(ray.shutdown)
             group, trainer_bundles, engine_bundles = placement(c)
             roles.closers.append(lambda: _remove_group(group))
             roles.trainer = TrainerGroup(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import torch
 
@@ -40,6 +41,9 @@ class EngineServer:
 
     def address(self) -> str:
         return self.url
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
@@ -123,11 +127,9 @@ class EngineGroup:
         ray.get([a.wake.remote() for a in self.actors], timeout=self.timeout)
 
     def close(self) -> None:
+        """Kill the actors (a rank or engine stuck in a broken collective would not answer a
+        polite call); their processes free every resource they held."""
         import ray
 
         for a in self.actors:
-            try:
-                ray.get(a.close.remote(), timeout=10)
-            except Exception:  # a dead engine has nothing left to close
-                pass
             ray.kill(a)

@@ -17,19 +17,20 @@ from tidal.config import ClusterConfig
 log = logging.getLogger("tidal")
 
 
-def start_ray(cfg: ClusterConfig) -> None:
+def start_ray(cfg: ClusterConfig) -> bool:
     """Join `cluster.address` (or RAY_ADDRESS), else start Ray on this machine with enough
-    logical CPUs for every bundle (a 2-core laptop runs 2 trainers + 2 engines, time-sliced)."""
+    logical CPUs for every bundle (a 2-core laptop runs 2 trainers + 2 engines, time-sliced).
+    Returns whether this call started or joined Ray (then the run shuts it down at the end)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private Ray needs no token
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("cluster: joining Ray at %s", address)
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        return
+        return True
     need = cfg.trainers * cfg.cpus_per_trainer + (0 if cfg.colocate else cfg.engines * cfg.cpus_per_engine)
     cpus = max(os.cpu_count() or 1, int(need + 0.999))
     log.info("cluster: starting Ray on this machine (%d logical CPUs)", cpus)
@@ -39,6 +40,7 @@ def start_ray(cfg: ClusterConfig) -> None:
         log_to_driver=True,
         _temp_dir=os.path.join(tempfile.gettempdir(), f"tidal-ray-{os.getuid()}"),
     )
+    return True
 
 
 def placement(cfg: ClusterConfig):

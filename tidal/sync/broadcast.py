@@ -54,7 +54,7 @@ def send_weights(group, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes:
     dtype = named[0][1].dtype
     for idx in _buckets([(n, tuple(t.shape)) for n, t in named], dtype.itemsize, bucket_bytes):
         flat = torch.cat([named[i][1].reshape(-1) for i in idx])
-        group.broadcast([flat], 0).wait()
+        group.broadcast(flat, 0).wait()
     return weights_checksum(named)
 
 
@@ -66,7 +66,7 @@ def receive_weights(
     for idx in _buckets(meta, dtype.itemsize, bucket_bytes):
         sizes = [torch.Size(meta[i][1]).numel() for i in idx]
         flat = torch.empty(sum(sizes), dtype=dtype)
-        group.broadcast([flat], 0).wait()
+        group.broadcast(flat, 0).wait()
         for i, part in zip(idx, flat.split(sizes), strict=True):
             out.append((meta[i][0], part.view(meta[i][1])))
     return out
@@ -95,25 +95,35 @@ class BroadcastSync:
         self.meta: list[tuple[str, tuple[int, ...]]] | None = None
 
     def _wait(self, refs: list, who: list[str], what: str) -> list:
-        """Results of `refs` in order; the first failure (a dead actor, an error) or the sync
-        timeout raises SyncError naming whose it was."""
+        """Results of `refs` in order. A failure or the sync timeout raises SyncError naming whose
+        it was; a process that died is named before the peers whose collective broke because of it
+        (they fail first as often as not)."""
         import ray
 
         names = dict(zip(refs, who, strict=True))
         pending, deadline = list(refs), time.monotonic() + self.timeout
+        failed: list[tuple[int, str, str]] = []  # (0 = died, 1 = error), name, detail
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            wait = max(0.0, deadline - time.monotonic())
+            if failed:  # a little longer for the death that caused the error to be reported
+                wait = min(wait, 3.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if not done:
-                late = ", ".join(names[r] for r in pending)
-                raise SyncError(late, self.transport, f"{what} timed out after {self.timeout:g} s")
+                break
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as e:
-                raise SyncError(
-                    names[done[0]], self.transport, f"{what}: the process died ({type(e).__name__})"
-                ) from None
+                failed.append((0, names[done[0]], f"the process died ({type(e).__name__})"))
             except ray.exceptions.RayTaskError as e:
-                raise SyncError(names[done[0]], self.transport, f"{what} failed: {getattr(e, 'cause', e)}") from None
+                failed.append((1, names[done[0]], f"failed: {getattr(e, 'cause', e)}"))
+        if failed:
+            _, name, detail = min(failed, key=lambda f: f[0])
+            others = [n for _, n, _ in failed if n != name]
+            also = f" (then also: {', '.join(others)})" if others else ""
+            raise SyncError(name, self.transport, f"{what}: {detail}{also}")
+        if pending:
+            late = ", ".join(names[r] for r in pending)
+            raise SyncError(late, self.transport, f"{what} timed out after {self.timeout:g} s")
         return ray.get(refs)
 
     def push(self, version: int) -> dict[str, float]:

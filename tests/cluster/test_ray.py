@@ -1,0 +1,146 @@
+"""The loop on Ray (tiny model): 2 FSDP2 trainer ranks and 2 engine actors, disaggregated and
+colocated, against the in-process default; and weight syncs that fail end the run with an error
+naming the engine and the transport, within the timeout, leaving no Ray workers behind."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tidal.loop
+from tidal.config import build_config
+
+VOLATILE = ("time/", "perf/")
+
+
+def config(model_dir, out_dir, **over):
+    values = {
+        "train.model": str(model_dir),
+        "train.output_dir": str(out_dir),
+        "train.num_steps": 2,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-3,
+        "train.dtype": "float32",
+        "rollout.dtype": "float32",
+        "rollout.rollout_batch_size": 2,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 8,
+        "log.tensorboard": False,
+        "log.console": False,
+        "data.env_args": {"n": 50},
+        "rollout.reward": "conftest:token_parity_reward",
+    }
+    values.update(over)
+    return build_config(None, values)
+
+
+def workers() -> list[str]:
+    """Command lines of this machine's Ray actor processes of tidal's classes."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "TrainerRank" in cmd or "EngineServer" in cmd:
+                out.append(cmd)
+    return out
+
+
+def no_workers_left(timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while workers():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_model_dir, tmp_path_factory):
+    return tidal.loop.train(config(tiny_model_dir, tmp_path_factory.mktemp("local")))
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_two_trainers_and_two_engines_train_like_one_process(
+    ray_session, tiny_model_dir, tmp_path, local_run, colocate
+):
+    over = {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": colocate}
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **over))
+    assert [h["step"] for h in history] == [1, 2]
+    first, local = history[0], local_run[0]
+    # step 1 samples the same initial weights with the same seeds: the same batch and update
+    for key in ("reward/mean", "response/length_mean", "loss/pg", "actor/tokens", "actor/skipped_samples"):
+        assert first[key] == pytest.approx(local[key], rel=1e-5, abs=1e-6), key
+    assert first["actor/grad_norm"] == pytest.approx(local["actor/grad_norm"], rel=1e-4)
+    for h in history:  # every push moved the whole model, checked by the engines' checksums
+        assert h["sync/bytes"] > 0 and h["time/sync"] > 0 and h["time/engine_idle"] >= h["time/sync"]
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_hidden_layers == 2
+    assert no_workers_left()
+
+
+def engine_roles(tiny_model_dir, tmp_path, timeout):
+    from transformers import AutoTokenizer
+
+    from tidal.cluster import build_roles
+
+    cfg = config(
+        tiny_model_dir, tmp_path, **{"cluster.trainers": 1, "cluster.engines": 2, "cluster.sync_timeout": timeout}
+    )
+    cfg, _ = tidal.loop.resolve_precision(cfg)
+    return build_roles(cfg, Path(tiny_model_dir), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None)
+
+
+def test_an_engine_killed_during_weight_sync_ends_the_push_naming_it(ray_session, tiny_model_dir, tmp_path):
+    import ray
+
+    from tidal.sync.base import SyncError
+
+    roles = engine_roles(tiny_model_dir, tmp_path, timeout=60)
+    try:
+        roles.sync.push(1)
+        victim = roles.engines.actors[1]
+        pid = ray.get(victim.pid.remote())
+        os.kill(pid, signal.SIGSTOP)  # stuck: the push waits on it...
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()  # ...and then it dies
+        t0 = time.monotonic()
+        with pytest.raises(SyncError) as err:
+            roles.sync.push(2)
+        assert time.monotonic() - t0 < 60
+        msg = str(err.value)
+        assert "over broadcast" in msg and roles.engines.urls[1] in msg and "(engine 1)" in msg
+        assert "the process died" in msg
+    finally:
+        roles.close()
+    assert no_workers_left()
+
+
+def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_session, tiny_model_dir, tmp_path):
+    import ray
+
+    from tidal.sync.base import SyncError
+
+    roles = engine_roles(tiny_model_dir, tmp_path, timeout=5)
+    pid = None
+    try:
+        roles.sync.push(1)
+        pid = ray.get(roles.engines.actors[0].pid.remote())
+        os.kill(pid, signal.SIGSTOP)  # the engine stops answering
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match=r"over broadcast: the broadcast timed out after 5 s") as err:
+            roles.sync.push(2)
+        assert 5 <= time.monotonic() - t0 < 15
+        assert roles.engines.urls[0] in str(err.value)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        roles.close()
+    assert no_workers_left()
