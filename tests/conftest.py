@@ -141,3 +141,28 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+def loop_config(model_dir, out_dir, **over):
+    """A loop config on the tiny model: 4 steps of 4 prompts x 4 samples, fp32, no TensorBoard."""
+    values = {
+        "train.model": str(model_dir),
+        "train.output_dir": str(out_dir),
+        "train.num_steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-3,
+        "train.dtype": "float32",
+        "rollout.dtype": "float32",
+        "rollout.rollout_batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 8,
+        "log.tensorboard": False,
+        "log.console": False,
+        "data.env_args": {"n": 50},
+        "rollout.reward": "conftest:token_parity_reward",
+    }
+    values.update(over)
+    from tidal.config import build_config
+
+    return build_config(None, values)

@@ -3,35 +3,16 @@
 import json
 
 import pytest
+from conftest import loop_config
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
-from tidal.config import build_config
 from tidal.train.actor import Actor
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
 
 
-def config(model_dir, out_dir, **over):
-    values = {
-        "train.model": str(model_dir),
-        "train.output_dir": str(out_dir),
-        "train.num_steps": 4,
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 4,
-        "train.lr": 1e-3,
-        "train.dtype": "float32",
-        "rollout.dtype": "float32",
-        "rollout.rollout_batch_size": 4,
-        "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 8,
-        "log.tensorboard": False,
-        "log.console": False,
-        "data.env_args": {"n": 50},
-        "rollout.reward": "conftest:token_parity_reward",
-    }
-    values.update(over)
-    return build_config(None, values)
+config = loop_config
 
 
 def stable(history):

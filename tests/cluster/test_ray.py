@@ -9,33 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import loop_config
 
 import tidal.loop
-from tidal.config import build_config
 
 VOLATILE = ("time/", "perf/")
 
 
 def config(model_dir, out_dir, **over):
-    values = {
-        "train.model": str(model_dir),
-        "train.output_dir": str(out_dir),
-        "train.num_steps": 2,
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 4,
-        "train.lr": 1e-3,
-        "train.dtype": "float32",
-        "rollout.dtype": "float32",
-        "rollout.rollout_batch_size": 2,
-        "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 8,
-        "log.tensorboard": False,
-        "log.console": False,
-        "data.env_args": {"n": 50},
-        "rollout.reward": "conftest:token_parity_reward",
-    }
-    values.update(over)
-    return build_config(None, values)
+    return loop_config(model_dir, out_dir, **{"train.num_steps": 2, "rollout.rollout_batch_size": 2, **over})
 
 
 def workers() -> list[str]:
