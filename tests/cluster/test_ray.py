@@ -114,6 +114,11 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
     pid = None
     try:
         roles.sync.push(1)
+        # the rollout role's controls reach every engine actor
+        assert roles.engines.health()
+        roles.engines.pause()
+        roles.engines.resume()
+        assert roles.engines.engine.get_weight_versions() == [1, 1]
         pid = ray.get(roles.engines.actors[0].pid.remote())
         os.kill(pid, signal.SIGSTOP)  # the engine stops answering
         t0 = time.monotonic()

@@ -18,14 +18,26 @@ log = logging.getLogger("tidal")
 
 
 class LocalEngines:
-    """One engine in this process, or external servers (`rollout.engine: remote`)."""
+    """The rollout role's engines: one engine in this process, or external servers
+    (`rollout.engine: remote`). `EngineGroup` (Ray) has the same methods."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.urls = [c.base_url for c in engine.router.clients] if hasattr(engine, "router") else []
 
+    def health(self) -> bool:
+        return self.engine.health() if hasattr(self.engine, "health") else True
+
+    def pause(self) -> None:
+        if hasattr(self.engine, "pause"):
+            self.engine.pause()
+
+    def resume(self) -> None:
+        if hasattr(self.engine, "resume"):
+            self.engine.resume()
+
     def sleep(self) -> None:
-        pass
+        pass  # an in-process engine already shares the trainer's weights; external ones are not ours
 
     def wake(self) -> None:
         pass

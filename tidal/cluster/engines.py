@@ -116,6 +116,15 @@ class EngineGroup:
         self.engine = RemoteEngine(self.urls, timeout=rollout.request_timeout)
         self.timeout = cluster.sync_timeout
 
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     def sleep(self) -> None:
         import ray
 

@@ -433,6 +433,13 @@ class RemoteEngine:
     def health(self) -> bool:
         return all(self._run(lambda: self.router.broadcast("health")))
 
+    def pause(self) -> None:
+        """Every server stops generating; unfinished requests wait for `resume()`."""
+        self._run(lambda: self.router.broadcast("pause"))
+
+    def resume(self) -> None:
+        self._run(lambda: self.router.broadcast("resume"))
+
     def flush_cache(self) -> bool:
         return all(self._run(lambda: self.router.broadcast("flush_cache")))
 
