@@ -28,9 +28,10 @@ def join_group(init_method: str, rank: int, world: int, timeout_s: float):
     """A process group of `world` ranks over a TCP store at `init_method` (tcp://host:port; rank 0
     hosts it); blocks until every rank has joined, at most `timeout_s`."""
     url = urlparse(init_method)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+    # gloo's own deadline is later than the sync's, so a stuck peer is found (and named) by the
+    # caller's deadline rather than by a bare gloo error on whoever waited for it
+    return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=2 * timeout_s + 30))
 
 
 def _buckets(shapes: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, bucket_bytes: int) -> list[list[int]]:
@@ -122,9 +123,27 @@ class BroadcastSync:
             also = f" (then also: {', '.join(others)})" if others else ""
             raise SyncError(name, self.transport, f"{what}: {detail}{also}")
         if pending:
-            late = ", ".join(names[r] for r in pending)
-            raise SyncError(late, self.transport, f"{what} timed out after {self.timeout:g} s")
+            late = [names[r] for r in pending]
+            silent = self._silent_engines()  # the one everyone waits on does not answer at all
+            culprits = [n for n in late if n in silent] or late
+            waiting = [n for n in late if n not in culprits]
+            detail = f"{what} timed out after {self.timeout:g} s"
+            if waiting:
+                detail += f" (waiting with it: {', '.join(waiting)})"
+            raise SyncError(", ".join(culprits), self.transport, detail)
         return ray.get(refs)
+
+    def _silent_engines(self, timeout: float = 2.0) -> set[str]:
+        """Engines whose HTTP server does not answer /health within `timeout` seconds."""
+        import httpx
+
+        silent = set()
+        for url, name in zip(self.engines.urls, self.names, strict=True):
+            try:
+                httpx.get(url + "/health", timeout=timeout).raise_for_status()
+            except httpx.HTTPError:
+                silent.add(name)
+        return silent
 
     def push(self, version: int) -> dict[str, float]:
         if self.meta is None:
