@@ -6,7 +6,7 @@ import argparse
 import sys
 import textwrap
 
-from tidal.config import ConfigError, add_config_arguments, build_config
+from tidal.config import ConfigError, ServerConfig, add_config_arguments, build_config
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -69,19 +69,40 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache size in tokens (default: 32768)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once (default: 256)")
     s.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    s.add_argument(
+        "--api-key",
+        help="require this key (Authorization: Bearer KEY) on every route but /health (default: $TIDAL_API_KEY)",
+    )
+    defaults = ServerConfig()
+    s.add_argument("--max-n", type=int, default=defaults.max_n, help=f"samples per prompt (default: {defaults.max_n})")
+    s.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=defaults.max_request_tokens,
+        help=f"prompt + new tokens of all samples of one request (default: {defaults.max_request_tokens})",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help=f"largest request body (default: {defaults.max_body_bytes})",
+    )
     return p
 
 
 def _serve(args) -> int:
     from tidal.convert import ensure_model
-    from tidal.engine.server import serve
     from tidal.log import setup_logging
+    from tidal.server import serve
 
     setup_logging()
     options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    serve(ensure_model(args.model), args.host, args.port, **options)
+    config = ServerConfig.from_env(
+        args.api_key, max_n=args.max_n, max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes
+    )
+    serve(ensure_model(args.model), args.host, args.port, config=config, **options)
     return 0
 
 

@@ -71,6 +71,7 @@ class RolloutConfig:
     )
     max_num_seqs: int = _opt(256, "tidal engine: sequences decoded at once")
     request_timeout: float = _opt(300.0, "seconds one generate request to a remote engine may take")
+    api_key: str | None = _opt(None, "remote: the servers' API key (else $TIDAL_API_KEY)")
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
@@ -231,6 +232,31 @@ class Config:
 
 GROUPS: list[str] = [f.name for f in dataclasses.fields(Config)]
 _GROUP_TYPES = typing.get_type_hints(Config)
+
+
+API_KEY_ENV = "TIDAL_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    """`tidal serve`'s limits, which keep one client from starving the others, and its API key.
+
+    A request may ask for at most `max_n` samples per prompt, `max_batch` prompts, and
+    `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
+    `max_body_bytes`. The defaults protect a laptop."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    max_n: int = 16
+    max_batch: int = 256
+    max_request_tokens: int = 262_144
+
+    @classmethod
+    def from_env(cls, api_key: str | None = None, **kw: Any) -> ServerConfig:
+        """With the key from `api_key`, else the TIDAL_API_KEY environment variable."""
+        import os
+
+        return cls(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kw)
 
 
 class _Loader(yaml.SafeLoader):

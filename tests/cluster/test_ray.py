@@ -119,6 +119,10 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
         roles.engines.pause()
         roles.engines.resume()
         assert roles.engines.engine.get_weight_versions() == [1, 1]
+        # the engines listen on the node's address, so only this run (it holds the key) may call them
+        import httpx
+
+        assert httpx.get(roles.engines.urls[0] + "/get_weight_version").status_code == 401
         pid = ray.get(roles.engines.actors[0].pid.remote())
         os.kill(pid, signal.SIGSTOP)  # the engine stops answering
         t0 = time.monotonic()

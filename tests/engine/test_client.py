@@ -14,7 +14,7 @@ from test_server import FakeCore, expected_logprobs, expected_tokens
 from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.client import EngineClient, EngineError, RemoteEngine, Router
 from tidal.engine.sampling import SamplingParams
-from tidal.engine.server import BackgroundServer, build_app
+from tidal.server import BackgroundServer, build_app
 
 
 class Served:

@@ -24,6 +24,7 @@ class LocalEngines:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.urls = [c.base_url for c in engine.router.clients] if hasattr(engine, "router") else []
+        self.api_key = (engine.router.clients[0].headers.get("Authorization", "")[7:] or None) if self.urls else None
 
     def health(self) -> bool:
         return self.engine.health() if hasattr(self.engine, "health") else True
@@ -142,7 +143,7 @@ def build_sync(cfg: Config, trainer, engines):
     from tidal.engine.client import EngineClient
     from tidal.sync.remote import DiskSync, HttpSync
 
-    clients = [EngineClient(u, timeout) for u in engines.urls]
+    clients = [EngineClient(u, timeout, api_key=getattr(engines, "api_key", None)) for u in engines.urls]
     if kind == "disk":
         root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
         return DiskSync(trainer, clients, root, timeout)

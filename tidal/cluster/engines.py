@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 
 import torch
 
@@ -22,20 +23,23 @@ log = logging.getLogger("tidal")
 class EngineServer:
     """One engine (a Ray actor): `LLMEngine` on its thread, the HTTP app on a port of this node."""
 
-    def __init__(self, model: str, engine_kwargs: dict, threads: int) -> None:
+    def __init__(self, model: str, engine_kwargs: dict, threads: int, api_key: str) -> None:
         from transformers import AutoTokenizer
 
         from tidal.cluster.ray_setup import node_ip
+        from tidal.config import ServerConfig
         from tidal.engine.async_engine import AsyncEngine
         from tidal.engine.llm_engine import LLMEngine
-        from tidal.engine.server import BackgroundServer, build_app
+        from tidal.server import BackgroundServer, build_app
 
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.core = LLMEngine(model, tokenizer, **engine_kwargs)
         self.engine = AsyncEngine(self.core)
         host = node_ip()
-        self.server = BackgroundServer(build_app(self.engine, model), host=host, port=0).start()
+        # reachable from the network: only the run that started it knows the key
+        app = build_app(self.engine, model, ServerConfig(api_key=api_key))
+        self.server = BackgroundServer(app, host=host, port=0).start()
         self.url = f"http://{host}:{self.server.port}"
         self.weight_group = None
 
@@ -97,6 +101,7 @@ class EngineGroup:
         from tidal.engine.client import RemoteEngine
 
         remote = ray.remote(EngineServer)
+        self.api_key = secrets.token_hex(16)  # a key of this run's own for its engines' HTTP servers
         # colocated: the bundle is the trainer rank's; the engine takes turns with it
         cpus = 0 if cluster.colocate else cluster.cpus_per_engine
         gpus = 0 if cluster.colocate else cluster.gpus_per_engine
@@ -106,14 +111,14 @@ class EngineGroup:
                 num_gpus=gpus,
                 max_concurrency=4,  # HTTP thread + weight receive + sleep/wake calls
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
-            ).remote(model, engine_kwargs, int(max(1, cluster.cpus_per_engine)))
+            ).remote(model, engine_kwargs, int(max(1, cluster.cpus_per_engine)), self.api_key)
             for b in bundles
         ]
         try:
             self.urls = ray.get([a.address.remote() for a in self.actors], timeout=600)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError("engines: starting the engine actors took longer than 600 s") from None
-        self.engine = RemoteEngine(self.urls, timeout=rollout.request_timeout)
+        self.engine = RemoteEngine(self.urls, timeout=rollout.request_timeout, api_key=self.api_key)
         self.timeout = cluster.sync_timeout
 
     def health(self) -> bool:

@@ -84,6 +84,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], cf.Future]] = deque()
         self._pending: dict[str, cf.Future] = {}  # touched only on the engine thread
+        self._streams: dict[str, list] = {}  # rid -> [on_tokens, tokens delivered]; engine thread
         self._paused = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
@@ -113,12 +114,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        on_tokens: Callable[[list[int], list[float], list], None] | None = None,
     ) -> asyncio.Future:
         """Queue a request and return a future for its `RequestOutput`.
 
         Raises the core's ValueError (prompt too long, ...) here, so a server can tell a bad
         request from a failure while generating. Cancelling the returned future aborts the request.
+        `on_tokens(ids, log_probs, top_logprobs)` is called on the engine thread with the tokens
+        each step added (for streaming), the last time before the future resolves.
         """
         rid = request_id if request_id is not None else uuid.uuid4().hex
         done: cf.Future = cf.Future()
@@ -128,6 +135,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.core.add_request(rid, list(prompt_ids), params)
             self._pending[rid] = done
+            if on_tokens is not None:
+                self._streams[rid] = [on_tokens, 0]
 
         await self._call(add)
         done.add_done_callback(lambda f: f.cancelled() and self._submit(lambda: self._abort(rid)))
@@ -234,8 +243,21 @@ class AsyncEngine:
                 _resolve(fut, exc=RuntimeError(f"request {rid!r} was aborted but the core returned no output"))
         return outs
 
+    def _deliver(self, rid: str, ids: list[int], log_probs: list[float], tops: list | None) -> None:
+        stream = self._streams.get(rid)
+        if stream is None or len(ids) <= stream[1]:
+            return
+        k = stream[1]
+        stream[1] = len(ids)
+        try:
+            stream[0](ids[k:], log_probs[k:], (tops or [])[k:])
+        except Exception:
+            log.exception("streaming callback of request %s failed", rid)
+
     def _finish(self, outs: Iterable[Any]) -> None:
         for out in outs:
+            self._deliver(out.request_id, out.token_ids, out.log_probs, getattr(out, "top_logprobs", None))
+            self._streams.pop(out.request_id, None)
             fut = self._pending.pop(out.request_id, None)
             if fut is not None:
                 _resolve(fut, out)
@@ -291,6 +313,11 @@ class AsyncEngine:
             self._fail_pending(e)
             return
         self._finish(outs)
+        progress = getattr(self.core, "progress", None)
+        for rid in list(self._streams) if progress is not None else []:
+            now = progress(rid)
+            if now is not None:
+                self._deliver(rid, *now)
 
     def _safe(self, fn: Callable[[], Any]) -> None:
         try:
@@ -308,5 +335,6 @@ class AsyncEngine:
 
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
+        self._streams.clear()
         for fut in pending.values():
             _resolve(fut, exc=exc)

@@ -140,8 +140,10 @@ class EngineClient:
         *,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.max_connections = max_connections
         self._transport = transport
@@ -159,7 +161,10 @@ class EngineClient:
             # The overall deadline is enforced with asyncio.timeout in _request; httpx's own
             # timeouts are per operation and only a backstop here.
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, pool=None), limits=limits, transport=self._transport
+                timeout=httpx.Timeout(self.timeout, pool=None),
+                limits=limits,
+                transport=self._transport,
+                headers=self.headers,
             )
             self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
@@ -201,6 +206,8 @@ class EngineClient:
             body = resp.text
         if resp.status_code >= 400 and resp.status_code not in ok:
             detail = body.get("error") or body.get("message") or body if isinstance(body, dict) else body
+            if isinstance(detail, dict):  # tidal's (and OpenAI's) shape: {"error": {"message": ...}}
+                detail = detail.get("message", detail)
             raise EngineError(url, f"HTTP {resp.status_code}: {detail}", status=resp.status_code)
         return resp.status_code, body
 
@@ -389,9 +396,10 @@ class RemoteEngine:
         weights_timeout: float = 1800.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_connections: int = 256,
+        api_key: str | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
-        self.router = Router([EngineClient(u, timeout, max_connections=max_connections) for u in urls])
+        self.router = Router([EngineClient(u, timeout, max_connections=max_connections, api_key=api_key) for u in urls])
         self.weights_timeout = weights_timeout
         self.chunk_bytes = chunk_bytes
         self.weight_version = 0

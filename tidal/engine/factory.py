@@ -41,9 +41,12 @@ def make_engine(
     tidal engine does not run) or `remote` (HTTP servers at `rollout.engine_urls`). The tidal
     engine's KV cache is sized by `kv_cache_tokens`."""
     if cfg.engine == "remote":
+        import os
+
         from tidal.engine.client import RemoteEngine
 
-        return RemoteEngine(cfg.engine_urls, timeout=cfg.request_timeout)
+        key = cfg.api_key or os.environ.get("TIDAL_API_KEY") or None
+        return RemoteEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 

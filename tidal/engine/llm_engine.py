@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from tidal.engine.base import GenerationOutput
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
-from tidal.engine.sampling import SamplingParams, sample_tokens
+from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
 from tidal.engine.weights import (
@@ -67,6 +67,7 @@ class RequestOutput:
     weight_version: int
     prompt_tokens: int
     cached_tokens: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when asked for
 
 
 class LLMEngine:
@@ -139,13 +140,21 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {rid}: stop strings need an engine with a tokenizer")
         seq = Sequence(rid, list(prompt_ids), params, arrival=next(self._arrival))
-        seq.stop_ids = frozenset(self.eos_ids | set(params.stop_token_ids))
+        seq.stop_ids = frozenset((set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids))
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def progress(self, request_id: str) -> tuple[list[int], list[float], list] | None:
+        """The tokens, log-probs and top alternatives a running request has so far (None once it
+        has finished or is unknown)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        return seq.output_ids, seq.log_probs, seq.top_logprobs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -158,6 +167,7 @@ class LLMEngine:
             weight_version=self.weight_version,
             prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.prefix_hits,
+            top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
@@ -192,20 +202,26 @@ class LLMEngine:
         # a decode feeds back the token sampled last step; anything else is (re)filling the cache
         decodes = sum(1 for s in seqs if s.output_ids and s.num_new == 1 and s.num_cached)
         logits = self.runner.forward(seqs)
+        logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
         temp = torch.tensor([s.params.temperature for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs])
         top_k = torch.tensor([s.params.top_k for s in seqs])
         min_p = torch.tensor([s.params.min_p for s in seqs])
         tok, lp = sample_tokens(logits, temp, top_p, top_k, [s.generator for s in seqs], min_p=min_p)
+        want_top = max(s.params.top_logprobs for s in seqs)
+        tops = top_logprobs(logits, temp, want_top) if want_top else None
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += decodes
         self.counters["prefill_tokens"] += new_tokens - decodes
         finished = []
-        for seq, t, logp in zip(seqs, tok.tolist(), lp.tolist(), strict=True):
+        for i, (seq, t, logp) in enumerate(zip(seqs, tok.tolist(), lp.tolist(), strict=True)):
             seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
             seq.output_ids.append(t)
             seq.log_probs.append(logp)
+            if tops is not None and seq.params.top_logprobs:
+                k = seq.params.top_logprobs
+                seq.top_logprobs.append(list(zip(tops[0][i, :k].tolist(), tops[1][i, :k].tolist(), strict=True)))
             reason = self._stop_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason))

@@ -35,6 +35,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    # serving options (an RL rollout leaves them at their defaults: they change the distribution)
+    top_logprobs: int = 0  # alternatives reported per token, from the tempered distribution
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    repetition_penalty: float = 1.0  # a seen token's logit divided by it (multiplied when negative)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
+    ignore_eos: bool = False  # the end-of-sequence token does not stop the request
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the logits before sampling."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first bad field and its valid range; return self."""
@@ -59,6 +73,26 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if (
+            isinstance(self.top_logprobs, bool)
+            or not isinstance(self.top_logprobs, int)
+            or not 0 <= self.top_logprobs <= 20
+        ):
+            raise ValueError(f"top_logprobs must be an int in [0, 20], got {self.top_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 10:
+            raise ValueError(f"repetition_penalty must be a number in (0, 10], got {r!r}")
+        for k, v in self.logit_bias.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}")
         return self
 
     @classmethod
@@ -76,6 +110,8 @@ class SamplingParams:
         for name in ("stop_token_ids", "stop"):
             if name in kwargs and kwargs[name] is not None:
                 kwargs[name] = list(kwargs[name])
+        if kwargs.get("logit_bias") is not None:
+            kwargs["logit_bias"] = dict(kwargs["logit_bias"])
         return cls(**kwargs).validate()
 
 
@@ -224,3 +260,39 @@ def sample_tokens(
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])
     return tokens, log_probs
+
+
+def adjust_logits(logits: Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]) -> Tensor:
+    """Apply each row's repetition, presence and frequency penalties over the tokens it has
+    generated so far (`outputs[i]`), and its logit bias; rows without any are left as they are.
+
+        z_v <- z_v / r if z_v > 0 else z_v * r        (repetition_penalty r, for v already generated)
+        z_v <- z_v - presence * [c_v > 0] - frequency * c_v + bias_v     (c_v: count of v so far)
+    """
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        p, z = params[i], logits[i]
+        if outputs[i]:
+            ids, counts = torch.tensor(outputs[i], dtype=torch.long, device=z.device).unique(return_counts=True)
+            if p.repetition_penalty != 1.0:
+                seen = z[ids]
+                z[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            z[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(z.dtype)
+        if p.logit_bias:
+            ids = torch.tensor([k for k in p.logit_bias if k < vocab], dtype=torch.long, device=z.device)
+            vals = torch.tensor([p.logit_bias[k] for k in p.logit_bias if k < vocab], dtype=z.dtype, device=z.device)
+            z[ids] += vals
+    return logits
+
+
+def top_logprobs(logits: Tensor, temperature: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The `k` most likely tokens of each row of softmax(logits / T) and their log-probs
+    ([B, k] ids, [B, k] log-probs); greedy rows (T = 0) use T = 1."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.device)
+    lp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    vals, ids = lp.topk(k, dim=-1)
+    return ids, vals

@@ -24,6 +24,8 @@ class Sequence:
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    # per generated token, when params.top_logprobs > 0: the most likely (token id, log-prob) pairs
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     # tokens whose K/V are in the cache (or are written in the step that scheduled them)
     num_cached: int = 0

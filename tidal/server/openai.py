@@ -1,0 +1,349 @@
+"""OpenAI's API: `/v1/models`, `/v1/completions` and `/v1/chat/completions`.
+
+Both generation routes take `n`, `stop`, `seed` (sample j of a seeded request uses seed + j),
+`max_tokens`, `temperature`, `top_p` (and tidal's `top_k`, `min_p`), `presence_penalty`,
+`frequency_penalty`, `logit_bias` (applied to the logits before sampling), `logprobs` (chat:
+`logprobs` + `top_logprobs`; completions: `logprobs` = number of alternatives) and
+`stream` (server-sent events; `stream_options.include_usage` adds a last chunk with the usage).
+Chat content may be a string or text parts. `tools` are rendered through the chat template (or,
+for a template without tool support, spelled out in the system message: `tidal.server.tools`),
+and `<tool_call>` blocks in the answer come back as `message.tool_calls` with `finish_reason:
+"tool_calls"`. `response_format` other than `{"type": "text"}` is refused (no constrained
+decoding). Unknown fields are ignored with a logged warning.
+
+Log-probs are those of the tempered distribution each token was drawn from; the alternatives are
+the most likely tokens of softmax(logits / temperature) (the same distribution with top-p, top-k
+and min-p off, their defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from tidal.config import ServerConfig
+from tidal.engine.async_engine import AsyncEngine
+from tidal.server.common import (
+    BadRequest,
+    Body,
+    Runner,
+    TextStream,
+    check_budget,
+    encode,
+    room_left,
+    sampling_params,
+    trim_stop,
+)
+from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class OpenAIBody(Body):
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionBody(OpenAIBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(OpenAIBody):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for k, v in (bias or {}).items():
+        try:
+            out[int(k)] = float(v)
+        except ValueError:
+            raise BadRequest(f"logit_bias: keys must be token ids, got {k!r}") from None
+    return out
+
+
+def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
+    api = APIRouter()
+    runner = Runner(engine)
+    tok = engine.tokenizer
+    native_tools = template_takes_tools(tok)
+
+    def piece(t: int) -> str:
+        return tok.decode([t]) if tok is not None else str(t)
+
+    def checked(body: OpenAIBody, route: str) -> None:
+        body.warn_unknown(route)
+        if body.n < 1 or body.n > cfg.max_n:
+            raise BadRequest(f"n: must be between 1 and {cfg.max_n} on this server, got {body.n}")
+
+    def params_for(body: OpenAIBody, prompts, max_tokens, field, top: int):
+        """n samples per prompt, prompt-major order."""
+        bias = _logit_bias(body.logit_bias)
+        all_prompts, params = [], []
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
+        for prompt in prompts:
+            room = room_left(engine, prompt)
+            for j in range(body.n):
+                params.append(
+                    sampling_params(
+                        temperature=body.temperature,
+                        top_p=body.top_p,
+                        top_k=body.top_k,
+                        min_p=body.min_p,
+                        max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
+                        stop=body.stop,
+                        stop_token_ids=body.stop_token_ids,
+                        seed=None if body.seed is None else body.seed + j,
+                        presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty,
+                        logit_bias=bias,
+                        top_logprobs=top,
+                    )
+                )
+                all_prompts.append(prompt)
+        check_budget(cfg, all_prompts, params)
+        return all_prompts, params
+
+    def usage(prompts, outs) -> dict:
+        """Each distinct prompt counted once (as OpenAI does with n > 1), every sample's tokens."""
+        p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def text_of(out, stops) -> str:
+        text = tok.decode(out.token_ids, skip_special_tokens=True) if tok is not None else out.text
+        return trim_stop(text, stops) if out.finish_reason == "stop" and stops else text
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
+        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
+
+    # ------------------------------------------------------------ completions
+    @api.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        checked(body, "/v1/completions")
+        if body.echo:
+            raise BadRequest("echo: not supported (the engine does not score prompts)")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise BadRequest(f"logprobs: must be in [0, 20], got {body.logprobs}")
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = await encode(tok, [p], "prompt")
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = await encode(tok, p, "prompt")  # type: ignore[arg-type]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        else:
+            prompts = [list(p)]  # type: ignore[arg-type]
+        if any(not x for x in prompts):
+            raise BadRequest("prompt: empty prompt")
+        if len(prompts) > cfg.max_batch:
+            raise BadRequest(f"prompt: {len(prompts)} prompts; at most {cfg.max_batch} per request")
+        all_prompts, params = params_for(body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        rids = [uuid.uuid4().hex for _ in all_prompts]
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs_of(ids, lps, tops, offset0: int) -> dict | None:
+            if body.logprobs is None:
+                return None
+            tokens = [piece(t) for t in ids]
+            offsets, pos = [], offset0
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            alts = [{piece(t): v for t, v in a} for a in tops] if body.logprobs else None
+            return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": alts, "text_offset": offsets}
+
+        def obj(choices: list[dict], **extra) -> dict:
+            head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
+            return {**head, "choices": choices, **extra}
+
+        def choice(i: int, text: str, lp: dict | None, reason: str | None) -> dict:
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+        if body.stream:
+
+            async def events():
+                streams = [TextStream(tok, stops=stops) for _ in all_prompts]
+                outs = []
+                async for i, ids, lps, tops, out in runner.stream(all_prompts, params, rids):
+                    if out is None:
+                        at = streams[i].sent
+                        yield sse(obj([choice(i, streams[i].add(ids), logprobs_of(ids, lps, tops, at), None)]))
+                        continue
+                    outs.append(out)
+                    yield sse(obj([choice(i, streams[i].add([], final=True), None, out.finish_reason)]))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse(obj([], usage=usage(prompts, outs)))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs = await runner.run(request, all_prompts, params, rids)
+        choices = [
+            choice(
+                i, text_of(o, stops), logprobs_of(o.token_ids, o.log_probs, o.top_logprobs or [], 0), o.finish_reason
+            )
+            for i, o in enumerate(outs)
+        ]
+        return obj(choices, usage=usage(prompts, outs))
+
+    # ------------------------------------------------------------ chat
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Any:
+        checked(body, "/v1/chat/completions")
+        fmt = (body.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise BadRequest(
+                f"response_format: type {fmt!r} is not supported (no constrained decoding); use 'text' and "
+                "validate the answer yourself"
+            )
+        top = body.top_logprobs or 0
+        if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
+            raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
+        if tok is None:
+            raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
+        if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
+            raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
+        raw = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            messages, tools = render_messages(raw, body.tools, body.tool_choice, native_tools)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        try:
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+        prompt = (await encode(tok, [text], "messages"))[0]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        prompts, params = params_for(body, [prompt], max_tokens, field, top)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        use_tools = bool(body.tools) and body.tool_choice != "none"
+        rids = [uuid.uuid4().hex for _ in prompts]
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs_of(ids, lps, tops) -> dict | None:
+            if not body.logprobs:
+                return None
+
+            def entry(t: int, v: float) -> dict:
+                s = piece(t)
+                return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+            content = []
+            for k, (t, v) in enumerate(zip(ids, lps, strict=True)):
+                alts = [entry(a, lv) for a, lv in tops[k]] if top else []
+                content.append({**entry(t, v), "top_logprobs": alts})
+            return {"content": content}
+
+        def message_of(out) -> tuple[dict, str]:
+            text = text_of(out, stops)
+            if use_tools:
+                content, calls, _ = parse_tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None}
+                    return {**message, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+            return {"role": "assistant", "content": text}, out.finish_reason
+
+        def obj(kind: str, choices: list[dict], **extra) -> dict:
+            head = {"id": cid, "object": kind, "created": created, "model": model_name}
+            return {**head, "choices": choices, **extra}
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return sse(obj("chat.completion.chunk", choices, **extra))
+
+        def out_logprobs(o) -> dict | None:
+            return logprobs_of(o.token_ids, o.log_probs, o.top_logprobs or [])
+
+        if body.stream:
+
+            async def events():
+                streams = [TextStream(tok, stops=stops) for _ in prompts]
+                for i in range(len(prompts)):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                outs = []
+                async for i, ids, lps, tops, out in runner.stream(prompts, params, rids):
+                    if out is None:
+                        if use_tools:  # the calls are parsed once the answer is whole
+                            continue
+                        delta = {"content": streams[i].add(ids)}
+                        yield chunk(
+                            [
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "logprobs": logprobs_of(ids, lps, tops),
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                        continue
+                    outs.append(out)
+                    if use_tools:
+                        message, reason = message_of(out)
+                        message.pop("role")
+                        if "tool_calls" in message:
+                            message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                        yield chunk(
+                            [{"index": i, "delta": message, "logprobs": out_logprobs(out), "finish_reason": reason}]
+                        )
+                    else:
+                        tail = streams[i].add([], final=True)
+                        delta = {"content": tail} if tail else {}
+                        yield chunk([{"index": i, "delta": delta, "finish_reason": out.finish_reason}])
+                if body.stream_options and body.stream_options.include_usage:
+                    yield chunk([], usage=usage([prompt], outs))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs = await runner.run(request, prompts, params, rids)
+        choices = []
+        for i, o in enumerate(outs):
+            message, reason = message_of(o)
+            choices.append({"index": i, "message": message, "logprobs": out_logprobs(o), "finish_reason": reason})
+        return obj("chat.completion", choices, usage=usage([prompt], outs))
+
+    return api

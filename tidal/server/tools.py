@@ -1,0 +1,144 @@
+"""Tool calls in the Hermes / Qwen format, shared by the OpenAI route and the agent loop:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`parse_tool_calls` finds them in generated text (never inside a `<think>...</think>` reasoning
+block: a call the model only thinks about is not a call). `render_messages` makes a chat with
+tools and tool results renderable by any chat template: templates that take `tools` get them;
+for one that does not (SmolLM2's ChatML, for example), the tools are described in the system
+message, an assistant's calls become `<tool_call>` text and a tool result becomes a
+`<tool_response>` user turn, which is what Hermes-style models are trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = ""
+
+    def to_openai(self) -> dict:
+        return {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
+    """(the text with the calls removed, the calls, problems). A `<tool_call>` block that is not
+    a JSON object with a string `name` and an object `arguments` is left in the text and reported
+    in the problems; blocks inside `<think>` are ignored."""
+    calls: list[ToolCall] = []
+    problems: list[str] = []
+    kept: list[str] = []
+    pos = 0
+    thinking = [(m.start(), m.end()) for m in THINK.finditer(text)]
+    for m in TOOL_CALL.finditer(text):
+        if any(a <= m.start() < b for a, b in thinking):
+            continue
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError as e:
+            problems.append(f"tool call is not JSON: {e.msg} at position {e.pos}")
+            continue
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if isinstance(args, str):  # some models send the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            problems.append('tool call must be {"name": string, "arguments": object}')
+            continue
+        calls.append(ToolCall(obj["name"], args))
+        kept.append(text[pos : m.start()])
+        pos = m.end()
+    kept.append(text[pos:])
+    return "".join(kept).strip(), calls, problems
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` argument."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template
+
+
+def _system_text(tools: list[dict], tool_choice: Any) -> str:
+    specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    text = (
+        "You may call one or more functions to help with the request. The functions are described "
+        f"in JSON within <tools></tools>:\n<tools>\n{specs}\n</tools>\n"
+        "To call a function, answer with a JSON object with its name and arguments within "
+        '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+        "</tool_call>"
+    )
+    if tool_choice == "required":
+        text += "\nYou must call at least one function."
+    elif isinstance(tool_choice, dict):
+        text += f"\nYou must call the function {tool_choice.get('function', {}).get('name')}."
+    return text
+
+
+def flatten_content(content: Any, where: str) -> str:
+    """OpenAI content given as parts ([{"type": "text", "text": ...}]) joined into one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of parts")
+    out = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text"):
+            raise ValueError(f"{where}.content[{i}]: part type {kind!r} is not supported (text only)")
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice: Any, native: bool) -> tuple:
+    """(messages, tools argument) for `apply_chat_template`. Content parts are flattened; with
+    `native` the template renders tools itself, otherwise they are spelled out (module docstring).
+    `tool_choice: "none"` renders no tools."""
+    tools = tools if tools and tool_choice != "none" else None
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        m["content"] = flatten_content(m.get("content"), f"messages[{i}]")
+        if native:
+            out.append(m)
+            continue
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m.pop("tool_calls"):
+                fn = c.get("function", {})
+                args = fn.get("arguments", "{}")
+                args = json.loads(args) if isinstance(args, str) else args
+                calls.append(f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n</tool_call>")
+            m["content"] = "\n".join([m["content"], *calls]).strip()
+        elif role == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if tools and not native:
+        system = _system_text(tools, tool_choice)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+        return out, None
+    return out, tools
