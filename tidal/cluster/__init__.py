@@ -24,7 +24,7 @@ class LocalEngines:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.urls = [c.base_url for c in engine.router.clients] if hasattr(engine, "router") else []
-        self.api_key = (engine.router.clients[0].headers.get("Authorization", "")[7:] or None) if self.urls else None
+        self.api_key = engine.router.clients[0].api_key if self.urls else None
 
     def health(self) -> bool:
         return self.engine.health() if hasattr(self.engine, "health") else True

@@ -114,8 +114,12 @@ class TrainerRank:
 
     def full_weights(self, dtype: torch.dtype | None) -> dict[str, Tensor] | None:
         """The whole model's weights (every rank gathers; rank 0 returns them)."""
-        out = {n: t.to(dtype) if dtype is not None else t for n, t in self.actor.named_weights()}
-        return out if self.rank == 0 else None
+        named = self.actor.named_weights()  # a collective: every rank iterates it
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return None
+        return {n: t.to(dtype) if dtype is not None else t for n, t in named}
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of each weight, in `named_weights` order."""
@@ -145,10 +149,12 @@ class TrainerRank:
         checksum of what it sent."""
         from tidal.sync.broadcast import send_weights
 
-        named = [(n, t.to(dtype)) for n, t in self.actor.named_weights()]
+        named = self.actor.named_weights()  # a collective: every rank iterates it
         if self.rank != 0:
+            for _ in named:
+                pass
             return None
-        return send_weights(self.weight_group, named, bucket_bytes)
+        return send_weights(self.weight_group, [(n, t.to(dtype)) for n, t in named], bucket_bytes)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -143,6 +143,7 @@ class EngineClient:
         api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.max_connections = max_connections

@@ -81,13 +81,15 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
     About 40 ms for 270 MB."""
     crc = 0
     for name, t in sorted(named, key=lambda kv: kv[0]):
-        t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        t = t.contiguous().cpu()
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy(), crc)
+        crc = tensor_crc(t, zlib.crc32(name.encode(), crc))
     return f"{crc:08x}"
+
+
+def tensor_crc(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a tensor's bytes, continuing `crc`."""
+    return zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy(), crc)
 
 
 def model_checksum(model: torch.nn.Module) -> str:

@@ -26,7 +26,6 @@ from tidal.engine.sampling import SamplingParams
 log = logging.getLogger("tidal.server")
 
 DISCONNECT_POLL_S = 1.0
-__all__ = ["ServerConfig"]  # the server's limits and key live with the other configs
 
 
 class ApiError(Exception):

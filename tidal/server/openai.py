@@ -149,7 +149,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def text_of(out, stops) -> str:
-        text = tok.decode(out.token_ids, skip_special_tokens=True) if tok is not None else out.text
+        text = out.text  # the engine's decoding, special tokens skipped
         return trim_stop(text, stops) if out.finish_reason == "stop" and stops else text
 
     def sse(obj: dict) -> str:

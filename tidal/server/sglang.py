@@ -142,7 +142,8 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         return tok.decode([t]) if with_text and tok is not None else None
 
     def result(out: Any, body: GenerateBody, sp: SamplingParamsBody) -> dict:
-        text = tok.decode(out.token_ids, skip_special_tokens=sp.skip_special_tokens) if tok else out.text
+        # the engine's text skips special tokens; decode again only when they are wanted
+        text = out.text if sp.skip_special_tokens or tok is None else tok.decode(out.token_ids)
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         if out.finish_reason == "stop" and stops and not sp.no_stop_trim:
             text = trim_stop(text, stops)

@@ -8,12 +8,7 @@ compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Protocol
-
-import torch
-
-from tidal.engine.weights import weights_checksum
 
 
 class SyncError(RuntimeError):
@@ -36,11 +31,6 @@ class WeightSync(Protocol):
     def close(self) -> None: ...
 
 
-def expected_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> str:
-    """The checksum an engine holding `dtype` weights reports after loading `named`."""
-    return weights_checksum(named, dtype)
-
-
 def check_engine(
     engine: str, transport: str, version: int, want_checksum: str | None, got_version: int, got_checksum: str | None
 ) -> None:
@@ -53,7 +43,3 @@ def check_engine(
             transport,
             f"the engine's weights have checksum {got_checksum}, the trainer sent {want_checksum} (version {version})",
         )
-
-
-def tensor_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in named)

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import torch
-
-from tidal.engine.weights import model_checksum
-from tidal.sync.base import SyncError, check_engine, expected_checksum
+from tidal.engine.weights import model_checksum, weights_checksum
+from tidal.sync.base import SyncError, check_engine
 from tidal.train.role import Trainer
 
 
 class InProcessSync:
     """The engine takes the trainer's tensors where the dtypes agree (no copy, and no second copy
     in memory: the synchronous loop never generates while the trainer updates them) and copies
-    (casts) the rest. `check`: compare checksums after a copying push (a shared tensor is the
+    (casts) the rest; a push that copied anything is checked by checksum (a shared tensor is the
     trainer's own, nothing to check)."""
 
     transport = "in-process"
 
-    def __init__(self, trainer: Trainer, engine, check: bool = False) -> None:
+    def __init__(self, trainer: Trainer, engine) -> None:
         self.trainer = trainer
         self.engine = engine
-        self.check = check
         self.dtype = next(engine.model.parameters()).dtype
 
     def push(self, version: int) -> dict[str, float]:
@@ -30,9 +27,8 @@ class InProcessSync:
             self.engine.update_weights_from_tensors(named, version=version, share=True)
         except (ValueError, RuntimeError) as e:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
-        if self.check and copied:
-            with torch.no_grad():
-                want = expected_checksum(named, self.dtype)
+        if copied:
+            want = weights_checksum(named, self.dtype)
             check_engine(
                 "in-process",
                 self.transport,

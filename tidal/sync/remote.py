@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, _run_sync, encode_tensors
-from tidal.engine.weights import weights_checksum
+from tidal.engine.weights import tensor_crc, weights_checksum
 from tidal.sync.base import SyncError, check_engine
 from tidal.train.role import Trainer
 from tidal.utils import atomic_directory
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def _tensor_crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
 
 
 class _RemoteSync:
@@ -41,7 +34,8 @@ class _RemoteSync:
     async def _engine_dtype(self, c: EngineClient) -> torch.dtype | None:
         if c.base_url not in self._dtypes:
             info = await c._request("GET", "/get_model_info", timeout=self.timeout)
-            self._dtypes[c.base_url] = DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+            dtype = getattr(torch, str(info.get("dtype")), None) if isinstance(info, dict) else None
+            self._dtypes[c.base_url] = dtype if isinstance(dtype, torch.dtype) else None
         return self._dtypes[c.base_url]
 
     async def _verify(self, c: EngineClient, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -112,7 +106,7 @@ class HttpSync(_RemoteSync):
     def push(self, version: int) -> dict[str, float]:
         named = [(n, t.detach()) for n, t in self.trainer.named_weights()]
         send = named
-        crcs = {n: _tensor_crc(t) for n, t in named} if self.delta else None
+        crcs = {n: tensor_crc(t) for n, t in named} if self.delta else None
         if self.delta and self._sent is not None:
             send = [(n, t) for n, t in named if self._sent.get(n) != crcs[n]]
         self._sent = None  # until every engine confirms this push
