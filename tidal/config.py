@@ -75,6 +75,36 @@ class RolloutConfig:
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
+    generate: str = _opt(
+        "single_turn",
+        "how a prompt becomes samples: single_turn | tools (multi-turn tool loop) | agent (the agent door) | "
+        "a dotted path / file.py:fn to `async def generate(ctx, sample, sampling)`; a prompt row may name its own "
+        "in its metadata field `generate`",
+    )
+    tools: list = _opt(
+        ["calculator", "python"], "tools: built-in tool names (calculator, python) or dotted paths to Python functions"
+    )
+    max_turns: int = _opt(4, "tools: most assistant turns per sample")
+    max_response_tokens: int = _opt(
+        0,
+        "tools/agent: most response tokens per sample over all turns, tool output included "
+        "(0 = max_new_tokens x max_turns)",
+    )
+    max_tool_output_tokens: int = _opt(256, "tools: a tool's output is cut to this many tokens")
+    tool_timeout: float = _opt(10.0, "tools: seconds one tool call may take; then the model reads a timeout error")
+    agent: str = _opt(
+        "", "agent: dotted path / file.py:fn to `async def agent(client, prompt, label)` (an openai.AsyncOpenAI client)"
+    )
+    agent_max_drift_tokens: int = _opt(
+        16, "agent: a re-rendered history that differs only in tokenization over at most this many tokens is realigned"
+    )
+
+    @property
+    def response_budget(self) -> int:
+        """Most response tokens of one sample, over all its turns."""
+        if self.generate == "single_turn":
+            return self.max_new_tokens
+        return self.max_response_tokens or self.max_new_tokens * self.max_turns
 
 
 ESTIMATORS = (
@@ -494,6 +524,15 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
     need(r.dtype in ROLLOUT_DTYPES, f"rollout.dtype: one of {', '.join(ROLLOUT_DTYPES)}, got {r.dtype!r}")
     need(r.engine in ("tidal", "hf", "remote"), f"rollout.engine: tidal, hf or remote, got {r.engine!r}")
+    need(
+        r.generate in ("single_turn", "tools", "agent") or _is_dotted(r.generate),
+        f"rollout.generate: single_turn, tools, agent or a dotted path to a generate function, got {r.generate!r}",
+    )
+    need(r.generate != "agent" or bool(r.agent), "rollout.agent: rollout.generate agent needs the agent's dotted path")
+    for name in ("max_turns", "max_tool_output_tokens"):
+        need(getattr(r, name) >= 1, f"rollout.{name}: must be >= 1, got {getattr(r, name)}")
+    need(r.max_response_tokens >= 0, f"rollout.max_response_tokens: must be >= 0, got {r.max_response_tokens}")
+    need(r.tool_timeout > 0, f"rollout.tool_timeout: must be > 0 seconds, got {r.tool_timeout}")
     need(
         r.engine != "remote" or (r.engine_urls and all(isinstance(u, str) for u in r.engine_urls)),
         "rollout.engine_urls: rollout.engine remote needs a list of server URLs",

@@ -25,7 +25,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int = 100, batch_size: int = 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     records = load_data(cfg.data, tokenizer)[:num_prompts]
     engine = make_engine(cfg.rollout, model_dir, tokenizer, cfg.data.max_prompt_length, prompts=batch_size)
-    rollout = RolloutManager(engine, cfg.rollout)
+    rollout = RolloutManager(engine, cfg.rollout, tokenizer)
     samples = []
     for i in range(0, len(records), batch_size):
         samples += rollout.generate(records[i : i + batch_size], step=i)

@@ -35,7 +35,7 @@ from tidal.data.source import DataSource
 from tidal.hardware import cpu_info, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
-from tidal.rollout.manager import RolloutManager
+from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.rewards import scalar_reward
 from tidal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tidal.train.estimate import compute_advantages
@@ -102,7 +102,7 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
             log.info("resumed from %s at step %d", ckpt, start)
         if not sft:
             roles.sync.push(start)
-            rollout = RolloutManager(roles.engines.engine, cfg.rollout)
+            rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer)
         logger = MetricsLogger(
             cfg.log.dir or out_dir,
             tensorboard=cfg.log.tensorboard,
@@ -155,7 +155,8 @@ def rl_step(step: int, source: DataSource, rollout: RolloutManager, roles: Roles
         roles.engines.sleep()
 
     t1 = time.perf_counter()
-    rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.max_new_tokens)
+    rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.response_budget)
+    group = group_size(samples)  # n_samples_per_prompt, times the fan-out of a generate function
     valid = torch.tensor([s.status != Status.FAILED for s in samples])
     # extra forward passes, each only when the algorithm needs it
     need_logp = a_cfg.kl_in_reward or trainer.has_teacher
@@ -164,10 +165,10 @@ def rl_step(step: int, source: DataSource, rollout: RolloutManager, roles: Roles
     teacher = trainer.compute_log_probs(samples, "teacher") if trainer.has_teacher else None
     values = critic.values(samples) if critic is not None else None
     adv, returns, adv_metrics = compute_advantages(
-        a_cfg, samples, rewards, valid, r_cfg.n_samples_per_prompt, log_probs, ref, values, teacher
+        a_cfg, samples, rewards, valid, group, log_probs, ref, values, teacher
     )
     metrics.update(adv_metrics)
-    metrics.update(rollout_metrics(samples, rewards, r_cfg.n_samples_per_prompt))
+    metrics.update(rollout_metrics(samples, rewards, group))
     if a_cfg.mask_truncated:  # DAPO overlong filtering: in the group statistics, out of the loss
         for s in samples:
             if s.status == Status.TRUNCATED:

@@ -20,7 +20,7 @@ def kv_cache_tokens(cfg: RolloutConfig, max_prompt_length: int, prompts: int | N
         return cfg.kv_cache_tokens
     prompts = prompts or cfg.rollout_batch_size
     n = cfg.n_samples_per_prompt
-    need = prompts * (max_prompt_length + n * cfg.max_new_tokens) + prompts * (n + 1) * BLOCK_SIZE
+    need = prompts * (max_prompt_length + n * cfg.response_budget) + prompts * (n + 1) * BLOCK_SIZE
     return min(need, MAX_AUTO_KV_TOKENS)
 
 

@@ -11,7 +11,7 @@ import torch
 from tidal.algo import groups_with_signal, overlong_penalty
 from tidal.config import AlgoConfig
 from tidal.data.source import DataSource
-from tidal.rollout.manager import RolloutManager
+from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
 
@@ -57,7 +57,7 @@ def collect(
     r = rollout.cfg
     if not algo.dynamic_sampling:
         return rollout.generate(source.next_batch(), step), {}
-    n, need = r.n_samples_per_prompt, r.rollout_batch_size
+    need = r.rollout_batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
     drawn = rounds = 0
@@ -66,7 +66,8 @@ def collect(
         samples = rollout.generate(source.next_batch(prompts), step, first_index=drawn)
         drawn += len(samples)
         rounds += 1
-        rewards = shaped_rewards(samples, algo, reward_key, r.max_new_tokens)
+        n = group_size(samples)
+        rewards = shaped_rewards(samples, algo, reward_key, r.response_budget)
         valid = torch.tensor([s.status != Status.FAILED for s in samples])
         signal = groups_with_signal(rewards, n, valid)
         for g in range(len(samples) // n):

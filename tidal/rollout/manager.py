@@ -1,22 +1,27 @@
 """RolloutManager: prompts in, scored `Sample`s out.
 
-Each prompt is sampled `n_samples_per_prompt` times; every sample gets its own seed derived from
-(base seed, step, sample index), so a rollout is reproducible whatever else runs (and a resumed
-run samples exactly what an uninterrupted one would have).
+Each prompt is sampled `n_samples_per_prompt` times, each time by the prompt's generate function
+(`tidal.rollout.generate`); every sample gets its own seed derived from (base seed, step, sample
+index), so a rollout is reproducible whatever else runs (and a resumed run samples exactly what an
+uninterrupted one would have).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import Engine
 from tidal.engine.sampling import SamplingParams
+from tidal.rollout.generate import FINISH_STATUS, GenerateContext, RoundBatcher, load_generate_fn
 from tidal.rollout.rewards import get_reward_fn, score_samples
 from tidal.types import Sample, Status
 
-FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "sample_seed"]
+
+log = logging.getLogger(__name__)
 
 
 def sample_seed(base: int, step: int, index: int) -> int:
@@ -26,13 +31,36 @@ def sample_seed(base: int, step: int, index: int) -> int:
     return x % (1 << 63)
 
 
-class RolloutManager:
-    """Fans prompts out to an engine in groups, then scores every sample with the reward."""
+def group_size(samples: list[Sample]) -> int:
+    """The samples per group of a batch laid out group after group; ValueError when groups are not
+    contiguous or differ in size (advantages compare equal-sized groups)."""
+    sizes: dict[int, int] = {}
+    order: list[int] = []
+    for s in samples:
+        if not order or order[-1] != s.group_index:
+            if s.group_index in sizes:
+                raise ValueError(f"samples of group {s.group_index} are not contiguous")
+            order.append(s.group_index)
+        sizes[s.group_index] = sizes.get(s.group_index, 0) + 1
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        raise ValueError(
+            f"groups differ in size ({dict(sorted(sizes.items()))}): a generate function that fans a "
+            "prompt out must return the same number of samples for every prompt of a batch"
+        )
+    return distinct.pop() if distinct else 0
 
-    def __init__(self, engine: Engine, cfg: RolloutConfig) -> None:
+
+class RolloutManager:
+    """Fans prompts out to the generate functions in groups, then scores every sample with the reward."""
+
+    def __init__(self, engine: Engine, cfg: RolloutConfig, tokenizer=None) -> None:
         self.engine = engine
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.reward_fn = get_reward_fn(cfg.reward)
+        self.generate_fn = load_generate_fn(cfg.generate)
+        self.extra: dict = {}  # shared state of built-in generate functions (tools, agent door)
 
     def sampling_params(self, seed: int) -> SamplingParams:
         c = self.cfg
@@ -51,35 +79,59 @@ class RolloutManager:
 
         Seeds come from (seed, step, first_index + sample position), so a second call in the same
         step (dynamic sampling) passes the number of samples already drawn to get fresh ones."""
+        return asyncio.run(self.agenerate(records, step, first_index))
+
+    async def agenerate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
         n = self.cfg.n_samples_per_prompt
-        prompts, params = [], []
+        batcher = RoundBatcher(self.engine)
+        jobs = []
         for g, rec in enumerate(records):
+            fn = self.generate_fn
+            if rec.metadata.get("generate"):
+                fn = load_generate_fn(rec.metadata["generate"], f"prompt {rec.index}: metadata field 'generate'")
             for j in range(n):
-                prompts.append(rec.input_ids)
-                params.append(self.sampling_params(sample_seed(self.cfg.seed, step, first_index + g * n + j)))
-        outs = self.engine.generate(prompts, params)
-        samples = []
-        for i, out in enumerate(outs):
-            rec = records[i // n]
-            r = len(out.token_ids)
-            samples.append(
-                Sample(
-                    tokens=list(rec.input_ids) + list(out.token_ids),
-                    response_length=r,
-                    loss_mask=[1] * r,
-                    rollout_log_probs=list(out.log_probs),
+                i = g * n + j
+                sample = Sample(
+                    tokens=list(rec.input_ids),
                     prompt=rec.text,
-                    response=out.text,
                     label=rec.label,
-                    status=FINISH_STATUS[out.finish_reason],
-                    group_index=i // n,
+                    group_index=g,
                     index=i,
-                    weight_version=out.weight_version,
-                    metadata={**rec.metadata, "prompt_index": rec.index, "finish_reason": out.finish_reason},
+                    metadata={**rec.metadata, "prompt_index": rec.index},
                 )
-            )
-        asyncio.run(score_samples(samples, self.reward_fn, timeout=self.cfg.reward_timeout))
+                ctx = GenerateContext(batcher, self.tokenizer, self.cfg, rec, step, i, self.extra)
+                params = self.sampling_params(sample_seed(self.cfg.seed, step, first_index + i))
+                jobs.append(self._run_one(fn, ctx, sample, params, batcher))
+        results = await asyncio.gather(*jobs)
+        samples: list[Sample] = []
+        for out in results:
+            for s in out:
+                s.index = len(samples)
+                samples.append(s)
+        group_size(samples)  # refuse ragged fan-out before anyone trains on it
+        await score_samples([s for s in samples if s.reward is None], self.reward_fn, timeout=self.cfg.reward_timeout)
         for s in samples:
             if s.status == Status.FAILED:  # nothing trustworthy to learn from
                 s.loss_mask = [0] * s.response_length
         return samples
+
+    async def _run_one(self, fn, ctx: GenerateContext, sample: Sample, params: SamplingParams, batcher) -> list[Sample]:
+        batcher.enter(ctx.key)
+        try:
+            out = await fn(ctx, sample, params)
+        except Exception as e:  # one broken trajectory fails its sample, not the rollout
+            prompt = sample.metadata.get("prompt_index")
+            log.warning("generate failed for sample %d (prompt %s): %r", sample.index, prompt, e)
+            sample.status = Status.FAILED
+            sample.metadata["error"] = f"generate: {e!r}"
+            sample.reward = 0.0
+            out = sample
+        finally:
+            batcher.exit(ctx.key)
+        out = out if isinstance(out, list) else [out]
+        for s in out:
+            if not isinstance(s, Sample):
+                raise TypeError(f"generate function returned {type(s).__name__}, expected Sample or list[Sample]")
+            s.validate()
+            s.group_index = sample.group_index
+        return out
