@@ -14,6 +14,7 @@ from tidal.config import (
     ConfigError,
     DataConfig,
     LogConfig,
+    OverlapConfig,
     RolloutConfig,
     TrainConfig,
     apply_overrides,
@@ -45,7 +46,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "log"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
@@ -86,7 +87,7 @@ def test_defaults_validate():
 def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
-    classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, LogConfig]
+    classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
@@ -196,7 +197,8 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: data, rollout, algo, train, cluster, log"
+    known = "data, rollout, algo, train, cluster, overlap, log"
+    assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 
 def test_yaml_unknown_key_suggests(tmp_path):

@@ -239,6 +239,37 @@ class ClusterConfig:
         return self.trainers > 1 or self.engines > 1 or bool(self.address)
 
 
+OVERLAP_MODES = ("off", "one_step", "full")
+
+
+@dataclass
+class OverlapConfig:
+    """Rollout and training at once (the issue's `async` group; `async` is a Python keyword)."""
+
+    mode: str = _opt(
+        "off",
+        "off (rollout, then train) | one_step (roll out step k+1 with version k weights while step k trains) | "
+        "full (generate ahead into the buffer, bounded by max_staleness)",
+    )
+    max_staleness: int = _opt(
+        1, "full: a trained token is at most this many weight versions older than the trainer (admission control)"
+    )
+    sync_interval: int = _opt(1, "full: push the weights to the engine every this many steps")
+    partial_rollout: bool = _opt(
+        True, "full: abort in-flight requests when new weights arrive and continue them from their tokens"
+    )
+    partial_loss: str = _opt(
+        "correct",
+        "tokens of a partial rollout sampled by older weights: correct (algo.is_correction re-weights them) | "
+        "mask (not trained on)",
+    )
+    buffer: str = _opt("", "a dotted path to a buffer class (add, get, state_dict, load_state_dict); empty = built-in")
+    buffer_filter: str = _opt(
+        "fifo", "which buffered groups train next: fifo | newest_first | reward_stratified | a dotted path"
+    )
+    wait_timeout: float = _opt(1800.0, "seconds the trainer waits for a batch before the run stops")
+
+
 @dataclass
 class LogConfig:
     dir: str | None = _opt(None, "metrics folder (default: train.output_dir)")
@@ -254,6 +285,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
@@ -490,6 +522,40 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     )
 
 
+def _validate_overlap(cfg: Config, need) -> None:
+    o, a, r = cfg.overlap, cfg.algo, cfg.rollout
+    need(o.mode in OVERLAP_MODES, f"overlap.mode: one of {', '.join(OVERLAP_MODES)}, got {o.mode!r}")
+    need(o.max_staleness >= 0, f"overlap.max_staleness: must be >= 0, got {o.max_staleness}")
+    need(o.sync_interval >= 1, f"overlap.sync_interval: must be >= 1, got {o.sync_interval}")
+    need(o.partial_loss in ("correct", "mask"), f"overlap.partial_loss: correct or mask, got {o.partial_loss!r}")
+    need(o.wait_timeout > 0, f"overlap.wait_timeout: must be > 0 seconds, got {o.wait_timeout}")
+    if o.mode == "off":
+        return
+    need(a.mode == "rl", "overlap.mode: overlaps rollout with training; algo.mode sft has no rollout")
+    need(not cfg.cluster.uses_ray and r.engine == "tidal", "overlap.mode: needs the in-process tidal engine for now")
+    need(a.advantage != "ppo", "overlap.mode: the ppo critic is not overlapped yet; use a critic-free estimator")
+    # the behaviour policy of a stale token is not the policy being trained: its log-probs must
+    # enter the loss through a correction, or the run would silently train on-policy math
+    stale = o.mode == "one_step" or o.max_staleness > 0 or o.sync_interval > 1
+    need(
+        not stale or a.is_correction != "none",
+        "algo.is_correction: overlap.mode "
+        f"{o.mode} trains on tokens sampled by older weights (staleness up to "
+        f"{1 if o.mode == 'one_step' else max(o.max_staleness, o.sync_interval - 1)}); set algo.is_correction "
+        "to truncate (TIS) or mask (ICEPOP) so the rollout log-probs correct the ratio",
+    )
+    need(
+        o.mode != "full" or o.max_staleness >= o.sync_interval - 1,
+        f"overlap.max_staleness: must be >= overlap.sync_interval - 1 = {o.sync_interval - 1}: weights pushed every "
+        f"{o.sync_interval} steps are that many versions behind the trainer before anything is admitted",
+    )
+    need(
+        not (o.mode == "full" and o.partial_rollout) or r.generate == "single_turn",
+        "overlap.partial_rollout: continuing an aborted request needs rollout.generate single_turn; "
+        "set overlap.partial_rollout false for multi-turn generate functions",
+    )
+
+
 def resolved_policy_loss(a: AlgoConfig) -> str:
     """The loss `policy_loss: auto` stands for: the one named by a gspo/cispo estimator, else ppo."""
     if a.policy_loss != "auto":
@@ -577,5 +643,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     _validate_cluster(cfg.cluster, r, for_training, need)
+    _validate_overlap(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

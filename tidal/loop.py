@@ -36,6 +36,7 @@ from tidal.hardware import cpu_info, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
+from tidal.rollout.overlap import OverlappedRollout
 from tidal.rollout.rewards import scalar_reward
 from tidal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tidal.train.estimate import compute_advantages
@@ -100,9 +101,16 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
             source.load_state_dict(state["data"])
             start = state["step"]
             log.info("resumed from %s at step %d", ckpt, start)
+        overlapped = None
         if not sft:
             roles.sync.push(start)
             rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer)
+            if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
+                overlapped = OverlappedRollout(
+                    cfg, source, rollout, roles.engines.engine.update_weights_from_tensors, start,
+                    state.get("overlap") if ckpt is not None else None,
+                )  # fmt: skip
+                roles.closers.append(overlapped.close)
         logger = MetricsLogger(
             cfg.log.dir or out_dir,
             tensorboard=cfg.log.tensorboard,
@@ -115,7 +123,10 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
         try:
             for step in range(start, t_cfg.num_steps):
                 t0 = time.perf_counter()
-                metrics = sft_step(source, roles) if sft else rl_step(step, source, rollout, roles, cfg)
+                if sft:
+                    metrics = sft_step(source, roles)
+                else:
+                    metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
                 metrics["time/step"] = time.perf_counter() - t0
                 logger.log(step + 1, metrics)
                 done = step + 1
@@ -123,8 +134,14 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
                     trainer_state = roles.trainer.state_dict()
                     if roles.critic is not None:
                         trainer_state["critic"] = roles.critic.state_dict()
+                    if overlapped is not None:  # the worker finishes its wave: buffer and source agree
+                        overlapped.pause()
                     state = {"data": source.state_dict(), "weight_version": done}
+                    if overlapped is not None:
+                        state["overlap"] = overlapped.state_dict()
                     save_checkpoint(out_dir, done, roles.trainer.save_model, tokenizer, trainer_state, state)
+                    if overlapped is not None:
+                        overlapped.resume()
         finally:
             logger.close()
     finally:
@@ -145,11 +162,21 @@ def sft_step(source: DataSource, roles: Roles) -> dict[str, float]:
     return metrics
 
 
-def rl_step(step: int, source: DataSource, rollout: RolloutManager, roles: Roles, cfg: Config) -> dict[str, float]:
+def rl_step(
+    step: int,
+    source: DataSource,
+    rollout: RolloutManager,
+    roles: Roles,
+    cfg: Config,
+    overlapped: OverlappedRollout | None = None,
+) -> dict[str, float]:
     """One rollout → advantages → update → weight sync step; returns its metrics."""
     r_cfg, a_cfg, trainer, critic = cfg.rollout, cfg.algo, roles.trainer, roles.critic
     t0 = time.perf_counter()
-    samples, metrics = collect(source, rollout, step, a_cfg, r_cfg.reward_key)
+    if overlapped is not None:  # rolled out while earlier steps trained
+        samples, metrics = overlapped.next_batch(step)
+    else:
+        samples, metrics = collect(source, rollout, step, a_cfg, r_cfg.reward_key)
     t_rollout = time.perf_counter() - t0
     if roles.colocate:  # the engines give their memory to the trainers until the next push
         roles.engines.sleep()
@@ -181,7 +208,11 @@ def rl_step(step: int, source: DataSource, rollout: RolloutManager, roles: Roles
     t2 = time.perf_counter()
     if roles.colocate:
         roles.engines.wake()
-    metrics.update(roles.sync.push(step + 1))
+    if overlapped is None:
+        metrics.update(roles.sync.push(step + 1))
+    elif (step + 1) % cfg.overlap.sync_interval == 0:  # a copy: the engine reads it while we train on
+        dtype = roles.sync.dtype
+        overlapped.push_weights(step + 1, [(n, t.detach().clone()) for n, t in trainer.named_weights(dtype)])
     t_sync = time.perf_counter() - t2
 
     resp_tokens = sum(s.response_length for s in samples)
@@ -192,8 +223,8 @@ def rl_step(step: int, source: DataSource, rollout: RolloutManager, roles: Roles
             "time/train": t_train,
             "time/sync": t_sync,
             # in the synchronous loop each side waits while the other works
-            "time/trainer_idle": t_rollout,
-            "time/engine_idle": t_train + t_sync,
+            "time/trainer_idle": metrics.get("time/trainer_idle", t_rollout),
+            "time/engine_idle": metrics.get("time/engine_idle", t_train + t_sync),
             "perf/rollout_tokens_per_s": resp_tokens / max(t_rollout, 1e-9),
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / max(t_train, 1e-9),
             "data/epoch": float(source.epoch),

@@ -133,7 +133,8 @@ def build_sync(cfg: Config, trainer, engines):
     if kind == "in-process":
         from tidal.sync.local import InProcessSync
 
-        return InProcessSync(trainer, engines.engine)
+        # the overlapped loop generates while the trainer updates: the engine needs its own copy
+        return InProcessSync(trainer, engines.engine, share=cfg.overlap.mode == "off")
     if kind == "broadcast":
         from tidal.sync.broadcast import BroadcastSync
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,8 +312,12 @@ class LLMEngine:
         }
 
     # ---------------------------------------------------------------- Engine protocol
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
-        """Run the given requests to completion (alone: nothing else may be queued)."""
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], should_abort: Callable[[], bool] | None = None
+    ) -> list[GenerationOutput]:
+        """Run the given requests to completion (alone: nothing else may be queued). `should_abort`
+        is asked between steps; once it says yes, the unfinished requests come back with the
+        tokens they have so far and finish reason "abort" (a partial rollout)."""
         if len(prompts) != len(params):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
         rids: list[str] = []
@@ -322,6 +326,10 @@ class LLMEngine:
             for p, sp in zip(prompts, params, strict=True):  # all or nothing: a bad one aborts the rest
                 rids.append(self.add_request(None, p, sp))
             while self.has_unfinished():
+                if should_abort is not None and should_abort():
+                    for out in self.abort():
+                        done[out.request_id] = out
+                    break
                 for out in self.step():
                     done[out.request_id] = out
         except BaseException:

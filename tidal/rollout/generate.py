@@ -24,6 +24,7 @@ once), and a multi-turn one is deterministic for fixed seeds whatever the tools'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,8 +55,10 @@ class RoundBatcher:
     handlers keep running. Requests made during a round wait for the next one.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, should_abort: Callable[[], bool] | None = None) -> None:
         self.engine = engine
+        # asked between engine steps: yes cuts the round short (partial rollouts, `LLMEngine` only)
+        self.should_abort = should_abort
         self.active: dict[Any, int] = {}  # key -> number of enter() without exit()
         self.pending: list[tuple[Any, int, list[int], SamplingParams, asyncio.Future]] = []
         self.rounds = 0
@@ -108,7 +111,8 @@ class RoundBatcher:
         self.rounds += 1
         self.requests += len(batch)
         try:
-            outs = await asyncio.to_thread(self.engine.generate, [p[2] for p in batch], [p[3] for p in batch])
+            kw = {"should_abort": self.should_abort} if self.should_abort is not None else {}
+            outs = await asyncio.to_thread(self.engine.generate, [p[2] for p in batch], [p[3] for p in batch], **kw)
             for p, out in zip(batch, outs, strict=True):
                 if not p[4].done():
                     p[4].set_result(out)
@@ -147,9 +151,21 @@ def finish(sample: Sample, finish_reason: str) -> Sample:
 
 
 async def single_turn(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> Sample:
-    """One engine call: the response is everything sampled, all of it trained on."""
+    """One engine call: the response is everything sampled, all of it trained on.
+
+    A sample that already has response tokens is a partial rollout (an earlier call was aborted):
+    it continues from exactly those ids, with what is left of `max_new_tokens` and a seed of its
+    own for each segment."""
+    done = sample.response_length
+    if done:
+        segment = sample.metadata.get("segments", 1)
+        sample.metadata["segments"] = segment + 1
+        seed = None if sampling.seed is None else (sampling.seed + segment * 0xD1B54A32D192ED03) % (1 << 63)
+        sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - done, seed=seed)
     out = await ctx.generate(sample.tokens, sampling)
     sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
+    if done and ctx.tokenizer is not None:  # decode the whole: a character may straddle the segments
+        sample.response = ctx.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     return finish(sample, out.finish_reason)
 
 

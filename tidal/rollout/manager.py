@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
@@ -51,6 +52,10 @@ def group_size(samples: list[Sample]) -> int:
     return distinct.pop() if distinct else 0
 
 
+def _is_partial(out: list[Sample]) -> bool:
+    return len(out) == 1 and out[0].status == Status.ABORTED and out[0].metadata.get("finish_reason") == "abort"
+
+
 class RolloutManager:
     """Fans prompts out to the generate functions in groups, then scores every sample with the reward."""
 
@@ -61,6 +66,11 @@ class RolloutManager:
         self.reward_fn = get_reward_fn(cfg.reward)
         self.generate_fn = load_generate_fn(cfg.generate)
         self.extra: dict = {}  # shared state of built-in generate functions (tools, agent door)
+        # partial rollouts (the overlapped loop): asked between engine steps whether to cut the
+        # round short; `on_abort` then runs (it loads new weights) and the cut samples continue
+        self.should_abort: Callable[[], bool] | None = None
+        self.on_abort: Callable[[], None] | None = None
+        self.aborted = self.resumed = 0
 
     def sampling_params(self, seed: int) -> SamplingParams:
         c = self.cfg
@@ -83,7 +93,7 @@ class RolloutManager:
 
     async def agenerate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
         n = self.cfg.n_samples_per_prompt
-        batcher = RoundBatcher(self.engine)
+        batcher = RoundBatcher(self.engine, self.should_abort)
         jobs = []
         for g, rec in enumerate(records):
             fn = self.generate_fn
@@ -101,8 +111,18 @@ class RolloutManager:
                 )
                 ctx = GenerateContext(batcher, self.tokenizer, self.cfg, rec, step, i, self.extra)
                 params = self.sampling_params(sample_seed(self.cfg.seed, step, first_index + i))
-                jobs.append(self._run_one(fn, ctx, sample, params, batcher))
-        results = await asyncio.gather(*jobs)
+                jobs.append((fn, ctx, sample, params))
+        results = await asyncio.gather(*(self._run_one(*job, batcher) for job in jobs))
+        while self.on_abort is not None:
+            cut = [i for i, out in enumerate(results) if _is_partial(out)]
+            if not cut:
+                break
+            self.aborted += len(cut)
+            self.on_abort()
+            self.resumed += len(cut)
+            again = await asyncio.gather(*(self._run_one(*jobs[i], batcher) for i in cut))
+            for i, out in zip(cut, again, strict=True):
+                results[i] = out
         samples: list[Sample] = []
         for out in results:
             for s in out:

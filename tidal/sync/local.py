@@ -15,16 +15,17 @@ class InProcessSync:
 
     transport = "in-process"
 
-    def __init__(self, trainer: Trainer, engine) -> None:
+    def __init__(self, trainer: Trainer, engine, share: bool = True) -> None:
         self.trainer = trainer
         self.engine = engine
+        self.share = share  # False: the engine keeps a copy (it generates while the trainer updates)
         self.dtype = next(engine.model.parameters()).dtype
 
     def push(self, version: int) -> dict[str, float]:
         named = list(self.trainer.named_weights(self.dtype))
-        copied = [(n, t) for n, t in named if t.dtype != self.dtype]
+        copied = [(n, t) for n, t in named if t.dtype != self.dtype or not self.share]
         try:
-            self.engine.update_weights_from_tensors(named, version=version, share=True)
+            self.engine.update_weights_from_tensors(named, version=version, share=self.share)
         except (ValueError, RuntimeError) as e:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
         if copied:
