@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -372,3 +373,27 @@ def test_classify():
         -9,
         "output exceeded 10 bytes",
     )
+
+
+@pytest.mark.skipif(sandbox._pids_cgroup_root() is None, reason="no writable pids cgroup on this machine")
+def test_stale_cgroups_of_dead_processes_are_removed():
+    root = sandbox._pids_cgroup_root()
+    dead = _dead_pid()
+    stale = os.path.join(root, f"{WORKDIR_PREFIX}{dead}-0")
+    ours = os.path.join(root, f"{WORKDIR_PREFIX}{os.getpid()}-999999")
+    os.mkdir(stale)
+    os.mkdir(ours)
+    try:
+        sandbox._remove_stale_cgroups(root)
+        assert not os.path.exists(stale)
+        assert os.path.exists(ours)  # its owner is alive
+    finally:
+        for path in (stale, ours):
+            if os.path.exists(path):
+                os.rmdir(path)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid

@@ -287,6 +287,7 @@ def _pids_cgroup_root() -> str | None:
             if "pids" in controllers.split(","):
                 rel = path
     root = os.path.join(mount, rel.lstrip("/"))
+    _remove_stale_cgroups(root)
     probe = os.path.join(root, f"{WORKDIR_PREFIX}probe-{os.getpid()}")
     try:
         os.mkdir(probe)
@@ -298,6 +299,16 @@ def _pids_cgroup_root() -> str | None:
             os.rmdir(probe)
         return None
     return root
+
+
+def _remove_stale_cgroups(root: str) -> None:
+    """Remove the empty sandbox cgroups of processes that died before cleaning up (kill -9)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            owner = entry.name.removeprefix(WORKDIR_PREFIX).split("-")[0]
+            if entry.name.startswith(WORKDIR_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                with contextlib.suppress(OSError):  # not empty, or someone else's: leave it
+                    os.rmdir(entry.path)
 
 
 _cgroup_ids = itertools.count()
