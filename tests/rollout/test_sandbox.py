@@ -157,6 +157,27 @@ def test_classic_fork_bomb_ends_and_leaves_nothing(backend):
     _assert_clean(r, marker)
 
 
+def test_daemonised_child_is_killed_too(backend):
+    """A child that leaves the process group (setsid) and closes its pipes is still killed: by
+    the pid namespace (bwrap) or the pids cgroup (rlimits)."""
+    if backend == "rlimits" and sandbox._pids_cgroup_root() is None:
+        pytest.skip("rlimits without a pids cgroup cannot reach a process that left the group (documented)")
+    marker = _marker()
+    code = """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            os.close(1)
+            os.close(2)
+            time.sleep(600)
+        print("parent done")
+    """
+    r = run_code(textwrap.dedent(code), argv=_argv(marker), backend=backend)
+    assert (r.status, r.stdout) == ("ok", "parent done\n")
+    assert r.wall_time < 3.0
+    _assert_clean(r, marker)
+
+
 def test_output_flood_is_cut_and_killed(backend):
     r = run_code("while True: print('x' * 999)", max_output_bytes=5000, timeout=10, backend=backend)
     assert (r.status, r.exit_code, r.reason) == ("output_limit", None, "output exceeded 5000 bytes")
@@ -246,10 +267,14 @@ def test_bwrap_sees_only_its_own_processes_and_no_home():
         import os
         print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
         print(os.listdir("/tmp"))
+        print(sorted(os.listdir("/root")))
     """
     r = run_code(textwrap.dedent(code), backend="bwrap")
     assert r.status == "ok"
-    pids, tmp = r.stdout.splitlines()
+    pids, tmp, root = r.stdout.splitlines()
+    # /root is an empty tmpfs but for the interpreter's install directory (pyenv keeps it there)
+    kept = sorted({p.split("/")[2] for p in sandbox._interpreter_dirs() if p.startswith("/root/")})
+    assert root == repr(kept)
     assert pids == "[1, 2]"  # bwrap's init and the program: no host process is visible
     assert tmp == "[]" or tmp.startswith("['tidal-sandbox-")  # private /tmp: only our workdir's mount point
 

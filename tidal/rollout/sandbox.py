@@ -519,6 +519,7 @@ async def arun_code(
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=cfg.tmp_root)
     cgroup = proc = None
+    tasks: list[asyncio.Future] = []
     try:
         _write_files(workdir, code, files)
         if cgroup_root is not None:
@@ -563,6 +564,7 @@ async def arun_code(
 
         readers = [asyncio.ensure_future(pump(proc.stdout)), asyncio.ensure_future(pump(proc.stderr))]
         feeder = asyncio.ensure_future(feed())
+        tasks = [*readers, feeder]
         # Wait for the program itself to exit, not for its pipes to close: asyncio's
         # Process.wait() also waits for the pipes, which a forked child left behind holds open.
         exited, unwatch = _watch_exit(proc)
@@ -576,9 +578,7 @@ async def arun_code(
         kill()  # whatever the program left running dies with it
         # Output written just before exit is still in the pipes; a process that escaped the kill
         # (possible only in the rlimits fallback without a cgroup) could hold them, hence the bound.
-        done, pending = await asyncio.wait([*readers, feeder], timeout=_PIPE_GRACE_S)
-        for task in pending:
-            task.cancel()
+        done, _ = await asyncio.wait(tasks, timeout=_PIPE_GRACE_S)
         (out, out_cut), (err, err_cut) = (
             r.result() if r in done and not r.cancelled() else (b"", False) for r in readers
         )
@@ -603,7 +603,9 @@ async def arun_code(
         )
     finally:
         # Runs on return, error and cancellation alike: kill everything, then clean up.
-        if proc is not None:
+        for task in tasks:
+            task.cancel()
+        if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         if cgroup is not None:
