@@ -17,6 +17,7 @@ from tidal.utils import load_object
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "BUILTIN_SAMPLE_REWARDS",
     "RewardFn",
     "exact_match",
     "extract_answer",
@@ -173,12 +174,19 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
     "exact_match": exact_match,
 }
 
+# Built-in rewards that take the whole sample and are async (they run code), by dotted path;
+# imported on first use.
+BUILTIN_SAMPLE_REWARDS: dict[str, str] = {
+    "code_tests": "tidal.rollout.code_reward:code_reward",
+}
+
 
 def get_reward_fn(spec: str) -> RewardFn:
     """Resolve a reward spec into an async function ``sample -> float | dict``.
 
-    `spec` is either a name in `BUILTIN_REWARDS` (called as ``fn(sample.response, sample.label)``)
-    or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``) to a user function ``reward(sample)`` that
+    `spec` is either a name in `BUILTIN_REWARDS` (called as ``fn(sample.response, sample.label)``),
+    a name in `BUILTIN_SAMPLE_REWARDS` (``code_tests``), or a dotted path (``pkg.mod:fn`` or
+    ``pkg.mod.fn``) to a user function ``reward(sample)`` that
     returns a float or a dict and may be sync or async. Sync functions run directly on the event
     loop, so they should be cheap; for slow checks write an async function (which also makes the
     `timeout` of `score_samples` effective, as a running sync call cannot be interrupted).
@@ -187,6 +195,7 @@ def get_reward_fn(spec: str) -> RewardFn:
         ValueError: `spec` is neither a builtin name nor a well-formed dotted path.
         ImportError: the dotted path cannot be imported.
     """
+    spec = BUILTIN_SAMPLE_REWARDS.get(spec, spec)
     builtin = BUILTIN_REWARDS.get(spec)
     if builtin is not None:
 
@@ -198,7 +207,8 @@ def get_reward_fn(spec: str) -> RewardFn:
 
     if ":" not in spec and "." not in spec:
         raise ValueError(
-            f"unknown reward {spec!r}: expected one of {', '.join(sorted(BUILTIN_REWARDS))} "
+            f"unknown reward {spec!r}: expected one of "
+            f"{', '.join(sorted([*BUILTIN_REWARDS, *BUILTIN_SAMPLE_REWARDS]))} "
             "or a dotted path such as 'my_pkg.rewards:score'"
         )
     fn = load_object(spec, callable_required=True)
