@@ -49,7 +49,7 @@ def test_train_help_lists_every_option_with_default(capsys):
             default = getattr(group_cfg, f.name)
             assert f"{option} {metavar} {f.metadata['help']} (default: {default!r})" in flat
             n += 1
-    assert n == 95
+    assert n == 103
     assert "--train.lr FLOAT AdamW learning rate (default: 1e-06)" in flat
     assert "(default: 1e-06)" in flat
     assert "--algo.eps_clip_high FLOAT OR NULL" in flat
