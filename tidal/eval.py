@@ -7,10 +7,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from tidal.config import Config
-from tidal.convert import ensure_model
+from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_data
 from tidal.engine.factory import make_engine
 from tidal.rollout.manager import RolloutManager
@@ -22,7 +20,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int = 100, batch_size: int = 
     """Mean reward of `model` over the first `num_prompts` prompts of `cfg.data` (file order, no
     shuffle), sampling `cfg.rollout.n_samples_per_prompt` responses each with `cfg.rollout`."""
     model_dir = ensure_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     records = load_data(cfg.data, tokenizer)[:num_prompts]
     engine = make_engine(cfg.rollout, model_dir, tokenizer, cfg.data.max_prompt_length, prompts=batch_size)
     rollout = RolloutManager(engine, cfg.rollout, tokenizer)

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from tidal.cluster import Roles, build_roles
 from tidal.config import Config
-from tidal.convert import ensure_model
+from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_data, load_sft_data
 from tidal.data.source import DataSource
 from tidal.hardware import cpu_info, resolve_dtype
@@ -38,10 +37,10 @@ from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
 from tidal.rollout.rewards import scalar_reward
-from tidal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tidal.run_dir import check_run_dir, start_run_dir
+from tidal.train.checkpoint import load_checkpoint, save_checkpoint
 from tidal.train.estimate import compute_advantages
 from tidal.types import Status
-from tidal.utils import atomic_write_json
 
 log = logging.getLogger("tidal")
 
@@ -65,21 +64,21 @@ def resolve_precision(cfg: Config) -> tuple[Config, dict]:
     return dataclasses.replace(cfg, **groups), record
 
 
-def train(cfg: Config, resume: bool = False) -> list[dict]:
+def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) -> list[dict]:
     """Run `cfg.train.num_steps` steps of RL (or SFT when `algo.mode` is sft), continuing from the
-    latest checkpoint when `resume`. Returns the metrics history."""
+    newest complete checkpoint when `resume` (see `tidal.run_dir` for what a resume may change).
+    Returns the metrics history."""
     t_cfg, sft = cfg.train, cfg.algo.mode == "sft"
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)
     torch.manual_seed(t_cfg.seed)
     out_dir = Path(t_cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg, precision = resolve_precision(cfg)
-    atomic_write_json(out_dir / "config.json", {**cfg.to_dict(), "resolved": precision})
+    ckpt = check_run_dir(cfg, resume, allow_config_change)  # nothing is written before this passes
 
     model_dir = ensure_model(t_cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     if sft:
         source = DataSource(
             load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
@@ -87,12 +86,11 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
     else:
         records = load_data(cfg.data, tokenizer)
         source = DataSource(records, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
-    start, ckpt = 0, latest_checkpoint(out_dir) if resume else None
-    if resume and ckpt is None:
-        log.warning("resume: no checkpoint in %s, starting from step 0", out_dir / "checkpoints")
+    start = 0
 
     roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
     try:
+        start_run_dir(out_dir, {**cfg.to_dict(), "resolved": precision})
         if ckpt is not None:
             trainer_state, state = load_checkpoint(ckpt)
             roles.trainer.load_state_dict(trainer_state)
@@ -139,7 +137,9 @@ def train(cfg: Config, resume: bool = False) -> list[dict]:
                     state = {"data": source.state_dict(), "weight_version": done}
                     if overlapped is not None:
                         state["overlap"] = overlapped.state_dict()
-                    save_checkpoint(out_dir, done, roles.trainer.save_model, tokenizer, trainer_state, state)
+                    save_checkpoint(
+                        out_dir, done, roles.trainer.save_model, tokenizer, trainer_state, state, t_cfg.keep_checkpoints
+                    )
                     if overlapped is not None:
                         overlapped.resume()
         finally:

@@ -15,7 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "load_object"]
+__all__ = [
+    "atomic_directory",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_tree",
+    "load_object",
+    "remove_stale_temps",
+]
 
 
 def _is_missing(err: ModuleNotFoundError, candidate: str) -> bool:
@@ -135,6 +143,36 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """fsync every file under `root`, then every folder (deepest first), so the data a rename is
+    about to publish is on disk before the rename is: otherwise a power loss can leave a folder
+    that looks complete but holds empty or torn files."""
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def remove_stale_temps(directory: str | os.PathLike[str], final_name: str) -> list[Path]:
+    """Remove what a killed `atomic_directory(directory / final_name)` or `atomic_write_bytes` left
+    behind (hidden `.{final_name}.*` siblings; `final_name` may be a glob such as `step_*`).
+
+    Only call it when no writer is running in `directory`: a live writer's temp file looks the same.
+    Returns the removed paths."""
+    removed = []
+    for path in sorted(Path(directory).glob(f".{final_name}.*")):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace the file at `path` with `data` so readers see either the old or the new contents.
 
@@ -180,14 +218,16 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None
 
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary folder beside `final`; on success it replaces `final` in one rename,
-    on error it is removed and `final` (if any) is left as it was."""
+    """Yield a temporary folder beside `final`; on success its files are fsynced and it replaces
+    `final` in one rename, on error it is removed and `final` (if any) is left as it was.
+    A process killed inside leaves a hidden `.{final.name}.*` folder: see `remove_stale_temps`."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+        fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ def run(algo: str, steps: int, out: Path) -> dict:
         "--train.save_interval=0",
         "--log.log_samples=0",
     ]  # fmt: skip
+    # each comparison is a fresh run: tidal refuses a new run in a used folder, and this one is ours
+    shutil.rmtree(out / algo, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     wall = time.perf_counter() - t0

@@ -247,3 +247,24 @@ def test_unknown_extension(tmp_path):
 def test_invalid_max_prompt_length(tokenizer):
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):
         build_prompts([], tokenizer, source="mem", max_prompt_length=0)
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (
+            b'{"prompt": "x"}\n',
+            "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.",
+        ),
+        (b"", "Parquet file size is 0 bytes"),
+    ],
+)
+def test_a_parquet_file_that_is_not_parquet_is_named(tmp_path, content, why):
+    path = tmp_path / "prompts.parquet"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        list(read_rows(path))
+    assert str(err.value) == (
+        f"{path}: not a Parquet file ({why}); a .parquet file must hold Parquet, as pandas.DataFrame.to_parquet or "
+        "pyarrow.parquet.write_table write it (JSON Lines go in a .jsonl file)"
+    )

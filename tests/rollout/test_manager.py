@@ -1,5 +1,7 @@
 """RolloutManager against a scripted engine: the Sample contract, seeds and reward failures."""
 
+import pytest
+
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import GenerationOutput
@@ -67,3 +69,19 @@ def test_a_failing_reward_zeroes_the_loss_mask(tmp_path, monkeypatch):
     assert all(s.status == Status.FAILED for s in samples)
     assert all(s.loss_mask == [0, 0] for s in samples)
     assert samples[0].metadata["error"] == "ValueError: no label parser"
+
+
+def test_a_dict_reward_without_reward_key_is_named_on_the_first_batch(tmp_path, monkeypatch):
+    from tidal.config import ConfigError
+
+    (tmp_path / "dict_reward.py").write_text("def score(sample):\n    return {'acc': 1.0, 'format': 0.5}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RolloutConfig(n_samples_per_prompt=2, reward="dict_reward:score")  # reward_key left at 'score'
+    with pytest.raises(ConfigError) as err:
+        RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+    assert str(err.value) == (
+        "rollout.reward_key: the reward returned a dict without the key 'score' (sample 0: keys ['acc', 'format']); "
+        "set rollout.reward_key to the entry to train on, e.g. --rollout.reward_key=acc"
+    )
+    cfg.reward_key = "format"
+    assert [s.reward["format"] for s in RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)] == [0.5] * 4

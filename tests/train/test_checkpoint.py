@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, make_tokenizer
 
 from tidal.train import checkpoint as ckpt
 
@@ -42,9 +42,106 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert json.loads((root / "step_2" / "state.json").read_text())["step"] == 2
 
 
-def test_latest_pointing_at_a_missing_folder_is_an_error(tmp_path):
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "latest").write_text("step_9\n")
-    with pytest.raises(FileNotFoundError, match="names step_9, which is missing or incomplete"):
-        ckpt.latest_checkpoint(tmp_path)
+def test_resume_picks_the_newest_complete_checkpoint_whatever_latest_says(tmp_path, caplog):
+    model = make_model()
+    for step in (2, 4):
+        ckpt.save_checkpoint(tmp_path, step, model.save_pretrained, None, {}, {"data": {}})
+    root = tmp_path / "checkpoints"
+    (root / "step_6").mkdir()  # a folder with model files but no state: never finished
+    model.save_pretrained(root / "step_6")
+    (root / "latest").write_text("step_9\n")  # names a folder deleted by hand
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_4"
+    assert "names step_9; the newest complete checkpoint is step_4" in caplog.text
+    (root / "latest").unlink()
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_4"
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 4]
     assert ckpt.latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_keep_checkpoints_deletes_the_oldest_after_the_new_one_is_complete(tmp_path, monkeypatch):
+    model = make_model()
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, model.save_pretrained, None, {}, {"data": {}}, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]
+
+    # a save that fails deletes nothing: the two complete ones stay
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, None, {}, {"data": {}}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]
+    monkeypatch.undo()
+    for step in (4, 5):  # keep=0 keeps everything
+        ckpt.save_checkpoint(tmp_path, step, model.save_pretrained, None, {}, {"data": {}}, keep=0)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3, 4, 5]
+
+
+def test_a_save_fsyncs_every_file_and_folder_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    renamed = {}
+
+    def replace(src, dst):
+        if os.path.basename(dst) == "step_3":  # what was on disk when the folder was published
+            renamed["synced"] = set(synced)
+            renamed["files"] = {os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs} | {str(src)}
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ckpt.save_checkpoint(tmp_path, 3, make_model().save_pretrained, make_tokenizer(), {}, {"data": {}})
+    names = {os.path.basename(f) for f in renamed["files"]}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "state.json"} <= names
+    assert renamed["files"] <= renamed["synced"]  # every file and the folder itself
+    assert str(tmp_path / "checkpoints") in synced  # and the parent, after the rename
+
+
+def test_stale_temp_folders_of_a_killed_save_are_removed_on_the_next_save(tmp_path):
+    model = make_model()
+    ckpt.save_checkpoint(tmp_path, 2, model.save_pretrained, None, {}, {"data": {}})
+    root = tmp_path / "checkpoints"
+    (root / ".step_4.ab12cd").mkdir()  # what atomic_directory leaves when the process is killed
+    (root / ".step_4.ab12cd" / "model.safetensors").write_bytes(b"half")
+    (root / ".latest.0123456789ab.tmp").write_text("step_4")
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_2"
+    ckpt.save_checkpoint(tmp_path, 6, model.save_pretrained, None, {}, {"data": {}})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_6"]
+
+
+def test_export_writes_a_plain_hf_folder_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidal.cli import main
+
+    model, tok = make_model(seed=3), make_tokenizer()
+    ckpt.save_checkpoint(tmp_path, 2, model.save_pretrained, tok, {"optimizer": {}}, {"data": {}})
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)  # step 4 differs from step 2
+    ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, tok, {"optimizer": {}}, {"data": {}})
+
+    assert main(["export", str(tmp_path), "--step", "2", "--out", str(tmp_path / "hf2")]) == 0
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf_newest")]) == 0
+    names = {p.name for p in (tmp_path / "hf2").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not names & {"state.json", "trainer_state.pt"}
+    ids = torch.tensor([tok.encode("export me")])
+    for out, step in (("hf2", 2), ("hf_newest", 4)):
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()
+        original = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / f"step_{step}").eval()
+        assert torch.equal(exported(ids).logits, original(ids).logits)
+        assert AutoTokenizer.from_pretrained(tmp_path / out).encode("export me") == ids[0].tolist()
+    assert not torch.equal(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")(ids).logits,
+        AutoModelForCausalLM.from_pretrained(tmp_path / "hf_newest")(ids).logits,
+    )
+
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint at step 3; steps saved: 2, 4"):
+        ckpt.export_checkpoint(tmp_path, tmp_path / "hf3", 3)
+    with pytest.raises(FileExistsError, match=r"hf2 exists and is not empty; export into a new or empty folder"):
+        ckpt.export_checkpoint(tmp_path, tmp_path / "hf2", 4)

@@ -74,11 +74,19 @@ def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        parquet = pq.ParquetFile(path)
+    except pa.ArrowInvalid as e:  # pyarrow alone says "magic bytes not found" and names no file
+        raise ValueError(
+            f"{path}: not a Parquet file ({e}); a .parquet file must hold Parquet, as pandas.DataFrame.to_parquet "
+            "or pyarrow.parquet.write_table write it (JSON Lines go in a .jsonl file)"
+        ) from None
     # Batches keep memory bounded on large files; row numbers run across batches.
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches():
+    for batch in parquet.iter_batches():
         for row in batch.to_pylist():
             number += 1
             yield number, row

@@ -17,7 +17,7 @@ from tidal.data.dataset import PromptRecord
 from tidal.engine.base import Engine
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, RoundBatcher, load_generate_fn
-from tidal.rollout.rewards import get_reward_fn, score_samples
+from tidal.rollout.rewards import check_reward_key, get_reward_fn, score_samples
 from tidal.types import Sample, Status
 
 __all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "sample_seed"]
@@ -130,6 +130,7 @@ class RolloutManager:
                 samples.append(s)
         group_size(samples)  # refuse ragged fan-out before anyone trains on it
         await score_samples([s for s in samples if s.reward is None], self.reward_fn, timeout=self.cfg.reward_timeout)
+        check_reward_key(samples, self.cfg.reward_key)  # a dict reward must hold the key trained on
         for s in samples:
             if s.status == Status.FAILED:  # nothing trustworthy to learn from
                 s.loss_mask = [0] * s.response_length

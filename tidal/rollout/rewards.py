@@ -19,6 +19,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "BUILTIN_SAMPLE_REWARDS",
     "RewardFn",
+    "check_reward_key",
     "exact_match",
     "extract_answer",
     "get_reward_fn",
@@ -308,3 +309,20 @@ def scalar_reward(sample: Sample, key: str = "score") -> float:
             raise KeyError(f"reward of sample {sample.index} has no key {key!r}; available keys: {sorted(reward)}")
         return float(reward[key])
     return float(reward)
+
+
+def check_reward_key(samples: list[Sample], key: str) -> None:
+    """Raise ConfigError when a scored sample's dict reward lacks `key` (`rollout.reward_key`).
+
+    A reward's return type is only known once it has run, so the rollout calls this on every scored
+    batch: the first one comes before any training, and the message names the setting to change and
+    the keys the reward does return, where `scalar_reward` would fail later with a bare KeyError."""
+    from tidal.config import ConfigError
+
+    for s in samples:
+        if isinstance(s.reward, dict) and key not in s.reward:
+            raise ConfigError(
+                f"rollout.reward_key: the reward returned a dict without the key {key!r} (sample {s.index}: keys "
+                f"{sorted(s.reward)}); set rollout.reward_key to the entry to train on, e.g. "
+                f"--rollout.reward_key={sorted(s.reward)[0] if s.reward else 'KEY'}"
+            )

@@ -1,0 +1,168 @@
+"""Run folder safety: a new run never writes into an old one, a resumed run is the same run.
+
+`check_run_dir` runs before anything is loaded or written and decides where a run starts:
+
+* a new run (no `--resume`) needs `train.output_dir` missing or empty; otherwise it would
+  truncate the old run's metrics and mix its checkpoints with the new ones;
+* `--resume` continues from the newest complete checkpoint (`tidal.train.checkpoint`) and compares
+  the config with the run's saved `config.json`, field by field. A field that only changes how the
+  run is paced, watched or placed is allowed and logged:
+
+      train.num_steps, train.save_interval, train.keep_checkpoints, train.num_threads,
+      train.gradient_checkpointing, train.logits_chunk_tokens (same math, less memory),
+      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key,
+      rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
+      cluster.sync_dir, cluster.cpus_per_trainer, cluster.cpus_per_engine,
+      and every field of the `log` and `eval` groups.
+
+  Any other difference (model, data, algorithm, batch sizes, learning rate, seeds, precision,
+  sampling, reward, cluster shape: everything that changes what the run learns, and fields added
+  later, until someone puts them on the list above) is an error naming each field with its old and
+  new value, unless the caller passes `allow_config_change` (`tidal train --allow-config-change`).
+  A field missing from an older `config.json` counts as its default. A resume whose checkpoint is
+  already at `train.num_steps` is an error too: it would train nothing.
+
+`start_run_dir` then writes `config.json` and clears what an interrupted checkpoint save left;
+the loop calls it only once the model, tokenizer and data have loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.config import Config, ConfigError
+from tidal.train.checkpoint import latest_checkpoint, remove_stale_saves
+from tidal.utils import atomic_write_json
+
+log = logging.getLogger("tidal")
+
+CONFIG_FILE = "config.json"
+HARMLESS_FIELDS = frozenset(
+    {
+        "train.num_steps",
+        "train.save_interval",
+        "train.keep_checkpoints",
+        "train.num_threads",
+        "train.gradient_checkpointing",
+        "train.logits_chunk_tokens",
+        "rollout.request_timeout",
+        "rollout.reward_timeout",
+        "rollout.engine_urls",
+        "rollout.api_key",
+        "rollout.max_num_seqs",
+        "rollout.kv_cache_tokens",
+        "cluster.address",
+        "cluster.sync_timeout",
+        "cluster.sync_dir",
+        "cluster.cpus_per_trainer",
+        "cluster.cpus_per_engine",
+    }
+)
+HARMLESS_GROUPS = ("log", "eval")
+NOT_COMPARED = frozenset({"train.output_dir"})  # the same folder, however it is spelled
+
+
+class RunDirError(ConfigError):
+    """The output folder does not fit the requested start (new run or resume)."""
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    field: str
+    old: Any
+    new: Any
+
+    @property
+    def harmless(self) -> bool:
+        return self.field in HARMLESS_FIELDS or self.field.partition(".")[0] in HARMLESS_GROUPS
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r}"
+
+
+def _flatten(cfg: dict) -> dict[str, Any]:
+    return {
+        f"{group}.{key}": value
+        for group, body in cfg.items()
+        if isinstance(body, dict) and group != "resolved"
+        for key, value in body.items()
+    }
+
+
+def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> list[ConfigChange]:
+    """The fields whose value differs between two `Config.to_dict()`s, in `current`'s order.
+    A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`."""
+    old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or Config().to_dict())
+    missing = object()
+    changes = []
+    for name, value in new.items():
+        before = old.get(name, base.get(name, missing))
+        if name not in NOT_COMPARED and before != value:
+            changes.append(ConfigChange(name, None if before is missing else before, value))
+    return changes
+
+
+def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) -> Path | None:
+    """Validate `cfg.train.output_dir` for a new run or a resume; write nothing.
+
+    Returns the checkpoint to resume from, or None to start at step 0.
+    Raises RunDirError naming the folder or the changed fields and the ways out."""
+    out = Path(cfg.train.output_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"train.output_dir: {out} is a file, expected a folder for the run")
+    if not resume:
+        held = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        if held:
+            raise RunDirError(
+                f"train.output_dir: {out} already holds a run ({', '.join(held[:5])}); "
+                "a new run there would overwrite its metrics and mix its checkpoints. Continue that run with "
+                "--resume, or start this one in a new or empty folder with --train.output_dir=NEW_FOLDER"
+            )
+        return None
+
+    saved_file = out / CONFIG_FILE
+    if saved_file.is_file():
+        try:
+            saved = json.loads(saved_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunDirError(f"{saved_file}: not valid JSON ({e}); cannot check the resumed config against it") from e
+        _check_changes(config_changes(saved, cfg.to_dict()), saved_file, allow_config_change)
+
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        log.warning("resume: no complete checkpoint in %s, starting from step 0", out / "checkpoints")
+        return None
+    step = json.loads((ckpt / "state.json").read_text())["step"]
+    if step >= cfg.train.num_steps:
+        raise RunDirError(
+            f"train.num_steps: the newest checkpoint {ckpt} is at step {step}, so num_steps "
+            f"{cfg.train.num_steps} leaves nothing to train; set --train.num_steps above {step} to go on"
+        )
+    return ckpt
+
+
+def _check_changes(changes: list[ConfigChange], saved_file: Path, allowed: bool) -> None:
+    for c in changes:
+        if c.harmless or allowed:
+            log.info("resume: %s changed since %s: %r -> %r", c.field, saved_file, c.old, c.new)
+    meaningful = [c for c in changes if not c.harmless]
+    if meaningful and not allowed:
+        raise RunDirError(
+            f"--resume: the config differs from the run's {saved_file} in fields that change what it learns:\n  "
+            + "\n  ".join(map(str, meaningful))
+            + "\nresume with the saved values, start a new run in a new train.output_dir, or pass "
+            "--allow-config-change to continue with the new ones"
+        )
+
+
+def start_run_dir(out: str | Path, config_record: dict) -> None:
+    """Create the run folder, remove temp folders a killed checkpoint save left there, and write
+    `config.json` (`config_record`: the config dict, with what was resolved at start)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_saves(out)
+    atomic_write_json(out / CONFIG_FILE, config_record)
