@@ -25,13 +25,15 @@ TOOLS = [
 seen_urls: list[str] = []  # the tests check the door is gone afterwards
 
 
-async def tool_agent(client, prompt, label):
+async def tool_agent(client, prompt, label, max_tokens=200):
     """Ask, run the tool calls the model makes (or tell it to try again), ask once more; the
     reward is whether the last answer contains the label."""
     seen_urls.append(str(client.base_url))
     messages = [{"role": "user", "content": prompt}]
     for _ in range(2):
-        resp = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=0.0)
+        resp = await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, temperature=0.0, max_tokens=max_tokens
+        )
         message = resp.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if message.tool_calls:
@@ -42,6 +44,10 @@ async def tool_agent(client, prompt, label):
         else:
             messages.append({"role": "user", "content": "That is wrong, try again."})
     return float(str(label) in (message.content or ""))
+
+
+async def short_tool_agent(client, prompt, label):
+    return await tool_agent(client, prompt, label, max_tokens=8)
 
 
 async def scorer_agent(client, prompt, label):
