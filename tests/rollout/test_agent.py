@@ -19,7 +19,8 @@ from tidal.data.dataset import PromptRecord
 from tidal.engine.base import GenerationOutput
 from tidal.rollout.agent import Alignment, align
 from tidal.rollout.generate import RoundBatcher
-from tidal.rollout.manager import RolloutManager
+from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.rollout.multi_turn import turn_seed
 from tidal.types import Status
 from tidal.utils import load_object
 
@@ -139,9 +140,11 @@ def test_tool_calls_over_two_turns_extend_one_sample():
     assert [c["case"] for c in s.metadata["agent_calls"]] == ["new", "extend"]
     check_layout(s, [(answer1, True), (p1[len(p0) + len(answer1) :], False), (answer2, True)])
     assert s.reward == 1.0 and s.status == Status.COMPLETED  # the agent's reward: "5" in the last answer
-    # the rollout's sampling, not the request's temperature 0; the seed of call k is the sample's + k
+    # the rollout's sampling, not the request's temperature 0; call k's seed is turn_seed(sample seed, k)
     seeds = [sp.seed for _, sp, _ in engine.calls]
-    assert seeds[1] == seeds[0] + 1 and all(sp.temperature == 1.0 for _, sp, _ in engine.calls)
+    assert seeds == [sample_seed(11, 0, 0), turn_seed(sample_seed(11, 0, 0), 1)] and all(
+        sp.temperature == 1.0 for _, sp, _ in engine.calls
+    )
 
 
 def test_a_special_token_sampled_as_text_is_realigned():

@@ -11,7 +11,7 @@ it `client.base_url` and `client.api_key`; that program must finish before the a
 Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
 functions of `tidal.server.openai`), sampled by the engine with the rollout's sampling (the
 request's temperature, top_p and penalties are ignored: the trainer needs the behaviour
-distribution; the seed of call k is the sample's seed + k) and recorded: prompt ids, sampled
+distribution; call k's seed is the tool loop's `turn_seed(sample seed, k)`) and recorded: prompt ids, sampled
 ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
 samples (docs/agents.md, "The agent door").
 """
@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish
+from tidal.rollout.multi_turn import turn_seed
 from tidal.server.common import ApiError, BadRequest
 from tidal.server.openai import (
     ChatBody,
@@ -156,7 +157,7 @@ class Session:
         sp = dataclasses.replace(
             self.sampling,
             max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
-            seed=None if self.sampling.seed is None else self.sampling.seed + self.calls,
+            seed=turn_seed(self.sampling.seed, self.calls),
             stop=stops,
             stop_token_ids=[*self.sampling.stop_token_ids, *(body.stop_token_ids or [])],
         )
