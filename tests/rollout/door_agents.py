@@ -46,6 +46,22 @@ async def tool_agent(client, prompt, label, max_tokens=200):
     return float(str(label) in (message.content or ""))
 
 
+async def rebuilding_agent(client, prompt, label):
+    """Keeps its own history: the model's calls rebuilt from their parsed arguments (new ids, its
+    own JSON), as agent frameworks with their own message types do."""
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        resp = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        message = resp.choices[0].message
+        if not message.tool_calls:
+            break
+        args = json.loads(message.tool_calls[0].function.arguments)
+        call = {"id": "x", "type": "function", "function": {"name": "add", "arguments": json.dumps(args)}}
+        messages.append({"role": "assistant", "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": "x", "content": str(args["a"] + args["b"])})
+    return float(str(label) in (message.content or ""))
+
+
 async def short_tool_agent(client, prompt, label):
     return await tool_agent(client, prompt, label, max_tokens=8)
 

@@ -167,12 +167,26 @@ def test_a_special_token_sampled_as_text_is_realigned():
     assert s.reward == 0.0  # scored by rollout.reward (exact_match: the response is not "5"): the agent gave None
 
 
+COMPACT = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
+
+
+def test_an_answer_sent_back_unchanged_is_rendered_as_sampled():
+    # compact JSON: re-serialised, the call would read '{"name": "add", ...}'; sent back as the door
+    # returned it, it is rendered as the model wrote it and the sample grows
+    answer1, answer2 = ids(COMPACT) + [2], ids("5") + [2]
+    samples, engine = rollout(lambda p, k: answer1 if k == 0 else answer2, "tool_agent")
+    (p0, _, _), (p1, _, _) = engine.calls
+    s = samples[0]
+    assert [c["case"] for c in s.metadata["agent_calls"]] == ["new", "extend"]
+    assert p1[: len(p0) + len(answer1)] == p0 + answer1 and TOK.decode(p1).count(COMPACT) == 1
+    check_layout(s, [(answer1, True), (p1[len(p0) + len(answer1) :], False), (answer2, True)])
+
+
 @pytest.mark.parametrize("mode", ["all", "last", "first"])
 def test_a_rewritten_call_starts_a_new_sample(mode):
-    # compact JSON: the history re-renders it with spaces, a different text
-    compact = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
-    answer1, answer2 = ids(compact) + [2], ids("5") + [2]
-    samples, engine = rollout(lambda p, k: answer1 if k == 0 else answer2, "tool_agent", agent_samples=mode)
+    # the agent rebuilds the call with its own JSON: a text the model did not write
+    answer1, answer2 = ids(COMPACT) + [2], ids("5") + [2]
+    samples, engine = rollout(lambda p, k: answer1 if k == 0 else answer2, "rebuilding_agent", agent_samples=mode)
     p0, p1 = engine.calls[0][0], engine.calls[1][0]
     assert p1 == chat_ids(tool_history(CALL), door_agents.TOOLS)  # what the agent sent, not realigned
     first = (p0, answer1, ["new"])
@@ -187,15 +201,13 @@ def test_a_rewritten_call_starts_a_new_sample(mode):
 
 
 def test_ragged_fan_out_in_all_mode_is_a_clear_error():
-    compact = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
-
     def reply(prompt, k):  # prompt 0's call is re-rendered (2 samples), prompt 1's is not (1 sample)
         if TOK.decode(prompt).count("<tool_response>") == 0:
-            return ids(compact if "2 + 3" in TOK.decode(prompt) else CALL) + [2]
+            return ids(COMPACT if "2 + 3" in TOK.decode(prompt) else CALL) + [2]
         return ids("5") + [2]
 
     with pytest.raises(ValueError, match="groups differ in size .* must return the same number of samples"):
-        rollout(reply, "tool_agent", prompts=("What is 2 + 3?", "What is 1 + 4?"), agent_samples="all")
+        rollout(reply, "rebuilding_agent", prompts=("What is 2 + 3?", "What is 1 + 4?"), agent_samples="all")
 
 
 def test_the_budget_caps_the_trajectory_and_ends_it_truncated():

@@ -99,6 +99,16 @@ def align(seen: list[int], prompt: list[int], decode: Any, max_drift: int) -> Al
     return Alignment("new", 0, list(prompt))
 
 
+def _same_answer(sent: dict, returned: dict) -> bool:
+    """Whether an assistant message sent back is the one returned: same content and tool calls
+    (ids, names, argument strings), no other fields."""
+    if set(sent) - {"role", "content", "tool_calls"}:
+        return False
+    return (sent.get("content") or None) == (returned.get("content") or None) and sent.get(
+        "tool_calls"
+    ) == returned.get("tool_calls")
+
+
 # ---------------------------------------------------------------------------- a session
 class Session:
     """One trajectory on the door: its calls, one at a time, and the samples they grow."""
@@ -111,6 +121,7 @@ class Session:
         self.used = 0  # response tokens (sampled + environment) over every sample of the trajectory
         self.budget = ctx.cfg.response_budget
         self.budget_refused = False
+        self.answers: list[tuple[dict, str]] = []  # (an assistant message the door returned, the text sampled)
         self.lock = asyncio.Lock()  # an agent's parallel calls are served one at a time
         tok = ctx.tokenizer
         self.decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
@@ -120,6 +131,17 @@ class Session:
     def trained(self) -> list[Sample]:
         """The samples holding sampled tokens."""
         return [s for s in self.samples if any(v >= 0 for v in s.token_versions)]
+
+    def as_sampled(self, message: dict) -> dict:
+        """An assistant message this session returned, sent back unchanged, as the text the model
+        sampled: its tool calls were parsed out of that text and would otherwise be re-serialised
+        by the template (other JSON spacing, text around the calls), a history the model never saw."""
+        if message.get("role") != "assistant":
+            return message
+        for answer, text in self.answers:
+            if _same_answer(message, answer):
+                return {"role": "assistant", "content": text}
+        return message
 
     async def chat(self, body: ChatBody) -> dict:
         body.warn_unknown("agent door /v1/chat/completions")
@@ -133,7 +155,8 @@ class Session:
         max_tokens, field = chat_max_tokens(body)
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
-        prompt = await chat_prompt(self.ctx.tokenizer, body)
+        raw = [self.as_sampled(m.model_dump(exclude_none=True)) for m in body.messages]
+        prompt = await chat_prompt(self.ctx.tokenizer, body, raw)
         stops = [*self.sampling.stop, *stops_of(body)]
         async with self.lock:
             return await self._call(body, prompt, max_tokens, stops)
@@ -186,6 +209,7 @@ class Session:
 
         text = text_of(out, stops)
         message, reason = assistant_message(text, uses_tools(body), out.finish_reason)
+        self.answers.append((message, out.text))
         logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.log_probs, [], 0) if body.logprobs else None
         completion = len(out.token_ids)
         return {

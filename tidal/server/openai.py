@@ -141,12 +141,13 @@ def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-async def chat_prompt(tok: Any, body: ChatBody) -> list[int]:
-    """The prompt ids of a chat request: its messages (and tools) through the tokenizer's chat
-    template, with the generation prompt, tokenised as one text."""
+async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None) -> list[int]:
+    """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
+    rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
+    tokenised as one text."""
     if tok is None:
         raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
-    raw = [m.model_dump(exclude_none=True) for m in body.messages]
+    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         messages, tools = render_messages(raw, body.tools, body.tool_choice, template_takes_tools(tok))
     except ValueError as e:
