@@ -104,9 +104,8 @@ def _same_answer(sent: dict, returned: dict) -> bool:
     (ids, names, argument strings), no other fields."""
     if set(sent) - {"role", "content", "tool_calls"}:
         return False
-    return (sent.get("content") or None) == (returned.get("content") or None) and sent.get(
-        "tool_calls"
-    ) == returned.get("tool_calls")
+    same_content = (sent.get("content") or None) == (returned.get("content") or None)
+    return same_content and sent.get("tool_calls") == returned.get("tool_calls")
 
 
 # ---------------------------------------------------------------------------- a session
