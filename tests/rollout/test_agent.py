@@ -229,7 +229,7 @@ def test_an_agent_that_never_calls_the_model_fails_its_sample():
     assert samples[0].status == Status.FAILED and "made no call to the model" in samples[0].metadata["error"]
 
 
-def test_an_external_program_uses_the_session_and_the_door_closes():
+def test_an_external_program_uses_the_session():
     samples, engine = rollout(lambda p, k: ids("ok") + [2], "external_agent", n=2)
     assert len(samples) == 2 and len(engine.calls) == 4
     assert all(s.reward == {"score": 0.5, "chars": 3.0} for s in samples)  # "ok\n" printed

@@ -247,8 +247,7 @@ class AgentDoor:
 
         @app.get("/s/{token}/v1/models")
         async def models(token: str, request: Request) -> dict:
-            self.session(token, request)
-            return models_list(MODEL_NAME, None)
+            return models_list(MODEL_NAME, self.session(token, request).max_model_len)
 
         @app.post("/s/{token}/v1/chat/completions")
         async def chat(token: str, body: ChatBody, request: Request) -> dict:
