@@ -98,6 +98,11 @@ class RolloutConfig:
     agent_max_drift_tokens: int = _opt(
         16, "agent: a re-rendered history that differs only in tokenization over at most this many tokens is realigned"
     )
+    agent_samples: str = _opt(
+        "last",
+        "agent: which samples of a trajectory are trained when its calls split into several: last | first | all "
+        "(all: every trajectory of a batch must split into the same number, else the rollout stops with an error)",
+    )
 
     @property
     def response_budget(self) -> int:
@@ -596,6 +601,9 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         f"rollout.generate: single_turn, tools, agent or a dotted path to a generate function, got {r.generate!r}",
     )
     need(r.generate != "agent" or bool(r.agent), "rollout.agent: rollout.generate agent needs the agent's dotted path")
+    choices = ("last", "first", "all")
+    need(r.agent_samples in choices, f"rollout.agent_samples: last, first or all, got {r.agent_samples!r}")
+    need(r.agent_max_drift_tokens >= 0, f"rollout.agent_max_drift_tokens: must be >= 0, got {r.agent_max_drift_tokens}")
     for name in ("max_turns", "max_tool_output_tokens"):
         need(getattr(r, name) >= 1, f"rollout.{name}: must be >= 1, got {getattr(r, name)}")
     need(r.max_response_tokens >= 0, f"rollout.max_response_tokens: must be >= 0, got {r.max_response_tokens}")

@@ -61,10 +61,8 @@ def _format_validation_error(exc: RequestValidationError) -> tuple[str, str | No
     return "; ".join(f"{'.'.join(loc) or 'body'}: {msg}" for loc, msg in kept.items()), first
 
 
-def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model_name`."""
-    cfg = config or ServerConfig()
-    app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every error of `app` in the one shape (`tidal.server.common`)."""
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError):
@@ -84,6 +82,12 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     async def _on_error(_: Request, exc: Exception):
         return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
+
+def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under the name `model_name`."""
+    cfg = config or ServerConfig()
+    app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
     app.include_router(sglang.router(engine, model_name, cfg))
     app.include_router(openai.router(engine, model_name, cfg))
     app.add_middleware(Guard, cfg=cfg)

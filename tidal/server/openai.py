@@ -100,14 +100,110 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def token_piece(tok: Any, t: int) -> str:
+    return tok.decode([t]) if tok is not None else str(t)
+
+
+def usage(prompts: list[list[int]], outs: list) -> dict:
+    """Each distinct prompt counted once (as OpenAI does with n > 1), every sample's tokens."""
+    p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def stops_of(body: OpenAIBody) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def text_of(out: Any, stops: list[str]) -> str:
+    """The answer's text: the engine's decoding (special tokens skipped), cut before a stop string."""
+    return trim_stop(out.text, stops) if out.finish_reason == "stop" and stops else out.text
+
+
+def check_chat(body: ChatBody) -> None:
+    """BadRequest for chat fields this server cannot honour (the rest is the body's own validation)."""
+    fmt = (body.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise BadRequest(
+            f"response_format: type {fmt!r} is not supported (no constrained decoding); use 'text' and "
+            "validate the answer yourself"
+        )
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
+        raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
+    if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
+        raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
+
+
+def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
+    """(the requested answer length or None, the field that set it)."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None) -> list[int]:
+    """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
+    rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
+    tokenised as one text."""
+    if tok is None:
+        raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
+    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        messages, tools = render_messages(raw, body.tools, body.tool_choice, template_takes_tools(tok))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    try:
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:
+        raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+    return (await encode(tok, [text], "messages"))[0]
+
+
+def chat_logprobs(tok: Any, ids: list[int], lps: list[float], tops: list, top: int) -> dict:
+    """OpenAI's chat `logprobs`: one entry per token, with `top` alternatives each."""
+
+    def entry(t: int, v: float) -> dict:
+        s = token_piece(tok, t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    content = []
+    for k, (t, v) in enumerate(zip(ids, lps, strict=True)):
+        alts = [entry(a, lv) for a, lv in tops[k]] if top else []
+        content.append({**entry(t, v), "top_logprobs": alts})
+    return {"content": content}
+
+
+def assistant_message(text: str, use_tools: bool, finish_reason: str) -> tuple[dict, str]:
+    """(the answer as an assistant message, its finish reason): `<tool_call>` blocks become
+    `tool_calls` (finish reason "tool_calls") when the request offered tools."""
+    if use_tools:
+        content, calls, _ = parse_tool_calls(text)
+        if calls:
+            message = {"role": "assistant", "content": content or None}
+            return {**message, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish_reason
+
+
+def uses_tools(body: ChatBody) -> bool:
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def models_list(model_name: str, max_model_len: int | None) -> dict:
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
+    return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
 def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
     api = APIRouter()
     runner = Runner(engine)
     tok = engine.tokenizer
-    native_tools = template_takes_tools(tok)
 
     def piece(t: int) -> str:
-        return tok.decode([t]) if tok is not None else str(t)
+        return token_piece(tok, t)
 
     def checked(body: OpenAIBody, route: str) -> None:
         body.warn_unknown(route)
@@ -143,22 +239,9 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         check_budget(cfg, all_prompts, params)
         return all_prompts, params
 
-    def usage(prompts, outs) -> dict:
-        """Each distinct prompt counted once (as OpenAI does with n > 1), every sample's tokens."""
-        p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def text_of(out, stops) -> str:
-        text = out.text  # the engine's decoding, special tokens skipped
-        return trim_stop(text, stops) if out.finish_reason == "stop" and stops else text
-
-    def sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
     @api.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
-        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
+        return models_list(model_name, engine.max_model_len)
 
     # ------------------------------------------------------------ completions
     @api.post("/v1/completions")
@@ -182,7 +265,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         if len(prompts) > cfg.max_batch:
             raise BadRequest(f"prompt: {len(prompts)} prompts; at most {cfg.max_batch} per request")
         all_prompts, params = params_for(body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops = stops_of(body)
         rids = [uuid.uuid4().hex for _ in all_prompts]
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -234,59 +317,20 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
         checked(body, "/v1/chat/completions")
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise BadRequest(
-                f"response_format: type {fmt!r} is not supported (no constrained decoding); use 'text' and "
-                "validate the answer yourself"
-            )
+        check_chat(body)
         top = body.top_logprobs or 0
-        if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
-            raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
-        if tok is None:
-            raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
-        if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
-            raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
-        raw = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            messages, tools = render_messages(raw, body.tools, body.tool_choice, native_tools)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        try:
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        except Exception as e:
-            raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-        prompt = (await encode(tok, [text], "messages"))[0]
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        prompts, params = params_for(body, [prompt], max_tokens, field, top)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        use_tools = bool(body.tools) and body.tool_choice != "none"
+        prompt = await chat_prompt(tok, body)
+        prompts, params = params_for(body, [prompt], *chat_max_tokens(body), top)
+        stops = stops_of(body)
+        use_tools = uses_tools(body)
         rids = [uuid.uuid4().hex for _ in prompts]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(ids, lps, tops) -> dict | None:
-            if not body.logprobs:
-                return None
-
-            def entry(t: int, v: float) -> dict:
-                s = piece(t)
-                return {"token": s, "logprob": v, "bytes": list(s.encode())}
-
-            content = []
-            for k, (t, v) in enumerate(zip(ids, lps, strict=True)):
-                alts = [entry(a, lv) for a, lv in tops[k]] if top else []
-                content.append({**entry(t, v), "top_logprobs": alts})
-            return {"content": content}
+            return chat_logprobs(tok, ids, lps, tops, top) if body.logprobs else None
 
         def message_of(out) -> tuple[dict, str]:
-            text = text_of(out, stops)
-            if use_tools:
-                content, calls, _ = parse_tool_calls(text)
-                if calls:
-                    message = {"role": "assistant", "content": content or None}
-                    return {**message, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
-            return {"role": "assistant", "content": text}, out.finish_reason
+            return assistant_message(text_of(out, stops), use_tools, out.finish_reason)
 
         def obj(kind: str, choices: list[dict], **extra) -> dict:
             head = {"id": cid, "object": kind, "created": created, "model": model_name}

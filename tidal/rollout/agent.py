@@ -1,0 +1,381 @@
+"""The agent door: an unmodified agent program, written against the `openai` package, samples
+through tidal's engine during rollout and its calls become token-exact training samples.
+
+`rollout.generate: agent` runs `rollout.agent`, an `async def agent(client, prompt, label)`, once
+per sample. `client` is an `openai.AsyncOpenAI` whose base URL is the sample's own **session** on
+the door, an OpenAI-compatible HTTP server on 127.0.0.1 (`http://127.0.0.1:PORT/s/<token>/v1`,
+the token is also the API key). The agent returns the trajectory's reward (a number or a dict)
+or None, and then `rollout.reward` scores the samples. An agent that runs another program hands
+it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
+
+Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
+functions of `tidal.server.openai`), sampled by the engine with the rollout's sampling (the
+request's temperature, top_p and penalties are ignored: the trainer needs the behaviour
+distribution; call k's seed is the tool loop's `turn_seed(sample seed, k)`) and recorded: prompt ids, sampled
+ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
+samples (docs/agents.md, "The agent door").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import inspect
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from tidal.engine.sampling import SamplingParams
+from tidal.rollout.generate import GenerateContext, finish
+from tidal.rollout.multi_turn import turn_seed
+from tidal.server.common import ApiError, BadRequest
+from tidal.server.openai import (
+    ChatBody,
+    assistant_message,
+    chat_logprobs,
+    chat_max_tokens,
+    chat_prompt,
+    check_chat,
+    models_list,
+    stops_of,
+    text_of,
+    uses_tools,
+)
+from tidal.types import Sample, Status
+from tidal.utils import load_object
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "tidal-policy"  # what /v1/models lists; a request's `model` is not checked
+
+
+# ---------------------------------------------------------------------------- the rule
+@dataclass(frozen=True)
+class Alignment:
+    """How a call's prompt joins the sample so far.
+
+    case     "extend": the prompt starts with the sample's tokens; "realign": it starts with
+             their text, tokenised differently over a short tail; "new": neither
+    keep     how many of the sample's tokens the engine sees again (all of them, or 0 for "new")
+    env_ids  the prompt's new part, appended as environment tokens ("new": the whole prompt)
+    """
+
+    case: str
+    keep: int
+    env_ids: list[int]
+
+
+def align(seen: list[int], prompt: list[int], decode: Any, max_drift: int) -> Alignment:
+    """The rule joining a call's `prompt` ids to `seen` (the sample's tokens: the engine's last
+    input + what it sampled). `decode(ids)` is the tokenizer's decoding with special tokens kept.
+
+    extend   prompt[:len(seen)] == seen
+    realign  after their common prefix, seen's tail (at most `max_drift` tokens) decodes to the
+             same text as the next j <= max_drift prompt tokens (the chat template re-rendered the
+             history and the tokenizer split the same text differently): the engine gets seen +
+             the rest of the prompt, so the model is conditioned on exactly what it sampled
+    new      anything else: a new sample whose prompt is `prompt`
+    """
+    n = len(seen)
+    if prompt[:n] == seen:
+        return Alignment("extend", n, prompt[n:])
+    common = 0
+    for a, b in zip(seen, prompt, strict=False):
+        if a != b:
+            break
+        common += 1
+    if n - common <= max_drift:
+        text = decode(seen)
+        for j in range(0, min(max_drift, len(prompt) - common) + 1):
+            if decode(prompt[: common + j]) == text:
+                return Alignment("realign", n, prompt[common + j :])
+    return Alignment("new", 0, list(prompt))
+
+
+def _same_answer(sent: dict, returned: dict) -> bool:
+    """Whether an assistant message sent back is the one returned: same content and tool calls
+    (ids, names, argument strings), no other fields."""
+    if set(sent) - {"role", "content", "tool_calls"}:
+        return False
+    same_content = (sent.get("content") or None) == (returned.get("content") or None)
+    return same_content and sent.get("tool_calls") == returned.get("tool_calls")
+
+
+# ---------------------------------------------------------------------------- a session
+class Session:
+    """One trajectory on the door: its calls, one at a time, and the samples they grow."""
+
+    def __init__(self, ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> None:
+        self.ctx, self.sampling = ctx, sampling
+        self.token = secrets.token_hex(16)
+        self.samples: list[Sample] = [sample]  # the first: the dataset prompt, nothing sampled yet
+        self.calls = 0
+        self.used = 0  # response tokens (sampled + environment) over every sample of the trajectory
+        self.budget = ctx.cfg.response_budget
+        self.budget_refused = False
+        self.answers: list[tuple[dict, str]] = []  # (an assistant message the door returned, the text sampled)
+        self.lock = asyncio.Lock()  # an agent's parallel calls are served one at a time
+        tok = ctx.tokenizer
+        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+        engine = getattr(ctx.engine, "engine", ctx.engine)
+        self.max_model_len: int | None = getattr(engine, "max_model_len", None)
+
+    def trained(self) -> list[Sample]:
+        """The samples holding sampled tokens."""
+        return [s for s in self.samples if any(v >= 0 for v in s.token_versions)]
+
+    def as_sampled(self, message: dict) -> dict:
+        """An assistant message this session returned, sent back unchanged, as the text the model
+        sampled: its tool calls were parsed out of that text and would otherwise be re-serialised
+        by the template (other JSON spacing, text around the calls), a history the model never saw."""
+        if message.get("role") != "assistant":
+            return message
+        for answer, text in self.answers:
+            if _same_answer(message, answer):
+                return {"role": "assistant", "content": text}
+        return message
+
+    async def chat(self, body: ChatBody) -> dict:
+        body.warn_unknown("agent door /v1/chat/completions")
+        check_chat(body)
+        if body.stream:
+            raise BadRequest("stream: the agent door answers whole responses; send stream: false")
+        if body.n != 1:
+            raise BadRequest(f"n: the agent door samples one answer per call, got {body.n}")
+        if body.top_logprobs:
+            raise BadRequest("top_logprobs: the agent door returns the sampled tokens' log-probs only")
+        max_tokens, field = chat_max_tokens(body)
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
+        raw = [self.as_sampled(m.model_dump(exclude_none=True)) for m in body.messages]
+        prompt = await chat_prompt(self.ctx.tokenizer, body, raw)
+        stops = [*self.sampling.stop, *stops_of(body)]
+        async with self.lock:
+            return await self._call(body, prompt, max_tokens, stops)
+
+    async def _call(self, body: ChatBody, prompt: list[int], max_tokens: int | None, stops: list[str]) -> dict:
+        sample = self.samples[-1]
+        # before anything is sampled there is nothing to realign: the dataset prompt is extended or replaced
+        drift = self.ctx.cfg.agent_max_drift_tokens if self.trained() else 0
+        fit = align(sample.tokens, prompt, self.decode, drift)
+        engine_ids = sample.tokens[: fit.keep] + fit.env_ids
+        left = self.budget - self.used - (len(fit.env_ids) if fit.case != "new" else 0)
+        if left < 1:
+            self.budget_refused = True
+            raise BadRequest(
+                f"max_tokens: this trajectory's response budget (rollout.response_budget = {self.budget} tokens, "
+                "sampled and environment tokens together) is spent"
+            )
+        room = left if self.max_model_len is None else min(left, self.max_model_len - len(engine_ids))
+        if room < 1:
+            raise BadRequest(f"messages: the prompt is {len(engine_ids)} tokens; the context is {self.max_model_len}")
+        sp = dataclasses.replace(
+            self.sampling,
+            max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
+            seed=turn_seed(self.sampling.seed, self.calls),
+            stop=stops,
+            stop_token_ids=[*self.sampling.stop_token_ids, *(body.stop_token_ids or [])],
+        )
+        self.calls += 1
+        out = await self.ctx.generate(engine_ids, sp)
+        if fit.case == "new":
+            first = self.samples[0]
+            sample = Sample(
+                tokens=list(prompt),
+                prompt=self.decode(prompt),
+                label=first.label,
+                group_index=first.group_index,
+                index=first.index,
+                metadata={**first.metadata, "agent_calls": []},
+            )
+            self.samples.append(sample)
+        else:
+            sample.append_env(fit.env_ids, self.decode(fit.env_ids))
+            self.used += len(fit.env_ids)
+        at = len(sample.tokens)
+        sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
+        self.used += len(out.token_ids)
+        finish(sample, out.finish_reason)
+        record = {"case": fit.case, "at": at, "sampled": len(out.token_ids), "finish_reason": out.finish_reason}
+        sample.metadata.setdefault("agent_calls", []).append(record)
+
+        text = text_of(out, stops)
+        message, reason = assistant_message(text, uses_tools(body), out.finish_reason)
+        self.answers.append((message, out.text))
+        logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.log_probs, [], 0) if body.logprobs else None
+        completion = len(out.token_ids)
+        return {
+            "id": f"chatcmpl-{self.token[:8]}-{self.calls}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model or MODEL_NAME,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": {
+                "prompt_tokens": len(engine_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(engine_ids) + completion,
+            },
+        }
+
+
+# ---------------------------------------------------------------------------- the door
+class AgentDoor:
+    """The HTTP server of one rollout's sessions, on 127.0.0.1 in the rollout's event loop."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.users = 0
+        self.url = ""
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
+        self._started: asyncio.Future | None = None
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        from tidal.server import add_error_handlers
+
+        app = FastAPI(title="tidal agent door", docs_url=None, redoc_url=None, openapi_url=None)
+        add_error_handlers(app)
+
+        @app.get("/s/{token}/v1/models")
+        async def models(token: str, request: Request) -> dict:
+            return models_list(MODEL_NAME, self.session(token, request).max_model_len)
+
+        @app.post("/s/{token}/v1/chat/completions")
+        async def chat(token: str, body: ChatBody, request: Request) -> dict:
+            return await self.session(token, request).chat(body)
+
+        return app
+
+    def session(self, token: str, request: Request) -> Session:
+        """The session of a URL, if the request carries its token as the API key."""
+        session = self.sessions.get(token)
+        if session is None:
+            raise ApiError(f"session: no open session {token[:8]}... on this door", 404, "not_found_error")
+        given = request.headers.get("authorization", "")
+        given = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError("authorization: the session's token is its API key", 401, "authentication_error")
+        return session
+
+    async def start(self) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def capture_signals(self):  # the rollout's process keeps its own signal handlers
+                return contextlib.nullcontext()
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self._sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError(f"agent door on {self.url} did not start")
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):  # a failed start was already raised to the door's users
+                await self._task
+        if self._sock is not None:
+            self._sock.close()
+        self._server = self._task = self._sock = None
+
+    def base_url(self, session: Session) -> str:
+        return f"{self.url}/s/{session.token}/v1"
+
+
+async def _acquire_door(extra: dict) -> AgentDoor:
+    """The running event loop's door (one per rollout: `RolloutManager.generate` runs each step in
+    a fresh loop), started by its first user."""
+    doors: dict = extra.setdefault("agent_doors", {})
+    loop = asyncio.get_running_loop()
+    entry = doors.get(loop)
+    if entry is None:
+        door = AgentDoor()
+        entry = doors[loop] = (door, loop.create_task(door.start()))
+    door, starting = entry
+    door.users += 1
+    try:
+        await asyncio.shield(starting)
+    except BaseException:
+        await _release_door(extra, door)
+        raise
+    return door
+
+
+async def _release_door(extra: dict, door: AgentDoor) -> None:
+    """The last user of a door closes it: no port or task outlives the rollout."""
+    door.users -= 1
+    if door.users == 0:
+        extra.get("agent_doors", {}).pop(asyncio.get_running_loop(), None)
+        await door.close()
+
+
+def load_agent(name: str) -> Any:
+    try:
+        fn = load_object(name, callable_required=True)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"rollout.agent: cannot load {name!r}: {e}") from e
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent: {name!r} must be `async def agent(client, prompt, label)`")
+    return fn
+
+
+async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> list[Sample]:
+    """Run `rollout.agent` on one prompt through its own session on the door; the samples its
+    calls became (`rollout.agent_samples` picks which), with the agent's reward if it gave one."""
+    import openai
+
+    cfg = ctx.cfg
+    agents: dict = ctx.extra.setdefault("agent_fns", {})
+    if cfg.agent not in agents:
+        agents[cfg.agent] = load_agent(cfg.agent)
+    agent = agents[cfg.agent]
+    door = await _acquire_door(ctx.extra)
+    session = Session(ctx, sample, sampling)
+    door.sessions[session.token] = session
+    client = openai.AsyncOpenAI(
+        base_url=door.base_url(session), api_key=session.token, max_retries=0, timeout=cfg.request_timeout
+    )
+    prompt = ctx.record.prompt if ctx.record is not None else sample.prompt
+    try:
+        try:
+            reward = await agent(client, prompt, sample.label)
+        except Exception as e:
+            if not session.budget_refused or not session.trained():
+                raise
+            # the agent stopped on the spent budget: what it sampled is kept, scored by rollout.reward
+            log.info("sample %d: agent stopped after the response budget was spent: %r", sample.index, e)
+            session.samples[-1].status = Status.TRUNCATED
+            reward = None
+    finally:
+        door.sessions.pop(session.token, None)
+        await client.close()
+        await _release_door(ctx.extra, door)
+    if reward is not None and not isinstance(reward, int | float | dict):
+        raise TypeError(f"rollout.agent returned {type(reward).__name__}; expected a number, a dict or None")
+    samples = session.trained()
+    if not samples:
+        raise RuntimeError("rollout.agent made no call to the model: nothing to train on")
+    if cfg.agent_samples == "last":
+        samples = samples[-1:]
+    elif cfg.agent_samples == "first":
+        samples = samples[:1]
+    for s in samples:
+        s.reward = float(reward) if isinstance(reward, int | float) else reward
+    return samples
