@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-BENCHES = ("engine", "train_throughput", "scaling", "grpo_step", "learning", "profile_train")
+BENCHES = ("engine", "train_throughput", "scaling", "grpo_step", "learning", "profile_train", "overlap")
 
 
 def main() -> None:
