@@ -179,7 +179,7 @@ def test_no_command_exits_2(capsys):
 def test_a_run_that_stops_itself_exits_1_with_its_reason(fake_loop, monkeypatch, capsys):
     from tidal.types import RunStopped
 
-    def stop(cfg, resume=False):
+    def stop(cfg, **kw):
         raise RunStopped("16 of 16 samples failed (100%), more than rollout.max_failed_ratio 0.5; ...")
 
     monkeypatch.setattr(sys.modules["tidal.loop"], "train", stop)
