@@ -174,3 +174,16 @@ def test_no_command_exits_2(capsys):
         main([])
     assert exc.value.code == 2
     assert "the following arguments are required: command" in capsys.readouterr().err
+
+
+def test_a_run_that_stops_itself_exits_1_with_its_reason(fake_loop, monkeypatch, capsys):
+    from tidal.types import RunStopped
+
+    def stop(cfg, **kw):
+        raise RunStopped("16 of 16 samples failed (100%), more than rollout.max_failed_ratio 0.5; ...")
+
+    monkeypatch.setattr(sys.modules["tidal.loop"], "train", stop)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == (
+        "tidal train: 16 of 16 samples failed (100%), more than rollout.max_failed_ratio 0.5; ...\n"
+    )

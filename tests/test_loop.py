@@ -7,6 +7,7 @@ from conftest import loop_config
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
+from tidal.rollout.failures import TooManyFailedSamples
 from tidal.train.actor import Actor
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
@@ -106,6 +107,15 @@ def test_failing_reward_marks_samples_failed_and_the_run_goes_on(tiny_model_dir,
     )
     assert [h["response/failed_ratio"] for h in history] == [0.25, 0.25]
     assert [h["step"] for h in history] == [1, 2]
+
+
+def test_a_reward_failing_on_every_sample_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "broken_reward.py").write_text("def reward(sample):\n    raise KeyError('answer')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "rollout.reward": "broken_reward:reward"})
+    with pytest.raises(TooManyFailedSamples, match=r"^16 of 16 samples failed \(100%\), more than "):
+        tidal.loop.train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):

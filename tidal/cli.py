@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(cfg, args)
     from tidal.log import setup_logging
     from tidal.loop import train
+    from tidal.types import RunStopped
 
     setup_logging()
     try:
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # the run folder or the reward's output do not fit the config
         print(f"tidal train: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        print(f"tidal train: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

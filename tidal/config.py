@@ -74,7 +74,17 @@ class RolloutConfig:
     api_key: str | None = _opt(None, "remote: the servers' API key (else $TIDAL_API_KEY)")
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
-    reward_timeout: float = _opt(60.0, "seconds one reward call may take before the sample fails")
+    reward_timeout: float = _opt(60.0, "seconds one reward call may take before it is retried or the sample fails")
+    reward_workers: int = _opt(
+        8,
+        "processes running a sync user reward (a call past reward_timeout has its process stopped); "
+        "0 = threads, where a timed-out call keeps running in the background",
+    )
+    reward_retries: int = _opt(2, "tries again after a reward call times out or raises TimeoutError/ConnectionError")
+    reward_backoff: float = _opt(1.0, "seconds before the first reward retry, doubling after each")
+    max_failed_ratio: float = _opt(
+        0.5, "stop the run when more than this share of a step's samples failed (1 = never stop)"
+    )
     generate: str = _opt(
         "single_turn",
         "how a prompt becomes samples: single_turn | tools (multi-turn tool loop) | agent (the agent door) | "
@@ -211,6 +221,9 @@ class TrainConfig:
     )
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _opt(3, "keep the newest N complete checkpoints, delete older ones after a save (0 = all)")
+    max_bad_steps: int = _opt(
+        3, "optimizer steps with a NaN/Inf loss or gradient are skipped; this many in a row stop the run"
+    )
     seed: int = _opt(0, "torch seed")
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
 
@@ -239,6 +252,13 @@ class ClusterConfig:
     )
     sync_timeout: float = _opt(300.0, "seconds a weight sync may take before the run stops naming the engine")
     sync_dir: str | None = _opt(None, "disk weight sync: a folder every engine can read (default: output_dir/weights)")
+    engine_startup_timeout: float = _opt(
+        600.0, "seconds a Ray engine may take to load and answer /health before it counts as failed"
+    )
+    engine_failure: str = _opt(
+        "restart",
+        "a Ray engine that dies or stops answering: restart (in its place, with the current weights) | drop",
+    )
 
     @property
     def uses_ray(self) -> bool:
@@ -511,6 +531,14 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
         need(getattr(c, name) >= 0, f"cluster.{name}: must be >= 0, got {getattr(c, name)}")
     need(c.sync_timeout > 0, f"cluster.sync_timeout: must be > 0 seconds, got {c.sync_timeout}")
+    need(
+        c.engine_startup_timeout > 0,
+        f"cluster.engine_startup_timeout: must be > 0 seconds, got {c.engine_startup_timeout}",
+    )
+    need(
+        c.engine_failure in ("restart", "drop"),
+        f"cluster.engine_failure: restart or drop, got {c.engine_failure!r}",
+    )
     need(c.weight_sync in WEIGHT_SYNCS, f"cluster.weight_sync: one of {', '.join(WEIGHT_SYNCS)}, got {c.weight_sync!r}")
     need(
         r.engine == "tidal" or c.engines == 1,
@@ -618,6 +646,10 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     )
     need(r.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {r.max_num_seqs}")
     need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
+    need(r.reward_workers >= 0, f"rollout.reward_workers: must be >= 0 (0 = threads), got {r.reward_workers}")
+    need(r.reward_retries >= 0, f"rollout.reward_retries: must be >= 0, got {r.reward_retries}")
+    need(r.reward_backoff >= 0, f"rollout.reward_backoff: must be >= 0 seconds, got {r.reward_backoff}")
+    need(0 <= r.max_failed_ratio <= 1, f"rollout.max_failed_ratio: must be in [0, 1], got {r.max_failed_ratio}")
     need(r.request_timeout > 0, "rollout.request_timeout: must be > 0 seconds")
     need(all(isinstance(s, str) and s for s in r.stop), "rollout.stop: must be a list of non-empty strings")
     need(
@@ -650,6 +682,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch: must be >= 0 (0 = off)")
     need(t.save_interval >= 0, "train.save_interval: must be >= 0")
     need(t.keep_checkpoints >= 0, f"train.keep_checkpoints: must be >= 0 (0 keeps all), got {t.keep_checkpoints}")
+    need(t.max_bad_steps >= 1, f"train.max_bad_steps: must be >= 1, got {t.max_bad_steps}")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     _validate_cluster(cfg.cluster, r, for_training, need)

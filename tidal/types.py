@@ -14,6 +14,11 @@ class Status(enum.StrEnum):
     FAILED = "failed"  # generation or reward raised; see metadata["error"]
 
 
+class RunStopped(RuntimeError):
+    """The run stopped itself for the reason its message names (too many failed samples, too many
+    bad optimizer steps in a row); `tidal train` prints it without a traceback and exits 1."""
+
+
 @dataclass
 class Sample:
     """One prompt + one sampled response, token-exact.

@@ -106,3 +106,37 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(two_ranks, tiny_model_dir,
     resumed.train_step(make_samples(8, seed=3), -ADV)
     for name, p in resumed.model.named_parameters():
         torch.testing.assert_close(two_ranks["w2"][name], p.detach(), atol=5e-6, rtol=1e-5)
+
+
+def _bad_step_main(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
+    from tidal.cluster.trainers import TrainerRank
+
+    tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 60)
+    samples = make_samples(8, seed=3)
+    before = tr.full_weights(None)
+    adv = ADV.clone()
+    adv[5] = float("nan")  # one sample: its loss is NaN on the one rank whose share holds it
+    _, extra = tr.train_sums(samples, adv, None, None)
+    after = tr.full_weights(None)
+    torch.save({"extra": extra, "before": before, "after": after}, f"{out}.{rank}")
+    tr.close()
+
+
+def test_a_bad_step_is_skipped_by_every_rank(tiny_model_dir, tmp_path):
+    """Both ranks skip the same optimizer step (the first of two: samples 0-3 hold none of the NaN,
+    4-7 do), so they take the good one and stay in step."""
+    out = str(tmp_path / "bad")
+    mp.spawn(_bad_step_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert [r["extra"]["actor/bad_steps"] for r in ranks] == [1.0, 1.0]
+    # the single process's first step alone (samples 0-3) gives the same weights
+    actor = single(tiny_model_dir)
+    samples = make_samples(8, seed=3)
+    adv = ADV.clone()
+    adv[5] = float("nan")
+    m = actor.train_step(samples, adv)
+    assert m["actor/bad_steps"] == 1.0
+    got = ranks[0]["after"]
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=2e-6, rtol=1e-5)
+    assert any(not torch.equal(got[n], ranks[0]["before"][n]) for n in got)

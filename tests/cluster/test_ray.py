@@ -69,13 +69,15 @@ def test_two_trainers_and_two_engines_train_like_one_process(
     assert no_workers_left()
 
 
-def engine_roles(tiny_model_dir, tmp_path, timeout):
+def engine_roles(tiny_model_dir, tmp_path, timeout, **over):
     from transformers import AutoTokenizer
 
     from tidal.cluster import build_roles
 
     cfg = config(
-        tiny_model_dir, tmp_path, **{"cluster.trainers": 1, "cluster.engines": 2, "cluster.sync_timeout": timeout}
+        tiny_model_dir,
+        tmp_path,
+        **{"cluster.trainers": 1, "cluster.engines": 2, "cluster.sync_timeout": timeout, **over},
     )
     cfg, _ = tidal.loop.resolve_precision(cfg)
     return build_roles(cfg, Path(tiny_model_dir), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None)
@@ -136,4 +138,63 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
         roles.close()
+    assert no_workers_left()
+
+
+@pytest.mark.parametrize("policy", ["restart", "drop"])
+def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
+    ray_session, tiny_model_dir, tmp_path, policy
+):
+    """The engine process dies holding requests: they are sent again to the other engine (every
+    sample comes back once, the one a healthy run samples), and before the next rollout the
+    engine is restarted in its place and given the current weights (or dropped)."""
+    import ray
+
+    from tidal.engine.sampling import SamplingParams
+
+    prompts = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4 + [[100, 7]] * 4
+    params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=50 + i) for i in range(len(prompts))]
+    roles = engine_roles(tiny_model_dir, tmp_path, timeout=60, **{"cluster.engine_failure": policy})
+    try:
+        roles.sync.push(1)
+        engine, router = roles.engines.engine, roles.engines.engine.router
+        reference = [o.token_ids for o in engine.generate(prompts, params)]
+        victim, old_url = roles.engines.actors[1], roles.engines.urls[1]
+        pid = ray.get(victim.pid.remote())
+        engine._run(lambda: router.clients[1].pause())  # its requests wait there...
+        result = {}
+        t = threading.Thread(target=lambda: result.update(outs=engine.generate(prompts, params)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while router.in_flight[1] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held = router.in_flight[1]
+        os.kill(pid, signal.SIGKILL)  # ...and the process dies with them
+        t.join(120)
+        outs = result["outs"]
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.weight_version == 1 for o in outs)
+        assert list(router.down) == [1] and router.resent >= held >= 1
+        metrics = roles.sync.push(2)  # recovers the engine first, then every engine gets version 2
+        assert metrics["engines/restarts"] == 1.0
+        if policy == "restart":
+            assert roles.engines.urls[1] != old_url and ray.get(roles.engines.actors[1].pid.remote()) != pid
+            assert engine.router.down == {} and engine.get_weight_versions() == [2, 2]
+        else:
+            assert len(roles.engines.actors) == 1 and old_url not in roles.engines.urls
+            assert engine.router.down == {} and engine.get_weight_versions() == [2]
+        outs = engine.generate(prompts, params)
+        assert {o.weight_version for o in outs} == {2}
+    finally:
+        roles.close()
+    assert no_workers_left()
+
+
+def test_engines_that_do_not_start_within_the_grace_period_are_named(ray_session, tiny_model_dir, tmp_path):
+    with pytest.raises(TimeoutError) as err:
+        engine_roles(tiny_model_dir, tmp_path, timeout=60, **{"cluster.engine_startup_timeout": 0.01})
+    assert str(err.value) == (
+        "engines: engine 0, engine 1 did not start within 0.01 s (cluster.engine_startup_timeout)"
+    )
     assert no_workers_left()

@@ -225,7 +225,8 @@ def test_the_budget_caps_the_trajectory_and_ends_it_truncated():
 
 
 def test_an_agent_that_never_calls_the_model_fails_its_sample():
-    samples, _ = rollout(lambda p, k: [2], "idle_agent")
+    # max_failed_ratio 1: the one sample fails, which would otherwise stop the run
+    samples, _ = rollout(lambda p, k: [2], "idle_agent", max_failed_ratio=1.0)
     assert samples[0].status == Status.FAILED and "made no call to the model" in samples[0].metadata["error"]
 
 

@@ -1,10 +1,13 @@
 """RolloutManager against a scripted engine: the Sample contract, seeds and reward failures."""
 
+import re
+
 import pytest
 
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import GenerationOutput
+from tidal.rollout.failures import TooManyFailedSamples
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.types import Status
 
@@ -64,7 +67,7 @@ def test_seeds_depend_on_step_and_index_only():
 def test_a_failing_reward_zeroes_the_loss_mask(tmp_path, monkeypatch):
     (tmp_path / "bad_reward.py").write_text("def score(sample):\n    raise ValueError('no label parser')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward:score")
+    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward:score", max_failed_ratio=1.0)
     samples = RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
     assert all(s.status == Status.FAILED for s in samples)
     assert all(s.loss_mask == [0, 0] for s in samples)
@@ -85,3 +88,26 @@ def test_a_dict_reward_without_reward_key_is_named_on_the_first_batch(tmp_path, 
     )
     cfg.reward_key = "format"
     assert [s.reward["format"] for s in RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)] == [0.5] * 4
+
+
+def test_a_reward_failing_everywhere_stops_the_run(tmp_path, monkeypatch, caplog):
+    """The new user's case: a reward that raises on every sample is an error naming the share, the
+    threshold and the first exception, which the console has shown once."""
+    (tmp_path / "bad_reward2.py").write_text("def score(sample):\n    raise ValueError('no label parser')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward2:score")
+    with caplog.at_level("WARNING", logger="tidal"):
+        with pytest.raises(TooManyFailedSamples) as err:
+            RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+    assert str(err.value) == (
+        "4 of 4 samples failed (100%), more than rollout.max_failed_ratio 0.5; "
+        "first error (sample 0): ValueError: no label parser"
+    )
+    # the calls run at once: the first to fail is shown, whichever sample it was
+    first, summary = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        r"reward failed on sample [0-3] \(prompt 1[01]\): ValueError: no label parser "
+        r"\(further ValueError errors are counted, not shown\)",
+        first,
+    )
+    assert summary == "reward errors this step: ValueError x4 (run total 4)"

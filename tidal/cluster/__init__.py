@@ -37,6 +37,25 @@ class LocalEngines:
         if hasattr(self.engine, "resume"):
             self.engine.resume()
 
+    def recover(self) -> bool:
+        """Remote servers are not ours to restart: one the router took out of service is put back
+        when it answers /health again (the weight push that follows gives it the current weights).
+        True when one came back."""
+        router = getattr(self.engine, "router", None)
+        if router is None or not router.down:
+            return False
+        failing = self.engine.check_health()
+        back = [i for i in list(router.down) if i not in failing]
+        for i in back:
+            log.info("engine %s answers again: back in service after this weight push", router.clients[i].base_url)
+            router.mark_up(i)
+        return bool(back)
+
+    def live_urls(self) -> list[str]:
+        """The URLs of the servers in service."""
+        router = getattr(self.engine, "router", None)
+        return [router.clients[i].base_url for i in router.live] if router is not None else self.urls
+
     def sleep(self) -> None:
         pass  # an in-process engine already shares the trainer's weights; external ones are not ours
 
@@ -147,8 +166,8 @@ def build_sync(cfg: Config, trainer, engines):
     clients = [EngineClient(u, timeout, api_key=getattr(engines, "api_key", None)) for u in engines.urls]
     if kind == "disk":
         root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
-        return DiskSync(trainer, clients, root, timeout)
-    return HttpSync(trainer, clients, timeout, delta=kind == "delta")
+        return DiskSync(trainer, clients, root, timeout, engines=engines)
+    return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines)
 
 
 def _remove_group(group) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 
 import torch
 
@@ -84,7 +85,13 @@ class EngineServer:
 
 class EngineGroup:
     """`cluster.engines` engine actors in the run's placement group, and the `RemoteEngine`
-    (router) the rollout calls."""
+    (router) the rollout calls.
+
+    Fault tolerance: an engine is given `cluster.engine_startup_timeout` seconds to load and answer
+    /health before it counts as failed. During a rollout the router takes a failed engine out of
+    service and sends its requests again to the others; `recover()` (called by the weight sync
+    before each push) then restarts it in its bundle or drops it (`cluster.engine_failure`), and
+    the push that follows gives it the current weights before it serves again."""
 
     def __init__(
         self,
@@ -96,30 +103,116 @@ class EngineGroup:
         bundles: list[int],
     ) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from tidal.engine.client import RemoteEngine
 
-        remote = ray.remote(EngineServer)
+        self.remote = ray.remote(EngineServer)
         self.api_key = secrets.token_hex(16)  # a key of this run's own for its engines' HTTP servers
-        # colocated: the bundle is the trainer rank's; the engine takes turns with it
-        cpus = 0 if cluster.colocate else cluster.cpus_per_engine
-        gpus = 0 if cluster.colocate else cluster.gpus_per_engine
-        self.actors = [
-            remote.options(
-                num_cpus=cpus,
-                num_gpus=gpus,
-                max_concurrency=4,  # HTTP thread + weight receive + sleep/wake calls
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
-            ).remote(model, engine_kwargs, int(max(1, cluster.cpus_per_engine)), self.api_key)
-            for b in bundles
-        ]
+        self.cluster, self.rollout = cluster, rollout
+        self.model, self.engine_kwargs, self.group = model, engine_kwargs, group
+        self.bundles = list(bundles)
+        self.actors = [self._start(b) for b in self.bundles]
         try:
-            self.urls = ray.get([a.address.remote() for a in self.actors], timeout=600)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError("engines: starting the engine actors took longer than 600 s") from None
+            self.urls = self._wait_started(self.actors, list(range(len(self.actors))))
+        except BaseException:
+            self.close()  # nothing else holds them yet
+            raise
         self.engine = RemoteEngine(self.urls, timeout=rollout.request_timeout, api_key=self.api_key)
         self.timeout = cluster.sync_timeout
+        self.restarts = 0  # engines restarted (or dropped) so far
+
+    def _start(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c = self.cluster
+        # colocated: the bundle is the trainer rank's; the engine takes turns with it
+        return self.remote.options(
+            num_cpus=0 if c.colocate else c.cpus_per_engine,
+            num_gpus=0 if c.colocate else c.gpus_per_engine,
+            max_concurrency=4,  # HTTP thread + weight receive + sleep/wake calls
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+        ).remote(self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key)
+
+    def _wait_started(self, actors: list, which: list[int]) -> list[str]:
+        """The URLs of just-started actors once each answers /health: the start-up grace period,
+        `cluster.engine_startup_timeout` seconds for loading the model and starting the server."""
+        import httpx
+        import ray
+
+        limit = self.cluster.engine_startup_timeout
+        deadline = time.monotonic() + limit
+        names = ", ".join(f"engine {i}" for i in which)
+        try:
+            urls = ray.get([a.address.remote() for a in actors], timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"engines: {names} did not start within {limit:g} s (cluster.engine_startup_timeout)"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"engines: {names} died while starting: {e}") from None
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        for i, url in zip(which, urls, strict=True):
+            while True:
+                try:
+                    httpx.get(url + "/health", headers=headers, timeout=5).raise_for_status()
+                    break
+                except httpx.HTTPError as e:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"engines: engine {i} at {url} did not answer /health within {limit:g} s "
+                            f"(cluster.engine_startup_timeout): {e}"
+                        ) from None
+                    time.sleep(0.5)
+        return urls
+
+    def recover(self) -> bool:
+        """Restart or drop (`cluster.engine_failure`) the engines the router took out of service
+        (they failed a request: no connection, no answer within `rollout.request_timeout`, a 5xx).
+        Returns True when engines changed: the weight sync must then re-form its group and push the
+        current weights before they serve (a restarted engine holds the initial ones). Raises
+        RuntimeError when no engine would be left. An engine that dies during the weight push
+        itself is not recovered: the push fails naming it (`tidal.sync.broadcast`)."""
+        import ray
+
+        from tidal.engine.client import EngineClient, Router
+
+        router = self.engine.router
+        failed = dict(router.down)
+        if not failed:
+            return False
+        drop = self.cluster.engine_failure == "drop"
+        for i, error in sorted(failed.items()):
+            action = "dropping it" if drop else "restarting it"
+            log.warning("engine %d (%s) failed: %s; %s", i, self.urls[i], error, action)
+            ray.kill(self.actors[i], no_restart=True)
+        self.restarts += len(failed)
+        if drop:
+            keep = [i for i in range(len(self.actors)) if i not in failed]
+            if not keep:
+                raise RuntimeError(f"engines: every engine failed ({'; '.join(failed.values())}); none is left")
+            self.actors = [self.actors[i] for i in keep]
+            self.urls = [self.urls[i] for i in keep]
+            self.bundles = [self.bundles[i] for i in keep]
+            self.engine.router = Router([router.clients[i] for i in keep])
+            self.engine.router.resent = router.resent
+            return True
+        which = sorted(failed)
+        actors = [self._start(self.bundles[i]) for i in which]
+        try:
+            urls = self._wait_started(actors, which)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            raise
+        for i, actor, url in zip(which, actors, urls, strict=True):
+            self.actors[i], self.urls[i] = actor, url
+            router.replace(i, EngineClient(url, self.rollout.request_timeout, api_key=self.api_key))
+            log.info("engine %d restarted at %s", i, url)
+        return True
+
+    def live_urls(self) -> list[str]:
+        """The URLs of the engines in service."""
+        return [self.urls[i] for i in self.engine.router.live]
 
     def health(self) -> bool:
         return self.engine.health()
@@ -130,15 +223,19 @@ class EngineGroup:
     def resume(self) -> None:
         self.engine.resume()
 
+    def _in_service(self) -> list:
+        # an engine that failed during the rollout is left alone until `recover` replaces it
+        return [self.actors[i] for i in self.engine.router.live]
+
     def sleep(self) -> None:
         import ray
 
-        ray.get([a.sleep.remote() for a in self.actors], timeout=self.timeout)
+        ray.get([a.sleep.remote() for a in self._in_service()], timeout=self.timeout)
 
     def wake(self) -> None:
         import ray
 
-        ray.get([a.wake.remote() for a in self.actors], timeout=self.timeout)
+        ray.get([a.wake.remote() for a in self._in_service()], timeout=self.timeout)
 
     def close(self) -> None:
         """Kill the actors (a rank or engine stuck in a broken collective would not answer a

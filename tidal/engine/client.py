@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import logging
 from collections.abc import Coroutine, Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,10 +39,12 @@ __all__ = [
     "Router",
     "decode_tensors",
     "encode_tensors",
+    "is_engine_failure",
     "parse_generate_response",
     "sampling_params_to_dict",
 ]
 
+log = logging.getLogger("tidal")
 T = TypeVar("T")
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
@@ -125,8 +128,10 @@ def parse_generate_response(body: dict[str, Any]) -> GenerationOutput:
 
 # ---------------------------------------------------------------------- one server
 class EngineClient:
-    """Async client for one server. Every call is bounded by `timeout` seconds (overall, not per
-    read) and any failure raises `EngineError` naming the URL of the endpoint.
+    """Async client for one server. Every call is bounded (overall, not per read): generation and
+    weight loads by `timeout` seconds, the control calls (health, pause, resume, abort, flush,
+    weight version) by `control_timeout`; any failure raises `EngineError` naming the URL of the
+    endpoint.
 
     The underlying `httpx.AsyncClient` is made per event loop, so one client may be used from
     successive `asyncio.run` calls. At most `max_connections` requests are open at once; more
@@ -141,11 +146,15 @@ class EngineClient:
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
+        control_timeout: float = 30.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
+        # health, pause, resume, abort, flush, version: quick answers from a live server, so a
+        # paused or silent one is found in seconds rather than after a generation's long bound
+        self.control_timeout = min(control_timeout, timeout)
         self.max_connections = max_connections
         self._transport = transport
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -231,28 +240,29 @@ class EngineClient:
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request, or all of them when `rid` is None."""
-        await self._request("POST", "/abort_request", {"rid": rid} if rid is not None else {"abort_all": True})
+        body = {"rid": rid} if rid is not None else {"abort_all": True}
+        await self._request("POST", "/abort_request", body, timeout=self.control_timeout)
 
     # --------------------------------------------------------------- control
     async def health(self) -> bool:
         """True when the server answers /health with 200; raises EngineError otherwise."""
-        await self._request("GET", "/health")
+        await self._request("GET", "/health", timeout=self.control_timeout)
         return True
 
     async def flush_cache(self) -> bool:
         """True when flushed; False when the server refused (SGLang refuses while requests run)."""
-        status, body = await self._send("POST", "/flush_cache", ok=(400,))
+        status, body = await self._send("POST", "/flush_cache", timeout=self.control_timeout, ok=(400,))
         return status < 400 and not (isinstance(body, dict) and body.get("success") is False)
 
     async def pause(self) -> None:
         """Stop generating; unfinished requests wait and resume on `resume()` (SGLang's in_place mode)."""
-        await self._request("POST", "/pause_generation", {"mode": "in_place"})
+        await self._request("POST", "/pause_generation", {"mode": "in_place"}, timeout=self.control_timeout)
 
     async def resume(self) -> None:
-        await self._request("POST", "/continue_generation", {})
+        await self._request("POST", "/continue_generation", {}, timeout=self.control_timeout)
 
     async def get_weight_version(self) -> int:
-        body = await self._request("GET", "/get_weight_version")
+        body = await self._request("GET", "/get_weight_version", timeout=self.control_timeout)
         return _as_version(body.get("weight_version") if isinstance(body, dict) else body)
 
     async def update_weights_from_disk(self, path: str | Path, version: int, timeout: float | None = None) -> None:
@@ -315,28 +325,51 @@ def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
 
 
 # ---------------------------------------------------------------------- several servers
+def is_engine_failure(error: EngineError) -> bool:
+    """True when `error` says the server is gone or broken (no connection, no answer in time, a
+    5xx) rather than that the request was bad (a 4xx, which every server would refuse)."""
+    return error.status is None or error.status >= 500
+
+
 class Router:
     """Spreads requests over servers: each goes to the one with the fewest requests in flight
     (ties to the lowest index), except that requests sharing a `group` key follow the group's
-    first request to its server until all of the group's requests have completed."""
+    first request to its server until all of the group's requests have completed.
+
+    A server that fails a request (see `is_engine_failure`) is marked down and gets no more
+    requests; the request is sent again, unchanged (same prompt, same seed, so the same sample),
+    to a live server. When none is left the request fails naming every server and its error.
+    `mark_up` (or `replace`, for a restarted server at a new URL) puts one back in service."""
 
     def __init__(self, clients: Sequence[EngineClient]) -> None:
         if not clients:
             raise ValueError("Router needs at least one server")
         self.clients = list(clients)
         self.in_flight = [0] * len(self.clients)
+        self.down: dict[int, str] = {}  # server index -> the error that took it out
+        self.resent = 0  # requests sent again after their server failed
         self._groups: dict[Hashable, list[int]] = {}  # group -> [server index, requests in flight]
 
+    @property
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self.down]
+
     def acquire(self, group: Hashable | None = None) -> int:
-        """Choose a server for one request and count it in flight; pair with `release`."""
+        """Choose a live server for one request and count it in flight; pair with `release`."""
+        live = self.live
+        if not live:
+            errors = "; ".join(e for _, e in sorted(self.down.items()))  # each names its URL
+            n = f"{len(self.down)} of {len(self.clients)}"
+            raise EngineError("engines", f"no live engine left ({n} down): {errors}")
         entry = self._groups.get(group) if group is not None else None
+        index = min(live, key=lambda i: self.in_flight[i])
         if entry is not None:
+            if entry[0] in self.down:  # the group's server failed: the group moves, as a whole
+                entry[0] = index
             entry[1] += 1
             index = entry[0]
-        else:
-            index = min(range(len(self.clients)), key=lambda i: self.in_flight[i])
-            if group is not None:
-                self._groups[group] = [index, 1]
+        elif group is not None:
+            self._groups[group] = [index, 1]
         self.in_flight[index] += 1
         return index
 
@@ -348,18 +381,53 @@ class Router:
             if entry[1] == 0:
                 del self._groups[group]
 
+    def mark_down(self, index: int, error: Exception) -> None:
+        if index not in self.down:
+            url = self.clients[index].base_url
+            log.warning("engine %s failed, its requests go to the other engines: %s", url, error)
+            self.down[index] = str(error)
+
+    def mark_up(self, index: int) -> None:
+        self.down.pop(index, None)
+
+    def replace(self, index: int, client: EngineClient) -> None:
+        """A new server (a restarted engine) in slot `index`, in service."""
+        self.clients[index] = client
+        self.mark_up(index)
+
     async def generate(
         self, input_ids: Sequence[int], params: SamplingParams, group: Hashable | None = None
     ) -> GenerationOutput:
-        index = self.acquire(group)
-        try:
-            return await self.clients[index].generate(input_ids, params)
-        finally:
-            self.release(index, group)
+        while True:
+            index = self.acquire(group)
+            try:
+                return await self.clients[index].generate(input_ids, params)
+            except EngineError as e:
+                if not is_engine_failure(e):
+                    raise
+                self.mark_down(index, e)
+                self.resent += 1
+            finally:
+                self.release(index, group)
 
     async def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every client concurrently."""
-        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients)))
+        """Call `method` on every live client concurrently (servers marked down are left out)."""
+        clients = [self.clients[i] for i in self.live]
+        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in clients)))
+
+    async def check_health(self) -> dict[int, str]:
+        """Ask every server, down ones included, for /health (bounded by its control timeout);
+        returns the error of each that did not answer, by index."""
+
+        async def one(c: EngineClient) -> str | None:
+            try:
+                await c.health()
+            except EngineError as e:
+                return str(e)
+            return None
+
+        results = await asyncio.gather(*(one(c) for c in self.clients))
+        return {i: e for i, e in enumerate(results) if e is not None}
 
     async def update_weights_from_tensors(
         self,
@@ -441,6 +509,10 @@ class RemoteEngine:
 
     def health(self) -> bool:
         return all(self._run(lambda: self.router.broadcast("health")))
+
+    def check_health(self) -> dict[int, str]:
+        """Errors of the servers that do not answer /health, by index (every server is asked)."""
+        return self._run(self.router.check_health)
 
     def pause(self) -> None:
         """Every server stops generating; unfinished requests wait for `resume()`."""

@@ -16,8 +16,9 @@ from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import Engine
 from tidal.engine.sampling import SamplingParams
+from tidal.rollout.failures import ErrorLog
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, RoundBatcher, load_generate_fn
-from tidal.rollout.rewards import check_reward_key, get_reward_fn, score_samples
+from tidal.rollout.rewards import check_reward_key, get_reward_fn, score_rollout
 from tidal.types import Sample, Status
 
 __all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "sample_seed"]
@@ -63,7 +64,8 @@ class RolloutManager:
         self.engine = engine
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.reward_fn = get_reward_fn(cfg.reward)
+        self.reward_fn = get_reward_fn(cfg.reward, cfg.reward_workers)
+        self.reward_errors = ErrorLog()
         self.generate_fn = load_generate_fn(cfg.generate)
         self.extra: dict = {}  # shared state of built-in generate functions (tools, agent door)
         # partial rollouts (the overlapped loop): asked between engine steps whether to cut the
@@ -129,7 +131,7 @@ class RolloutManager:
                 s.index = len(samples)
                 samples.append(s)
         group_size(samples)  # refuse ragged fan-out before anyone trains on it
-        await score_samples([s for s in samples if s.reward is None], self.reward_fn, timeout=self.cfg.reward_timeout)
+        await score_rollout(samples, self.reward_fn, self.cfg, self.reward_errors)
         check_reward_key(samples, self.cfg.reward_key)  # a dict reward must hold the key trained on
         for s in samples:
             if s.status == Status.FAILED:  # nothing trustworthy to learn from

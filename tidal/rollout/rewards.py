@@ -12,6 +12,9 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from tidal.config import RolloutConfig
+from tidal.rollout.failures import ErrorLog, check_failed_ratio
+from tidal.rollout.reward_pool import RewardPool, is_async_callable
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
@@ -26,6 +29,7 @@ __all__ = [
     "math_verify",
     "parse_number",
     "scalar_reward",
+    "score_rollout",
     "score_samples",
 ]
 
@@ -182,15 +186,19 @@ BUILTIN_SAMPLE_REWARDS: dict[str, str] = {
 }
 
 
-def get_reward_fn(spec: str) -> RewardFn:
+def get_reward_fn(spec: str, workers: int = 0) -> RewardFn:
     """Resolve a reward spec into an async function ``sample -> float | dict``.
 
     `spec` is either a name in `BUILTIN_REWARDS` (called as ``fn(sample.response, sample.label)``),
     a name in `BUILTIN_SAMPLE_REWARDS` (``code_tests``), or a dotted path (``pkg.mod:fn`` or
-    ``pkg.mod.fn``) to a user function ``reward(sample)`` that
-    returns a float or a dict and may be sync or async. Sync functions run directly on the event
-    loop, so they should be cheap; for slow checks write an async function (which also makes the
-    `timeout` of `score_samples` effective, as a running sync call cannot be interrupted).
+    ``pkg.mod.fn``) to a user function ``reward(sample)`` that returns a float or a dict and may be
+    sync or async.
+
+    Async functions run on the event loop. Sync ones would block it (one sample at a time, and a
+    timeout could not interrupt them), so they run elsewhere: with `workers` > 0 in that many
+    worker processes (`tidal.rollout.reward_pool`: a call past its timeout has its process
+    terminated); with 0 in threads, where a timeout marks the sample failed but cannot stop the
+    call, which keeps its thread until it returns. The builtins are cheap and run inline.
 
     Raises:
         ValueError: `spec` is neither a builtin name nor a well-formed dotted path.
@@ -213,16 +221,23 @@ def get_reward_fn(spec: str) -> RewardFn:
             "or a dotted path such as 'my_pkg.rewards:score'"
         )
     fn = load_object(spec, callable_required=True)
+    name = getattr(fn, "__name__", "user_reward")
+    if not is_async_callable(fn) and workers > 0:
+        pool = RewardPool(spec, workers)
+        pool.__name__ = name
+        return pool
 
-    # One wrapper for every flavour: plain functions, coroutine functions, and callables that
-    # return an awaitable (functools.partial of an async def, objects with an async __call__).
+    # One wrapper for the other flavours: coroutine functions, callables that return an awaitable
+    # (objects with an async __call__), and sync functions (in a thread).
+    is_async = is_async_callable(fn)
+
     async def user_reward(sample: Sample) -> float | dict:
-        result = fn(sample)
+        result = fn(sample) if is_async else await asyncio.to_thread(fn, sample)
         if inspect.isawaitable(result):
             result = await result
         return result
 
-    user_reward.__name__ = getattr(fn, "__name__", "user_reward")
+    user_reward.__name__ = name
     return user_reward
 
 
@@ -239,18 +254,34 @@ def _check_reward(value: Any) -> float | dict:
     raise TypeError(f"reward function returned {type(value).__name__}, expected a number or a dict")
 
 
+RETRYABLE = (TimeoutError, ConnectionError)
+
+
+def _retryable(error: BaseException) -> bool:
+    """A timeout, a lost connection, or a reward worker process that died: worth another try. Other
+    exceptions come from the reward's own logic and would fail again."""
+    return isinstance(error, RETRYABLE) or type(error).__name__ == "ProcessExpired"
+
+
 async def score_samples(
     samples: list[Sample],
     reward_fn: RewardFn | str,
     timeout: float | None = None,
     max_concurrency: int = 64,
+    retries: int = 0,
+    backoff: float = 1.0,
+    errors: ErrorLog | None = None,
 ) -> int:
     """Score every sample concurrently and store the result in ``sample.reward``.
 
     At most `max_concurrency` reward calls run at once. Samples whose status is already FAILED
-    (generation failed) are skipped. A call that raises, exceeds `timeout` seconds, or returns
+    (generation failed) are skipped. A call that exceeds `timeout` seconds or raises a retryable
+    error (`TimeoutError`, `ConnectionError`, a reward worker that died) is tried again up to
+    `retries` times, after ``backoff * 2**k`` seconds before retry k + 1 (the count is kept in
+    ``metadata["reward_retries"]``). A call that still fails, raises anything else, or returns
     something other than a finite number or a dict marks its sample FAILED with reward 0.0 and
-    ``metadata["error"] = "<ExceptionType>: <message>"``; the other samples are still scored.
+    ``metadata["error"] = "<ExceptionType>: <message>"``; the other samples are still scored. Each
+    such error is given to `errors` (the console shows the first of each kind).
     `reward_fn` may also be a spec string, resolved with `get_reward_fn`.
 
     Returns:
@@ -260,33 +291,65 @@ async def score_samples(
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+    if retries < 0 or backoff < 0:
+        raise ValueError(f"retries and backoff must be >= 0, got {retries} and {backoff}")
     if isinstance(reward_fn, str):
         reward_fn = get_reward_fn(reward_fn)
     semaphore = asyncio.Semaphore(max_concurrency)
 
+    async def call(sample: Sample) -> float | dict:
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                value = await reward_fn(sample)
+        except TimeoutError as e:
+            if not deadline.expired():
+                raise  # a TimeoutError raised by the reward function itself
+            # asyncio's own TimeoutError has an empty message; say which limit was hit.
+            raise TimeoutError(f"reward did not finish within {timeout} s") from e
+        return _check_reward(value)
+
     async def score_one(sample: Sample) -> bool:
-        async with semaphore:
+        attempt = 0
+        while True:
             try:
-                deadline = asyncio.timeout(timeout)
-                try:
-                    async with deadline:
-                        value = await reward_fn(sample)
-                except TimeoutError as e:
-                    if not deadline.expired():
-                        raise  # a TimeoutError raised by the reward function itself
-                    # asyncio's own TimeoutError has an empty message; say which limit was hit.
-                    raise TimeoutError(f"reward did not finish within {timeout} s") from e
-                sample.reward = _check_reward(value)
+                async with semaphore:  # not held while backing off
+                    sample.reward = await call(sample)
                 return False
             except Exception as e:  # CancelledError is a BaseException and still propagates
+                if attempt < retries and _retryable(e):
+                    attempt += 1
+                    sample.metadata["reward_retries"] = attempt
+                    await asyncio.sleep(backoff * 2 ** (attempt - 1))
+                    continue
                 sample.status = Status.FAILED
                 sample.reward = 0.0
                 sample.metadata["error"] = f"{type(e).__name__}: {e}"
+                if errors is not None:
+                    errors.record(sample, e)
                 return True
 
     todo = [s for s in samples if s.status != Status.FAILED]
     failed = await asyncio.gather(*(score_one(s) for s in todo))
     return sum(failed)
+
+
+async def score_rollout(samples: list[Sample], reward_fn: RewardFn, cfg: RolloutConfig, errors: ErrorLog) -> int:
+    """Score a rollout step's samples that have no reward yet (a generate function may have set
+    one) with `score_samples` under the `RolloutConfig` limits (timeout, retries, backoff); then
+    log the step's error summary and apply `rollout.max_failed_ratio` to all of `samples` (raises
+    `TooManyFailedSamples`). Returns the number of samples the reward marked FAILED."""
+    failed = await score_samples(
+        [s for s in samples if s.reward is None],
+        reward_fn,
+        timeout=cfg.reward_timeout,
+        retries=cfg.reward_retries,
+        backoff=cfg.reward_backoff,
+        errors=errors,
+    )
+    errors.flush()
+    check_failed_ratio(samples, cfg.max_failed_ratio)
+    return failed
 
 
 def scalar_reward(sample: Sample, key: str = "score") -> float:

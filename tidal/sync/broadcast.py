@@ -81,19 +81,25 @@ class BroadcastSync:
     def __init__(self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES) -> None:
         import ray
 
-        from tidal.cluster.ray_setup import free_port, node_ip
-
         self.trainers, self.engines = trainers, engines
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
+        self._join()
+        self.dtype = ray.get(engines.actors[0].dtype.remote(), timeout=timeout)
+        self.meta: list[tuple[str, tuple[int, ...]]] | None = None
+
+    def _join(self) -> None:
+        """A new process group of trainer rank 0 and the engines there are now (also after an
+        engine was restarted or dropped: the old group still counts the dead one)."""
+        from tidal.cluster.ray_setup import free_port, node_ip
+
+        engines = self.engines
         self.names = [f"{u} (engine {i})" for i, u in enumerate(engines.urls)]
         world = 1 + len(engines.actors)
         init = f"tcp://{node_ip()}:{free_port()}"
-        refs = [trainers.ranks[0].join_weight_group.remote(init, world, timeout)]
-        refs += [a.join_weight_group.remote(init, i + 1, world, timeout) for i, a in enumerate(engines.actors)]
+        refs = [self.trainers.ranks[0].join_weight_group.remote(init, world, self.timeout)]
+        refs += [a.join_weight_group.remote(init, i + 1, world, self.timeout) for i, a in enumerate(engines.actors)]
         self._wait(refs, ["trainer rank 0", *self.names], "joining the weight-sync group")
-        self.dtype = ray.get(engines.actors[0].dtype.remote(), timeout=timeout)
-        self.meta: list[tuple[str, tuple[int, ...]]] | None = None
 
     def _wait(self, refs: list, who: list[str], what: str) -> list:
         """Results of `refs` in order. A failure or the sync timeout raises SyncError naming whose
@@ -146,6 +152,10 @@ class BroadcastSync:
         return silent
 
     def push(self, version: int) -> dict[str, float]:
+        """Recover failed engines first (`EngineGroup.recover`), so a restarted one is on `version`
+        before it serves, then broadcast to every engine."""
+        if self.engines.recover():
+            self._join()
         if self.meta is None:
             self.meta = self.trainers.weight_shapes()
         sends = [r.broadcast_weights.remote(self.dtype, self.bucket_bytes) for r in self.trainers.ranks]
@@ -159,6 +169,8 @@ class BroadcastSync:
         return {
             "sync/bytes": float(n * self.dtype.itemsize),
             "sync/tensors": float(len(self.meta)),
+            "engines/restarts": float(self.engines.restarts),
+            "engines/resent_requests": float(self.engines.engine.router.resent),
         }
 
     def close(self) -> None:

@@ -20,9 +20,13 @@ from tidal.utils import atomic_directory
 class _RemoteSync:
     transport = "?"
 
-    def __init__(self, trainer: Trainer, clients: Sequence[EngineClient], timeout: float, check: bool = True) -> None:
+    def __init__(
+        self, trainer: Trainer, clients: Sequence[EngineClient], timeout: float, check: bool = True, engines=None
+    ) -> None:
         self.trainer = trainer
         self.clients = list(clients)
+        self.active = list(clients)  # those a push goes to: the engines in service
+        self.engines = engines  # the rollout role, when it takes failed engines out of service
         self.timeout = timeout
         self.check = check
         self._dtypes: dict[str, torch.dtype | None] = {}
@@ -56,6 +60,24 @@ class _RemoteSync:
             want = await self._wants[dtype]
         check_engine(c.base_url, self.transport, version, want, got_version, got_sum)
 
+    def _refresh(self) -> bool:
+        """Let the rollout role recover engines, then push to those in service (a server the
+        router took out stays out until it answers again, and then gets this push's weights).
+        True when the set changed."""
+        if self.engines is None or not hasattr(self.engines, "recover"):
+            return False
+        self.engines.recover()
+        known = {c.base_url: c for c in self.clients}
+        for url in self.engines.live_urls():  # a restarted engine listens at a new URL
+            if url.rstrip("/") not in known:
+                client = EngineClient(url, self.timeout, api_key=getattr(self.engines, "api_key", None))
+                self.clients.append(client)
+                known[client.base_url] = client
+        active = [known[u.rstrip("/")] for u in self.engines.live_urls()]
+        changed = [c.base_url for c in active] != [c.base_url for c in self.active]
+        self.active = active
+        return changed
+
     async def _each(self, fn, what: str) -> None:
         """Run `fn(client)` on every engine at once, each bounded by the timeout; the first failure
         raises `SyncError` naming its engine."""
@@ -71,7 +93,7 @@ class _RemoteSync:
 
         self._wants = {}
         try:
-            await asyncio.gather(*(one(c) for c in self.clients))
+            await asyncio.gather(*(one(c) for c in self.active))
         finally:
             self._wants = {}
             await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
@@ -96,14 +118,17 @@ class HttpSync(_RemoteSync):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         delta: bool = False,
         check: bool = True,
+        engines=None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check)
+        super().__init__(trainer, clients, timeout, check, engines)
         self.transport = "delta" if delta else "http"
         self.chunk_bytes = chunk_bytes
         self.delta = delta
         self._sent: dict[str, int] | None = None  # tensor CRCs every engine holds
 
     def push(self, version: int) -> dict[str, float]:
+        if self._refresh():
+            self._sent = None  # an engine back in service needs every tensor
         named = [(n, t.detach()) for n, t in self.trainer.named_weights()]
         send = named
         crcs = {n: tensor_crc(t) for n, t in named} if self.delta else None
@@ -137,13 +162,20 @@ class DiskSync(_RemoteSync):
     transport = "disk"
 
     def __init__(
-        self, trainer: Trainer, clients: Sequence[EngineClient], root: str | Path, timeout: float = 600.0, check=True
+        self,
+        trainer: Trainer,
+        clients: Sequence[EngineClient],
+        root: str | Path,
+        timeout: float = 600.0,
+        check=True,
+        engines=None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check)
+        super().__init__(trainer, clients, timeout, check, engines)
         self.root = Path(root)
         self._last: Path | None = None
 
     def push(self, version: int) -> dict[str, float]:
+        self._refresh()
         folder = self.root / f"weights_v{version}"
         if folder.exists():
             shutil.rmtree(folder)

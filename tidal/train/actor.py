@@ -20,7 +20,7 @@ from tidal.train.estimate import response_mask
 from tidal.train.logits import token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
 from tidal.train.objective import PolicyObjective
-from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps
+from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
 from tidal.types import Sample
 
 
@@ -205,17 +205,22 @@ class Actor:
             active,
             self.share,
             self.most_micro_batches,
+            self._any_rank if self.all_sum is not None else None,
         )
         if active is not None and self.rank == 0:  # the skipped tokens' policy loss is exactly 0
             skipped_tokens = float(mask_all.sum() - mask_all[torch.tensor(active, dtype=torch.bool)].sum())
             sums.add("loss/sft" if obj.name == "sft" else "loss/pg", 0.0, skipped_tokens)
         return sums, {
             "actor/tokens": tokens[0],
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            **step_norm_metrics("actor", grad_norms),
             "actor/lr": self.opt.lr,
             "actor/updates": float(n_updates),
             "actor/skipped_samples": float(skipped),
         }
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every FSDP2 rank when `flag` is true on one (a sum over the ranks)."""
+        return bool(self.all_sum(torch.tensor([float(flag)])) > 0)
 
     # ---------------------------------------------------------------- weights / state
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from tidal.algo import aggregate, value_loss
 from tidal.config import AlgoConfig, TrainConfig
 from tidal.train.estimate import response_mask
 from tidal.train.model import TrainedModel, load_causal_lm
-from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps
+from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
 from tidal.types import Sample
 
 
@@ -96,7 +96,7 @@ class Critic:
             lambda m: batch_normalizers(m, "token_mean", 1),
             micro_loss,
         )
-        return {**sums.mean(), "critic/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)}
+        return {**sums.mean(), **step_norm_metrics("critic", grad_norms)}
 
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), **self.opt.state_dict()}

@@ -8,6 +8,7 @@ batch is cut into micro-batches, packed, or shared among trainer ranks.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -16,7 +17,9 @@ from torch import Tensor
 
 from tidal.config import TrainConfig
 from tidal.train.model import TrainedModel
-from tidal.types import Sample
+from tidal.types import RunStopped, Sample
+
+log = logging.getLogger("tidal")
 
 
 def batch_normalizers(mask: Tensor, mode: str, max_len: int) -> dict[str, float]:
@@ -56,6 +59,8 @@ class Optimizer:
         self.params = [p for p in module.parameters() if p.requires_grad]
         params = self.params
         self.max_grad_norm = cfg.max_grad_norm
+        self.max_bad_steps = cfg.max_bad_steps
+        self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient)
         self.optimizer = torch.optim.AdamW(
             params,
             lr=lr,
@@ -74,9 +79,14 @@ class Optimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> float:
+    def step(self, bad_loss: bool = False) -> float:
         """Clip and step; returns the gradient norm before clipping. A parameter no micro-batch
-        reached (every sample skipped) gets a zero gradient, so AdamW still takes its step."""
+        reached (every sample skipped) gets a zero gradient, so AdamW still takes its step.
+
+        A bad step, one whose gradient norm is not finite or whose loss was not (`bad_loss`, already
+        agreed over the ranks), is skipped: weights, AdamW moments and the learning-rate schedule
+        stay as they were, a warning is logged and NaN returned. `train.max_bad_steps` bad steps in
+        a row raise `BadStepsError`. The norm is global on FSDP2 ranks, so every rank decides alike."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -84,9 +94,29 @@ class Optimizer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if hasattr(norm, "full_tensor"):  # a DTensor on FSDP2 ranks: the global norm
             norm = norm.full_tensor()
+        norm = float(norm)
+        if bad_loss or not math.isfinite(norm):
+            self.zero_grad()
+            self.bad_steps += 1
+            what = "loss" if bad_loss else f"gradient norm ({norm})"
+            log.warning(
+                "optimizer step skipped: non-finite %s; %d bad step(s) in a row, the run stops at %d "
+                "(train.max_bad_steps)",
+                what,
+                self.bad_steps,
+                self.max_bad_steps,
+            )
+            if self.bad_steps >= self.max_bad_steps:
+                raise BadStepsError(
+                    f"train: {self.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(train.max_bad_steps {self.max_bad_steps}); the last: non-finite {what}. "
+                    "Lower train.lr, check the rewards and advantages, or use float32."
+                )
+            return math.nan
+        self.bad_steps = 0
         self.optimizer.step()
         self.scheduler.step()
-        return float(norm)
+        return norm
 
     @property
     def lr(self) -> float:
@@ -124,6 +154,19 @@ class Optimizer:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def step_norm_metrics(prefix: str, norms: Sequence[float]) -> dict[str, float]:
+    """The mean gradient norm over the steps taken (skipped bad steps report NaN) and their count."""
+    good = [n for n in norms if math.isfinite(n)]
+    return {
+        f"{prefix}/grad_norm": sum(good) / len(good) if good else math.nan,
+        f"{prefix}/bad_steps": float(len(norms) - len(good)),
+    }
+
+
+class BadStepsError(RunStopped):
+    """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
+
+
 MicroLoss = Callable[[dict[str, Tensor], list[int], dict[str, float], Sums], Tensor]
 
 
@@ -138,6 +181,7 @@ def optimizer_steps(
     active: Sequence[bool] | None = None,
     share: Callable[[list[int]], list[int]] | None = None,
     most_micro_batches: Callable[[int], int] | None = None,
+    any_rank: Callable[[bool], bool] | None = None,
 ) -> tuple[Sums, list[float], int]:
     """Run len(samples) / gbs optimizer steps over `samples` ([N, R] loss `mask`).
 
@@ -150,7 +194,10 @@ def optimizer_steps(
     On FSDP2 ranks every rank must run as many forward/backward passes as the others (each one
     gathers and reduces across ranks): `most_micro_batches(n)` returns the largest count over the
     ranks, and a rank with fewer runs the difference on a sample of the batch with its loss
-    multiplied by 0 (no value, no gradient)."""
+    multiplied by 0 (no value, no gradient).
+
+    A step with a non-finite loss on any rank (`any_rank(flag)`: true on every rank when it is on
+    one; default this process's flag) is skipped, see `Optimizer.step`; its norm is NaN."""
     if len(samples) % gbs:
         raise ValueError(f"train_step: {len(samples)} samples is not a multiple of global_batch_size {gbs}")
     sums, norms, skipped = Sums(), [], 0
@@ -163,13 +210,15 @@ def optimizer_steps(
         mine = share(live) if share is not None else live
         plan = [[mine[p] for p in pos] for pos in model.fwd.plan([samples[i] for i in mine])] if mine else []
         extra = most_micro_batches(len(plan)) - len(plan) if most_micro_batches is not None else 0
+        bad_loss = False
         with model.one_cast_per_update():
             for idx in plan:
                 loss = micro_loss(model.fwd.collate([samples[i] for i in idx]), idx, norm, sums)
+                bad_loss = bad_loss or not bool(torch.isfinite(loss.detach()).all())
                 (loss * model.loss_scale if model.loss_scale != 1.0 else loss).backward()
             for _ in range(extra):
                 idx = chunk[:1]
                 (0.0 * micro_loss(model.fwd.collate([samples[i] for i in idx]), idx, norm, Sums())).backward()
-        norms.append(optimizer.step())
+        norms.append(optimizer.step(any_rank(bad_loss) if any_rank is not None else bad_loss))
         model.after_step()
     return sums, norms, skipped

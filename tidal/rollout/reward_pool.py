@@ -1,0 +1,106 @@
+"""Sync reward functions in worker processes, where a timeout can stop them.
+
+A sync reward called on the event loop blocks every other sample (one at a time) and cannot be
+interrupted, so `rollout.reward_timeout` could not hold. A thread pool would give concurrency but
+a hung thread cannot be killed: it keeps its worker forever. Here each call runs in a process of a
+`pebble.ProcessPool`; when the caller gives up (timeout, or the step is cancelled) the worker
+running that call is terminated and the pool starts a fresh one.
+
+What that asks of the reward: it is found by its dotted path in the worker (so it must be
+importable, not defined in ``__main__``), the `Sample` and the result travel by pickle, and changes
+the function makes to the sample are not seen by the caller. As with any multiprocessing code, a
+script that starts training must guard its entry point (``if __name__ == "__main__":``): a new
+worker imports the parent's main script (the `tidal` command is guarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import sys
+import weakref
+from typing import Any
+
+from tidal.types import Sample
+
+__all__ = ["RewardPool", "is_async_callable"]
+
+_FUNCTIONS: dict[str, Any] = {}  # per worker process: spec -> the loaded function
+
+
+def is_async_callable(fn: Any) -> bool:
+    """True for coroutine functions, partials of them, and objects with an async ``__call__``."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _init_worker(path: list[str]) -> None:
+    # the parent's import path, so a reward module found there (a tmp folder, a project) is found here
+    sys.path[:] = path + [p for p in sys.path if p not in path]
+
+
+def _call(spec: str, sample: Sample) -> Any:
+    """In the worker: load `spec` once, call it on `sample`."""
+    from tidal.utils import load_object
+
+    fn = _FUNCTIONS.get(spec)
+    if fn is None:
+        fn = _FUNCTIONS[spec] = load_object(spec, callable_required=True)
+    result = fn(sample)
+    if inspect.isawaitable(result):  # a sync callable that returned an awaitable
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+class RewardPool:
+    """`workers` processes calling the reward at dotted path `spec`; started on first use.
+
+    Processes come from the ``forkserver`` start method: forking the trainer itself (threads, torch
+    state, open sockets) is unsafe, and a fork server makes a new worker cheap after the first.
+    """
+
+    def __init__(self, spec: str, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"RewardPool needs at least 1 worker, got {workers}")
+        self.spec = spec
+        self.workers = workers
+        self._pool = None
+
+    def _get(self):
+        if self._pool is None:
+            from pebble import ProcessPool
+
+            self._pool = ProcessPool(
+                max_workers=self.workers,
+                initializer=_init_worker,
+                initargs=(list(sys.path),),
+                context=multiprocessing.get_context("forkserver"),
+            )
+            # the workers go when this pool object does (a finished rollout manager), or at exit
+            self._finalizer = weakref.finalize(self, _stop, self._pool)
+        return self._pool
+
+    async def __call__(self, sample: Sample) -> Any:
+        """The reward of `sample`, computed in a worker. Cancelling the await (a timeout) stops the
+        worker running it. A worker that dies raises `pebble.ProcessExpired`."""
+        future = self._get().schedule(_call, (self.spec, sample))
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            if not future.done():
+                future.cancel()  # pebble terminates the process running a cancelled task
+
+    def close(self) -> None:
+        """Stop the workers (a hung one included)."""
+        if self._pool is not None:
+            self._finalizer()
+            self._pool = None
+
+
+def _stop(pool) -> None:
+    pool.stop()
+    pool.join(timeout=10)
