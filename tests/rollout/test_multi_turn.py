@@ -271,3 +271,38 @@ def test_single_turn_through_the_context():
 
     s = asyncio.run(main())
     assert (s.tokens, s.loss_mask, s.token_versions, s.status) == ([1, 2, 3, 9, 2], [1, 1], [6, 6], Status.TRUNCATED)
+
+
+async def twice(ctx, sample, sampling):
+    """A user generate function that fans a prompt out into two samples and sets their rewards."""
+    out = []
+    for k in range(2):
+        s = Sample(tokens=list(sample.tokens), label=sample.label, metadata=dict(sample.metadata))
+        o = await ctx.generate(s.tokens, sampling)
+        s.append_policy(o.token_ids, o.log_probs, o.weight_version)
+        s.reward = float(k)
+        out.append(s)
+    return out
+
+
+def test_user_generate_functions_by_path_and_per_prompt_row():
+    class Echo:
+        weight_version = 0
+
+        def __init__(self):
+            self.prompts = []
+
+        def generate(self, prompts, params):
+            self.prompts += prompts
+            return [GenerationOutput([p[-1] + 1], [-0.5], "stop", "x", 0) for p in prompts]
+
+    rows = [record(), PromptRecord(index=1, prompt="q", text="q", input_ids=[7], metadata={"generate": "single_turn"})]
+    cfg = RolloutConfig(n_samples_per_prompt=2, generate="test_multi_turn:twice", reward="exact_match")
+    samples = RolloutManager(Echo(), cfg).generate(rows[:1], step=0)
+    assert [(s.group_index, s.index, s.reward, s.tokens) for s in samples] == [
+        (0, i, float(i % 2), [1, 2, 3, 4]) for i in range(4)
+    ]
+    with pytest.raises(ValueError, match=r"groups differ in size \(\{0: 4, 1: 2\}\)"):
+        RolloutManager(Echo(), cfg).generate(rows, step=0)  # row 1 names single_turn: one sample each
+    with pytest.raises(ValueError, match=r"rollout.generate: 'test_multi_turn:add' must be `async def generate"):
+        RolloutManager(Echo(), RolloutConfig(generate="test_multi_turn:add"))
