@@ -46,7 +46,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
