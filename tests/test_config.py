@@ -13,6 +13,7 @@ from tidal.config import (
     Config,
     ConfigError,
     DataConfig,
+    EvalConfig,
     LogConfig,
     OverlapConfig,
     RolloutConfig,
@@ -88,6 +89,7 @@ def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
     classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
+    classes.append(EvalConfig)
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
