@@ -199,7 +199,7 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, algo, train, cluster, overlap, log"
+    known = "data, rollout, algo, train, cluster, overlap, log, eval"
     assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 
