@@ -29,7 +29,7 @@ import torch
 from tidal.cluster import Roles, build_roles
 from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
-from tidal.data.load import load_data, load_sft_data
+from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, resolve_dtype
@@ -85,8 +85,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
         )
     else:
-        records = load_data(cfg.data, tokenizer)
-        source = DataSource(records, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+        source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size)
     start = 0
 
     roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
