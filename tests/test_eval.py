@@ -69,6 +69,10 @@ def test_eval_sets_take_their_sampling_from_the_rollout_group(tmp_path):
     assert a.data.path == str(f) and a.data.env_args == {}
     assert (b.name, b.n, b.temperature, b.max_new_tokens) == ("arith", 4, 0.0, 64)
     assert b.data.env_args == {"level": 2, "n": 10} and b.data.input_key == "prompt"
+    cfg.data.env_args = {"level": 3}
+    cfg.eval.datasets = ["env:arithmetic", {"path": "env:arithmetic", "name": "other", "env_args": {"n": 3}}]
+    same, other = cfg.eval.sets(cfg.data, cfg.rollout)
+    assert same.data.env_args == {"level": 3} and other.data.env_args == {"n": 3}
 
 
 @pytest.mark.parametrize(

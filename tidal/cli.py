@@ -17,6 +17,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def _int_list(text: str) -> list[int]:
+    """`1,4,8` as [1, 4, 8] (argparse names the option when this raises)."""
+    return [int(k) for k in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -56,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, help="samples per prompt of every set")
     e.add_argument("--temperature", type=float, help="sampling temperature of every set")
     e.add_argument("--max-new-tokens", type=int, help="longest response of every set")
-    e.add_argument("--k", type=lambda v: [int(k) for k in v.split(",")], help="pass@k values, e.g. 1,4,8")
+    e.add_argument("--k", type=_int_list, help="pass@k values, e.g. 1,4,8")
     e.add_argument("--greedy", action="store_true", help="one response per prompt at temperature 0")
     e.add_argument("--out", help="also write the result as JSON to this file")
     add_config_arguments(e)

@@ -313,7 +313,7 @@ class LogConfig:
 EVAL_SET_KEYS = {
     "name": "the metric prefix eval/<name>/ (default: the file's stem or the env's name)",
     "path": "a .jsonl/.json/.parquet file or env:<name>, read like data.path",
-    "env_args": "keyword arguments of the env",
+    "env_args": "keyword arguments of the env (default: data.env_args when path is data.path)",
     "n": "samples per prompt (default: rollout.n_samples_per_prompt)",
     "temperature": "sampling temperature (default: rollout.temperature)",
     "top_p": "nucleus mass (default: rollout.top_p)",
@@ -373,7 +373,8 @@ class EvalConfig:
             if any(s.name == name for s in out):
                 raise ValueError(f"{where}.name: {name!r} is used twice; give each set its own name")
             try:
-                d = dataclasses.replace(data, path=path, env_args={})
+                # the run's own env keeps its arguments; another source starts from none
+                d = dataclasses.replace(data, path=path, env_args=data.env_args if path == data.path else {})
                 hints = _field_types(DataConfig)
                 for k in entry.keys() & hints.keys() - {"path"}:  # the prompt options, as in data.*
                     setattr(d, k, _coerce(f"{where}.{k}", entry[k], hints[k]))
@@ -390,10 +391,15 @@ class EvalConfig:
                 )
             except ConfigError as e:
                 raise ValueError(str(e)) from None
-            if s.n < 1 or s.max_new_tokens < 1 or s.num_prompts < 0:
-                raise ValueError(f"{where}: n and max_new_tokens must be >= 1, num_prompts >= 0")
-            if s.temperature < 0 or not 0 < s.top_p <= 1:
-                raise ValueError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
+            for key, ok, want in (
+                ("n", s.n >= 1, ">= 1"),
+                ("max_new_tokens", s.max_new_tokens >= 1, ">= 1"),
+                ("num_prompts", s.num_prompts >= 0, ">= 0 (0 = all)"),
+                ("temperature", s.temperature >= 0, ">= 0"),
+                ("top_p", 0 < s.top_p <= 1, "in (0, 1]"),
+            ):
+                if not ok:
+                    raise ValueError(f"{where}.{key}: must be {want}, got {getattr(s, key)}")
             if not path.startswith("env:") and not Path(path).exists():
                 raise ValueError(f"{where}.path: file {path!r} does not exist")
             out.append(s)
