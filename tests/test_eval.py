@@ -112,7 +112,8 @@ class FakeRollout:
         self.calls.append((len(records), step, first_index))
         out = []
         for i in range(first_index, first_index + len(records) * self.cfg.n_samples_per_prompt):
-            s = Sample(tokens=[1, 2, 3], response_length=i % 3 + 1, index=i)
+            g = (i - first_index) // self.cfg.n_samples_per_prompt
+            s = Sample(tokens=[1, 2, 3], response_length=i % 3 + 1, index=i, group_index=g)
             s.reward, s.status = self.rewards[i], self.statuses.get(i, Status.COMPLETED)
             out.append(s)
         return out
