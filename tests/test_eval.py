@@ -250,3 +250,13 @@ def test_standalone_eval_prints_a_table_and_reproduces_the_loops_eval(tiny_model
     result = json.loads(out.read_text())["datasets"]
     assert list(result) == ["arithmetic"]
     assert (result["arithmetic"]["prompts"], result["arithmetic"]["samples"]) == (2, 6)
+
+
+def test_eval_holds_an_overlapped_rollout_and_records_the_weights_it_saw(tiny_model_dir, tmp_path):
+    over = {"train.num_steps": 3, "overlap.mode": "full", "overlap.max_staleness": 0}
+    plain = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "plain", **over))
+    evald = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "eval", **over, **{**EVAL, "eval.interval": 1}))
+    assert [h["step"] for h in evald] == [0, 1, 2, 3]
+    assert _stable(evald[1:]) == _stable(plain)
+    # max_staleness 0: the worker has loaded each step's weights before eval holds it
+    assert [h["eval/arith/weight_version"] for h in evald] == [0, 1, 2, 3]
