@@ -142,13 +142,13 @@ class Evaluator:
 
     def run(self, step: int, overlapped: Any = None) -> dict[str, float]:
         """Every set's metrics as `eval/<name>/<metric>`, plus `time/eval`. With an overlapped
-        rollout (`overlap.mode`), its worker is held while eval has the engine; the engine may
-        then serve weights a few versions older than the trainer's, which
-        `eval/<name>/weight_version` records."""
+        rollout (`overlap.mode`), its worker is held while eval has the engine, and the weights
+        pushed to it are loaded first; `eval/<name>/weight_version` records the version used."""
         t0 = time.perf_counter()
         out: dict[str, float] = {}
         if overlapped is not None:  # the engine serves one caller at a time
             overlapped.pause()
+            overlapped.load_pushed_weights()
         # The engine's sampler draws from torch's global generator even for seeded rows, and a
         # user's reward may use `random`: put both back so training's draws are untouched.
         py_state = random.getstate()
