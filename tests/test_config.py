@@ -13,6 +13,7 @@ from tidal.config import (
     Config,
     ConfigError,
     DataConfig,
+    EvalConfig,
     LogConfig,
     OverlapConfig,
     RolloutConfig,
@@ -46,7 +47,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
@@ -88,6 +89,7 @@ def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
     classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
+    classes.append(EvalConfig)
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
@@ -197,7 +199,7 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, algo, train, cluster, overlap, log"
+    known = "data, rollout, algo, train, cluster, overlap, log, eval"
     assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 

@@ -138,8 +138,10 @@ def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):
     ]
     assert main(args) == 0
     first = json.loads(out.read_text())
-    assert first["prompts"] == 6 and first["samples"] == 6
-    assert first["reward/mean"] in {i / 6 for i in range(7)}
+    assert list(first["datasets"]) == ["arithmetic"]  # data.path, as no eval set is given
+    scores = first["datasets"]["arithmetic"]
+    assert scores["prompts"] == 6 and scores["samples"] == 6
+    assert scores["mean_reward"] in {i / 6 for i in range(7)}
     assert main(args) == 0
     assert json.loads(out.read_text()) == first  # greedy: the same answers every time
 

@@ -17,6 +17,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def _int_list(text: str) -> list[int]:
+    """`1,4,8` as [1, 4, 8] (argparse names the option when this raises)."""
+    return [int(k) for k in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -44,13 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval",
         help="score a model on a prompt set with a reward",
-        description="Mean reward of MODEL over the first --num-prompts prompts of data.path (file order). "
-        "Sampling and reward come from the rollout options; --greedy samples one response at temperature 0.",
+        description="Score MODEL on each --dataset (or eval.datasets, else the first 100 prompts of data.path) "
+        "and print a table: mean reward, pass@k, response length. Sampling and reward come from the rollout "
+        "options; --greedy samples one response at temperature 0.",
         allow_abbrev=False,
     )
     e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
-    e.add_argument("--config", help="YAML file with data/rollout groups")
-    e.add_argument("--num-prompts", type=int, default=100, help="prompts to score (default: 100)")
+    e.add_argument("--config", help="YAML file with data/rollout/eval groups")
+    e.add_argument("--dataset", action="append", metavar="FILE|env:NAME", help="an eval set (repeatable)")
+    e.add_argument("--num-prompts", type=int, help="score the first N prompts of each set")
+    e.add_argument("--n", type=int, help="samples per prompt of every set")
+    e.add_argument("--temperature", type=float, help="sampling temperature of every set")
+    e.add_argument("--max-new-tokens", type=int, help="longest response of every set")
+    e.add_argument("--k", type=_int_list, help="pass@k values, e.g. 1,4,8")
     e.add_argument("--greedy", action="store_true", help="one response per prompt at temperature 0")
     e.add_argument("--out", help="also write the result as JSON to this file")
     add_config_arguments(e)
@@ -165,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         print(export_checkpoint(args.run_dir, args.out, args.step))
         return 0
     values = {k: v for k, v in vars(args).items() if "." in k}
-    if args.command == "eval" and args.greedy:
-        values.update({"rollout.temperature": 0.0, "rollout.n_samples_per_prompt": 1})
+    if args.command == "eval":
+        if args.greedy:
+            args.temperature, args.n = 0.0, 1
+        # also as the rollout group's, so validation checks them and the default set takes them
+        given = {"n_samples_per_prompt": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+        values.update({f"rollout.{k}": v for k, v in given.items() if v is not None})
+        values.update({"eval.datasets": args.dataset} if args.dataset else {})
+        values.update({"eval.pass_k": args.k} if args.k else {})
     try:
         cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:
@@ -191,15 +208,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(cfg, args) -> int:
-    import json
-
-    from tidal.eval import evaluate
+    from tidal.eval import evaluate, results_table
     from tidal.log import setup_logging
     from tidal.utils import atomic_write_json
 
     setup_logging()
-    result = evaluate(cfg, args.model, num_prompts=args.num_prompts)
-    print(json.dumps(result, indent=2))
+    given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    print(results_table(result["datasets"]))
     if args.out:
         atomic_write_json(args.out, result)
     return 0

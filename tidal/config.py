@@ -41,6 +41,12 @@ class DataConfig:
     max_length: int = _opt(1024, "sft: samples with more tokens are dropped (counted in the log)")
     shuffle: bool = _opt(True, "reshuffle the prompts every epoch")
     seed: int = _opt(0, "seed of the per-epoch shuffle")
+    streaming: bool = _opt(
+        False, "read a .jsonl/.parquet prompt file lazily (for files bigger than memory) instead of all at start"
+    )
+    shuffle_buffer: int = _opt(
+        10000, "streaming: rows held at once; each prompt is drawn at random from them (1 = file order)"
+    )
 
 
 @dataclass
@@ -304,6 +310,102 @@ class LogConfig:
     log_samples: int = _opt(2, "responses printed per step (0 = none)")
 
 
+EVAL_SET_KEYS = {
+    "name": "the metric prefix eval/<name>/ (default: the file's stem or the env's name)",
+    "path": "a .jsonl/.json/.parquet file or env:<name>, read like data.path",
+    "env_args": "keyword arguments of the env (default: data.env_args when path is data.path)",
+    "n": "samples per prompt (default: rollout.n_samples_per_prompt)",
+    "temperature": "sampling temperature (default: rollout.temperature)",
+    "top_p": "nucleus mass (default: rollout.top_p)",
+    "max_new_tokens": "longest response (default: rollout.max_new_tokens)",
+    "num_prompts": "score only the first N prompts in file order (default: 0 = all)",
+    "input_key": "as data.input_key",
+    "label_key": "as data.label_key",
+    "metadata_key": "as data.metadata_key",
+    "apply_chat_template": "as data.apply_chat_template",
+    "system_prompt": "as data.system_prompt",
+    "max_prompt_length": "as data.max_prompt_length",
+}
+
+
+@dataclass
+class EvalSet:
+    """One entry of `eval.datasets`, its sampling filled in from the rollout group."""
+
+    name: str
+    data: DataConfig  # the prompt file or env, read exactly as data.path is
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    num_prompts: int = 0
+
+
+@dataclass
+class EvalConfig:
+    datasets: list = _opt(
+        [],
+        "eval sets: a list of {path: FILE or env:NAME, name, n, temperature, top_p, max_new_tokens, num_prompts, "
+        "env_args, input_key, label_key, ...}; sampling defaults to the rollout group's, prompt options to data's",
+    )
+    interval: int = _opt(0, "evaluate eval.datasets every N steps with the current weights (0 = off)")
+    at_start: bool = _opt(True, "with eval.interval set, also evaluate the initial weights (logged as step 0)")
+    pass_k: list = _opt([1], "k of the unbiased pass@k (Chen et al. 2021); a k above a set's n is skipped")
+    correct_threshold: float = _opt(1.0, "a sample is correct (for pass@k) when its reward is >= this")
+    seed: int = _opt(0, "base seed of the eval samples: the same seeds at every eval, so steps compare fairly")
+
+    def sets(self, data: DataConfig, rollout: RolloutConfig) -> list[EvalSet]:
+        """`datasets` checked and resolved; ValueError names the entry, the key and what was expected."""
+        out: list[EvalSet] = []
+        for i, entry in enumerate(self.datasets):
+            where = f"eval.datasets[{i}]"
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+                raise ValueError(f"{where}: expected {{path: FILE or env:NAME, ...}}, got {entry!r}")
+            unknown = sorted(set(entry) - set(EVAL_SET_KEYS))
+            if unknown:
+                raise ValueError(f"{where}: {_unknown('key', unknown[0], list(EVAL_SET_KEYS))}")
+            path = entry["path"]
+            name = entry.get("name") or (path[len("env:") :] if path.startswith("env:") else Path(path).stem)
+            if not isinstance(name, str) or "/" in name:
+                raise ValueError(f"{where}.name: a string without '/', got {name!r}")
+            if any(s.name == name for s in out):
+                raise ValueError(f"{where}.name: {name!r} is used twice; give each set its own name")
+            try:
+                # the run's own env keeps its arguments; another source starts from none
+                d = dataclasses.replace(data, path=path, env_args=data.env_args if path == data.path else {})
+                hints = _field_types(DataConfig)
+                for k in entry.keys() & hints.keys() - {"path"}:  # the prompt options, as in data.*
+                    setattr(d, k, _coerce(f"{where}.{k}", entry[k], hints[k]))
+                s = EvalSet(
+                    name=name,
+                    data=d,
+                    n=_coerce(f"{where}.n", entry.get("n", rollout.n_samples_per_prompt), int),
+                    temperature=_coerce(f"{where}.temperature", entry.get("temperature", rollout.temperature), float),
+                    top_p=_coerce(f"{where}.top_p", entry.get("top_p", rollout.top_p), float),
+                    max_new_tokens=_coerce(
+                        f"{where}.max_new_tokens", entry.get("max_new_tokens", rollout.max_new_tokens), int
+                    ),
+                    num_prompts=_coerce(f"{where}.num_prompts", entry.get("num_prompts", 0), int),
+                )
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+            for key, ok, want in (
+                ("n", s.n >= 1, ">= 1"),
+                ("max_new_tokens", s.max_new_tokens >= 1, ">= 1"),
+                ("num_prompts", s.num_prompts >= 0, ">= 0 (0 = all)"),
+                ("temperature", s.temperature >= 0, ">= 0"),
+                ("top_p", 0 < s.top_p <= 1, "in (0, 1]"),
+            ):
+                if not ok:
+                    raise ValueError(f"{where}.{key}: must be {want}, got {getattr(s, key)}")
+            if not path.startswith("env:") and not Path(path).exists():
+                raise ValueError(f"{where}.path: file {path!r} does not exist")
+            out.append(s)
+        return out
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -313,6 +415,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -604,6 +707,32 @@ def resolved_loss_agg(a: AlgoConfig) -> str:
     return {"dr_grpo": "seq_mean_token_sum_norm", "gspo": "seq_mean_token_mean"}.get(a.advantage, "token_mean")
 
 
+def _validate_eval_and_streaming(cfg: Config, need) -> None:
+    e, d = cfg.eval, cfg.data
+    need(e.interval >= 0, f"eval.interval: must be >= 0 (0 = off), got {e.interval}")
+    need(
+        bool(e.pass_k) and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in e.pass_k),
+        f"eval.pass_k: a non-empty list of integers >= 1, got {e.pass_k}",
+    )
+    try:
+        sets = e.sets(d, cfg.rollout)
+    except ValueError as err:
+        need(False, str(err))
+    else:
+        need(not e.interval or sets, "eval.interval: needs eval.datasets (a list of {path: FILE or env:NAME})")
+    need(
+        not e.interval or cfg.algo.mode == "rl",
+        "eval.interval: evaluation samples with the rollout engine, which algo.mode sft does not have",
+    )
+    if d.streaming:
+        need(
+            Path(d.path).suffix.lower() in (".jsonl", ".parquet"),
+            f"data.streaming: reads .jsonl or .parquet files, got data.path {d.path!r}",
+        )
+        need(cfg.algo.mode == "rl", "data.streaming: streams prompts for rl; sft data is loaded whole")
+    need(d.shuffle_buffer >= 1, f"data.shuffle_buffer: must be >= 1, got {d.shuffle_buffer}")
+
+
 def validate(cfg: Config, for_training: bool = True) -> None:
     """Raise ConfigError listing every inconsistency, each with the field and the fix.
     `for_training=False` (evaluation) skips the checks that only the group advantage needs."""
@@ -687,5 +816,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     _validate_cluster(cfg.cluster, r, for_training, need)
     _validate_overlap(cfg, need)
+    _validate_eval_and_streaming(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

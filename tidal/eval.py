@@ -1,39 +1,237 @@
-"""Score a model on a prompt set with the run's reward: the check that a trained policy really
-got better, not just its training-batch reward.
+"""Evaluation: score a policy on held-out prompt sets with the run's reward, during training
+(`eval.interval`) or standalone (`tidal eval MODEL_DIR`), through one function, `evaluate_set`.
+
+Per set the metrics are the mean reward, the unbiased pass@k of Chen et al. (2021) for every k
+in `eval.pass_k` that is at most the set's n (pass@1 always), the mean response length and the
+truncated / failed shares. A sample is *correct* when its reward is >= `eval.correct_threshold`
+(default 1.0: the built-in math and exact_match rewards give 1.0 for a right answer and 0.0
+otherwise, and a partial-credit reward does not count as solved); a failed sample is never correct.
+
+Eval samples are drawn with seeds from (`eval.seed`, the set's name, the sample's index), never
+from the step, so every eval of a run, and `tidal eval` on any of its checkpoints, draws with the
+same seeds: a change between two evals is the weights', not the dice's. Evaluation reads no
+training data and leaves the global RNGs as it found them, so a run's training is the same with
+and without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+import random
 import statistics
+import time
+import zlib
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
-from tidal.config import Config
-from tidal.convert import ensure_model, load_tokenizer
+import torch
+
+from tidal.config import Config, DataConfig, EvalConfig, EvalSet, RolloutConfig
+from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
-from tidal.engine.factory import make_engine
-from tidal.rollout.manager import RolloutManager
+from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.rewards import scalar_reward
-from tidal.types import Status
+from tidal.types import Sample, Status
+
+log = logging.getLogger("tidal")
+
+PROMPTS_PER_CALL = 256  # prompts handed to the engine at once: bounds memory, not results
 
 
-def evaluate(cfg: Config, model: str, num_prompts: int = 100, batch_size: int = 64) -> dict[str, float]:
-    """Mean reward of `model` over the first `num_prompts` prompts of `cfg.data` (file order, no
-    shuffle), sampling `cfg.rollout.n_samples_per_prompt` responses each with `cfg.rollout`."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of `k` samples is correct, given `c`
+    correct among `n` samples of the prompt: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+    Computed exactly, so large n loses no precision."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    # in exact rationals, so 1 - (nearly 1) keeps its digits: pass@1 of 1 in 2000 is 1/2000 exactly
+    return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+
+
+def set_seed_step(name: str) -> int:
+    """The `step` the eval set's seeds are derived from: negative, so never a training step's,
+    and from the name, so a set keeps its seeds whatever else is evaluated beside it."""
+    return -1 - zlib.crc32(name.encode())
+
+
+def evaluate_set(
+    rollout: RolloutManager,
+    records: list[PromptRecord],
+    name: str,
+    pass_k: list[int],
+    threshold: float,
+    reward_key: str,
+) -> dict[str, float]:
+    """Sample `rollout.cfg.n_samples_per_prompt` responses to each record (through the run's
+    generate function) and score them; returns the set's metrics (unprefixed: `mean_reward`,
+    `pass@k`, `response_length`, ...). pass@k's n is a prompt's group size."""
+    step = set_seed_step(name)
+    samples: list[Sample] = []
+    per_prompt: list[int] = []  # correct samples of each prompt
+    n = 0
+    for i in range(0, len(records), PROMPTS_PER_CALL):
+        # seeds index samples by their prompt's position, so chunking changes no sample
+        chunk = rollout.generate(
+            records[i : i + PROMPTS_PER_CALL], step, first_index=i * rollout.cfg.n_samples_per_prompt
+        )
+        n = group_size(chunk)  # samples come group after group, one group per prompt
+        correct = [s.status != Status.FAILED and scalar_reward(s, reward_key) >= threshold for s in chunk]
+        per_prompt += [sum(correct[g : g + n]) for g in range(0, len(chunk), n)]
+        samples += chunk
+    rewards = [scalar_reward(s, reward_key) for s in samples]
+    metrics = {
+        "prompts": float(len(records)),
+        "samples": float(len(samples)),
+        "mean_reward": statistics.fmean(rewards),
+    }
+    for k in sorted({1, *pass_k}):
+        if k <= n:
+            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in per_prompt)
+    metrics["response_length"] = statistics.fmean(s.response_length for s in samples)
+    metrics["truncated_ratio"] = sum(s.status == Status.TRUNCATED for s in samples) / len(samples)
+    metrics["failed_ratio"] = sum(s.status == Status.FAILED for s in samples) / len(samples)
+    metrics["weight_version"] = float(min(s.weight_version for s in samples))  # the oldest weights used
+    return metrics
+
+
+def set_rollout_config(rollout: RolloutConfig, s: EvalSet, seed: int) -> RolloutConfig:
+    """The rollout group with the eval set's sampling (stop strings, reward, engine kept)."""
+    return dataclasses.replace(
+        rollout,
+        n_samples_per_prompt=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        seed=seed,
+    )
+
+
+def load_set(s: EvalSet, tokenizer: Any) -> list[PromptRecord]:
+    """The set's prompts in file order (the first `num_prompts` when set)."""
+    records = load_data(s.data, tokenizer)
+    return records[: s.num_prompts] if s.num_prompts else records
+
+
+class Evaluator:
+    """The loop's evaluation: `due(step)` says whether `step` (steps done) is an eval point,
+    `run(step)` scores every set with the engine's current weights and returns
+    `eval/<name>/<metric>` entries. Sets are read once, up front."""
+
+    def __init__(self, cfg: EvalConfig, rollout: RolloutConfig, data: DataConfig, tokenizer: Any, engine: Any) -> None:
+        self.cfg = cfg
+        self.reward_key = rollout.reward_key
+        self.sets = []
+        if cfg.interval:
+            for s in cfg.sets(data, rollout):
+                manager = RolloutManager(engine, set_rollout_config(rollout, s, cfg.seed), tokenizer)
+                self.sets.append((s.name, manager, load_set(s, tokenizer)))
+        self.engine = engine
+
+    def due(self, step: int) -> bool:
+        """Whether the weights after `step` steps (0: the initial ones) are to be evaluated."""
+        if not self.cfg.interval:
+            return False
+        return self.cfg.at_start if step == 0 else step % self.cfg.interval == 0
+
+    def run(self, step: int, overlapped: Any = None) -> dict[str, float]:
+        """Every set's metrics as `eval/<name>/<metric>`, plus `time/eval`. With an overlapped
+        rollout (`overlap.mode`), its worker is held while eval has the engine, and the weights
+        pushed to it are loaded first; `eval/<name>/weight_version` records the version used."""
+        t0 = time.perf_counter()
+        out: dict[str, float] = {}
+        if overlapped is not None:  # the engine serves one caller at a time
+            overlapped.pause()
+            overlapped.load_pushed_weights()
+        # The engine's sampler draws from torch's global generator even for seeded rows, and a
+        # user's reward may use `random`: put both back so training's draws are untouched.
+        py_state = random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                for name, manager, records in self.sets:
+                    c = self.cfg
+                    metrics = evaluate_set(manager, records, name, c.pass_k, c.correct_threshold, self.reward_key)
+                    out.update({f"eval/{name}/{k}": v for k, v in metrics.items() if k not in ("prompts", "samples")})
+            # Eval prompts left in the prefix cache would let the next rollout reuse K/V computed
+            # in another batch; drop them so a run's rollouts are the same with and without eval.
+            flush = getattr(self.engine, "flush_cache", None)
+            if flush is not None:
+                flush()
+        finally:
+            random.setstate(py_state)
+            if overlapped is not None:
+                overlapped.resume()
+        out["time/eval"] = time.perf_counter() - t0
+        log.info(
+            "eval at step %d: %s",
+            step,
+            ", ".join(f"{name} reward {out[f'eval/{name}/mean_reward']:.3f}" for name, _, _ in self.sets),
+        )
+        return out
+
+
+def standalone_sets(cfg: Config, num_prompts: int | None = None, **sampling: Any) -> list[EvalSet]:
+    """`eval.datasets`, or when there are none the run's `data.path` (its first 100 prompts by
+    default, as `tidal eval` always scored); `num_prompts` caps every set and `sampling` (n,
+    temperature, max_new_tokens given on the command line) overrides every set's own."""
+    sets = cfg.eval.sets(cfg.data, cfg.rollout)
+    if not sets:
+        r = cfg.rollout
+        name = cfg.data.path[len("env:") :] if cfg.data.path.startswith("env:") else Path(cfg.data.path).stem
+        sets = [EvalSet(name, cfg.data, r.n_samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens, 100)]
+    if num_prompts is not None:
+        sampling["num_prompts"] = num_prompts
+    return [dataclasses.replace(s, **sampling) for s in sets]
+
+
+def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling: Any) -> dict[str, Any]:
+    """`tidal eval`: score `model` (a folder or smollm2) on every set of `standalone_sets`.
+    Returns `{"model": folder, "datasets": {name: metrics}}`."""
+    from tidal.convert import ensure_model, load_tokenizer
+    from tidal.engine.factory import make_engine
+
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
-    records = load_data(cfg.data, tokenizer)[:num_prompts]
-    engine = make_engine(cfg.rollout, model_dir, tokenizer, cfg.data.max_prompt_length, prompts=batch_size)
-    rollout = RolloutManager(engine, cfg.rollout, tokenizer)
-    samples = []
-    for i in range(0, len(records), batch_size):
-        samples += rollout.generate(records[i : i + batch_size], step=i)
-    rewards = [scalar_reward(s, cfg.rollout.reward_key) for s in samples]
-    return {
-        "model": str(Path(model_dir)),
-        "prompts": len(records),
-        "samples": len(samples),
-        "reward/mean": statistics.fmean(rewards),
-        "response/length_mean": statistics.fmean(s.response_length for s in samples),
-        "response/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        "response/failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
-    }
+    sets = standalone_sets(cfg, num_prompts, **sampling)
+    loaded = [(s, load_set(s, tokenizer)) for s in sets]
+    # KV cache sized for the largest call of any set; bigger calls still run, just queued
+    sizing = dataclasses.replace(
+        cfg.rollout,
+        n_samples_per_prompt=max(s.n for s in sets),
+        max_new_tokens=max(s.max_new_tokens for s in sets),
+    )
+    prompts = min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded))
+    max_prompt = max(s.data.max_prompt_length for s in sets)
+    engine = make_engine(sizing, model_dir, tokenizer, max_prompt, prompts=prompts)
+    results = {}
+    for s, records in loaded:
+        manager = RolloutManager(engine, set_rollout_config(cfg.rollout, s, cfg.eval.seed), tokenizer)
+        metrics = evaluate_set(
+            manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.rollout.reward_key
+        )
+        metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
+        results[s.name] = metrics
+    return {"model": str(Path(model_dir)), "datasets": results}
+
+
+def results_table(results: dict[str, dict[str, float]]) -> str:
+    """One row per set, one column per metric (any set's), plain text for a terminal or a log."""
+    columns = list(dict.fromkeys(k for m in results.values() for k in m))
+    rows = [["dataset", *columns]]
+    for name, m in results.items():
+        cells = [name]
+        for c in columns:
+            v = m.get(c)
+            cells.append("-" if v is None else f"{v:.0f}" if c in ("prompts", "samples") else f"{v:.4f}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    )

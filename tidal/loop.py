@@ -29,8 +29,9 @@ import torch
 from tidal.cluster import Roles, build_roles
 from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
-from tidal.data.load import load_data, load_sft_data
+from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
+from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
@@ -84,8 +85,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
         )
     else:
-        records = load_data(cfg.data, tokenizer)
-        source = DataSource(records, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+        source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size)
     start = 0
 
     roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
@@ -109,6 +109,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                     state.get("overlap") if ckpt is not None else None,
                 )  # fmt: skip
                 roles.closers.append(overlapped.close)
+            evaluator = Evaluator(cfg.eval, cfg.rollout, cfg.data, tokenizer, roles.engines.engine)
         logger = MetricsLogger(
             cfg.log.dir or out_dir,
             tensorboard=cfg.log.tensorboard,
@@ -119,6 +120,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
         if ckpt is not None:
             logger.truncate_after(start)
         try:
+            if not sft and start == 0 and evaluator.due(0):  # the initial weights' row, step 0
+                logger.log(0, evaluator.run(0, overlapped))
             for step in range(start, t_cfg.num_steps):
                 t0 = time.perf_counter()
                 if sft:
@@ -126,6 +129,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                 else:
                     metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
                 metrics["time/step"] = time.perf_counter() - t0
+                if not sft and evaluator.due(step + 1):  # the weights this step produced
+                    metrics.update(evaluator.run(step + 1, overlapped))
                 logger.log(step + 1, metrics)
                 done = step + 1
                 if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:

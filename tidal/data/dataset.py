@@ -37,19 +37,31 @@ def _json_type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def parse_json_line(line: str | bytes, path: str | Path, lineno: int) -> dict | None:
+    """One JSON Lines row as a dict, None for a blank line; errors name `path:lineno`."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not UTF-8: {err}") from None
+    if not line.strip():
+        return None
+    try:
+        # Without the newline a truncated line is reported at its own column, not "line 2".
+        row = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {_json_type_name(row)}")
+    return row
+
+
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                # Without the newline a truncated line is reported at its own column, not "line 2".
-                row = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {_json_type_name(row)}")
-            yield lineno, row
+            row = parse_json_line(line, path, lineno)
+            if row is not None:
+                yield lineno, row
 
 
 def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
@@ -120,79 +132,93 @@ def _check_messages(messages: list, where: str) -> None:
             raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content'")
 
 
-def build_prompts(
-    rows: Iterable[tuple[int, dict]],
-    tokenizer: Any,
-    *,
-    source: str,
-    input_key: str = "prompt",
-    label_key: str = "label",
-    metadata_key: str = "metadata",
-    apply_chat_template: bool = True,
-    system_prompt: str | None = None,
-    max_prompt_length: int | None = None,
-) -> tuple[list[PromptRecord], int]:
-    """Turn `(number, row)` pairs into tokenized `PromptRecord`s.
-
-    Returns the records and how many rows were dropped for having more than `max_prompt_length`
-    prompt tokens. `source` is only used to name `source:number` in error messages.
-    """
+def check_prompt_options(
+    apply_chat_template: bool = True, system_prompt: str | None = None, max_prompt_length: int | None = None, **_: Any
+) -> None:
+    """Raise ValueError for prompt options that contradict each other (see `build_prompt`)."""
     if system_prompt is not None and not apply_chat_template:
         # Without a template there is no place to put a system message; fail rather than drop it.
         raise ValueError("system_prompt needs apply_chat_template=True")
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
 
+
+def build_prompt(
+    index: int,
+    row: dict,
+    tokenizer: Any,
+    *,
+    where: str,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    max_prompt_length: int | None = None,
+) -> PromptRecord | None:
+    """One row as a tokenized `PromptRecord` (`index`: its 0-based position in the source), or
+    None when it has more than `max_prompt_length` prompt tokens. Errors name `where`."""
+    if input_key not in row:
+        raise ValueError(f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)")
+    prompt = row[input_key]
+    metadata = row.get(metadata_key)
+    # Parquet fills a missing struct with None, so None means "no metadata" rather than an error.
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
+
+    if isinstance(prompt, str):
+        if apply_chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            if system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = prompt
+    elif isinstance(prompt, list):
+        if not apply_chat_template:
+            raise ValueError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
+        _check_messages(prompt, where)
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        raise ValueError(
+            f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}"
+        )
+
+    # The template already carries any special tokens the model expects; adding a BOS again
+    # would make prompts differ from what the engine sees.
+    input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if max_prompt_length is not None and len(input_ids) > max_prompt_length:
+        return None
+    return PromptRecord(
+        index=index,
+        prompt=prompt,
+        text=text,
+        input_ids=input_ids,
+        label=row.get(label_key),
+        metadata=dict(metadata),
+    )
+
+
+def build_prompts(
+    rows: Iterable[tuple[int, dict]], tokenizer: Any, *, source: str, **options: Any
+) -> tuple[list[PromptRecord], int]:
+    """Turn `(number, row)` pairs into tokenized `PromptRecord`s; `options` are `build_prompt`'s
+    (input_key, label_key, metadata_key, apply_chat_template, system_prompt, max_prompt_length).
+
+    Returns the records and how many rows were dropped for having more than `max_prompt_length`
+    prompt tokens. `source` is only used to name `source:number` in error messages.
+    """
+    check_prompt_options(**options)
     records: list[PromptRecord] = []
     dropped = 0
     for index, (number, row) in enumerate(rows):
-        where = f"{source}:{number}"
-        if input_key not in row:
-            raise ValueError(
-                f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)"
-            )
-        prompt = row[input_key]
-        metadata = row.get(metadata_key)
-        # Parquet fills a missing struct with None, so None means "no metadata" rather than an error.
-        if metadata is None:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            raise ValueError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
-
-        if isinstance(prompt, str):
-            if apply_chat_template:
-                messages = [{"role": "user", "content": prompt}]
-                if system_prompt is not None:
-                    messages.insert(0, {"role": "system", "content": system_prompt})
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                text = prompt
-        elif isinstance(prompt, list):
-            if not apply_chat_template:
-                raise ValueError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
-            _check_messages(prompt, where)
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        else:
-            raise ValueError(
-                f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}"
-            )
-
-        # The template already carries any special tokens the model expects; adding a BOS again
-        # would make prompts differ from what the engine sees.
-        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if max_prompt_length is not None and len(input_ids) > max_prompt_length:
+        record = build_prompt(index, row, tokenizer, where=f"{source}:{number}", **options)
+        if record is None:
             dropped += 1
-            continue
-        records.append(
-            PromptRecord(
-                index=index,
-                prompt=prompt,
-                text=text,
-                input_ids=input_ids,
-                label=row.get(label_key),
-                metadata=dict(metadata),
-            )
-        )
+        else:
+            records.append(record)
     return records, dropped
 
 

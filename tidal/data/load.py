@@ -9,14 +9,16 @@ from tidal.config import DataConfig
 from tidal.data.dataset import PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
 from tidal.data.sft import load_sft_samples
+from tidal.data.source import DataSource
+from tidal.data.stream import StreamingSource
 from tidal.types import Sample
 
 log = logging.getLogger("tidal")
 
 
-def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
-    """Prompt records from a file or a built-in env, with over-long prompts dropped (and counted)."""
-    kw = dict(
+def prompt_options(cfg: DataConfig) -> dict:
+    """The data group's keyword options of `build_prompt` (how a row becomes a prompt)."""
+    return dict(
         input_key=cfg.input_key,
         label_key=cfg.label_key,
         metadata_key=cfg.metadata_key,
@@ -24,6 +26,21 @@ def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
         system_prompt=cfg.system_prompt,
         max_prompt_length=cfg.max_prompt_length,
     )
+
+
+def prompt_source(cfg: DataConfig, tokenizer, batch_size: int) -> DataSource | StreamingSource:
+    """The run's prompt stream: the whole file or env in memory, or with `data.streaming` a file
+    read lazily through a shuffle buffer. Both hand out `batch_size` prompts at a time and resume."""
+    if cfg.streaming:
+        return StreamingSource(
+            cfg.path, tokenizer, batch_size, prompt_options(cfg), cfg.shuffle, cfg.seed, cfg.shuffle_buffer
+        )
+    return DataSource(load_data(cfg, tokenizer), batch_size, cfg.shuffle, cfg.seed)
+
+
+def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
+    """Prompt records from a file or a built-in env, with over-long prompts dropped (and counted)."""
+    kw = prompt_options(cfg)
     if cfg.path.startswith("env:"):
         name = cfg.path[len("env:") :]
         records, dropped = build_prompts(make_env_rows(name, **cfg.env_args), tokenizer, source=cfg.path, **kw)

@@ -66,6 +66,8 @@ class DataSource:
         The checkpoint's `seed` and `shuffle` win over the constructor's because they define the
         order being resumed. `batch_size` is not restored: the cursor counts records, not batches.
         """
+        if state.get("streaming"):
+            raise ValueError("cannot resume an in-memory data source from a checkpoint of a streamed one")
         n = int(state["num_records"])
         if n != len(self.records):
             # A different dataset would silently remap every index; refuse rather than mislead.

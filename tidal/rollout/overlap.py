@@ -130,9 +130,13 @@ class OverlappedRollout:
                         return
                     self.engine_idle += time.perf_counter() - t0
                     wave = self.next_wave if self._admitted() else None
-                    self._busy = wave is not None
+                    # loading weights counts as busy too, so pause() never returns mid-load
+                    self._busy = wave is not None or self._pending is not None
                 self._load_pending()  # new weights before a wave starts, never during one (unless partial)
                 if wave is None:
+                    with self._cv:
+                        self._busy = False
+                        self._cv.notify_all()
                     continue
                 self.manager.aborted = self.manager.resumed = 0
                 samples, metrics = collect(self.source, self.manager, wave, self.cfg.algo, self.cfg.rollout.reward_key)
@@ -215,6 +219,12 @@ class OverlappedRollout:
             if not self._cv.wait_for(lambda: not self._busy or self._error is not None, timeout):
                 raise TimeoutError(f"waited {timeout:g} s for the rollout worker to finish wave {self.next_wave}")
             self._check()
+
+    def load_pushed_weights(self) -> None:
+        """Load the weights pushed since the worker last loaded, now; call between pause() and
+        resume() (an evaluation then sees the trainer's latest version). The next wave would have
+        loaded them first anyway, so what it samples does not change."""
+        self._load_pending()
 
     def resume(self) -> None:
         with self._cv:
