@@ -383,8 +383,8 @@ def test_classify():
     cfg = SandboxConfig(timeout=2.5, memory_mb=64, max_output_bytes=10)
     kw = dict(timed_out=False, overflow=False, stderr="", cfg=cfg)
     assert _classify(0, backend="rlimits", **kw) == ("ok", 0, "exit code 0")
-    assert _classify(-signal.SIGXCPU, backend="rlimits", **kw) == ("timeout", -24, "CPU time limit of 3 s exceeded")
-    assert _classify(128 + signal.SIGXCPU, backend="bwrap", **kw) == ("timeout", -24, "CPU time limit of 3 s exceeded")
+    assert _classify(-signal.SIGXCPU, backend="rlimits", **kw) == ("timeout", -24, "CPU time limit of 4 s exceeded")
+    assert _classify(128 + signal.SIGXCPU, backend="bwrap", **kw) == ("timeout", -24, "CPU time limit of 4 s exceeded")
     assert _classify(128 + 9, backend="rlimits", **kw) == ("error", 137, "exit code 137")
     assert _classify(128 + 9, backend="bwrap", **kw) == ("error", -9, "killed by SIGKILL")
     assert _classify(1, backend="rlimits", **{**kw, "stderr": "...\nMemoryError\n"}) == (

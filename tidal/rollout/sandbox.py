@@ -3,7 +3,8 @@
 Every call gets a fresh temporary working directory (deleted afterwards), a new session (its own
 process group), a wall-clock deadline and these limits:
 
-- CPU time (``RLIMIT_CPU``, soft limit = the timeout rounded up, SIGKILL one second later),
+- CPU time (``RLIMIT_CPU``, soft limit = the timeout rounded up plus one second, a backstop for
+  threads; SIGKILL one second later),
 - address space (``RLIMIT_AS``, `memory_mb`), file size (``RLIMIT_FSIZE``), no core files,
 - process count: a pids cgroup (v1) with ``pids.max`` when the machine lets us create one, else
   ``RLIMIT_NPROC`` (which the kernel does not enforce for root: see below),
@@ -372,7 +373,9 @@ def _user_process_count() -> int:
 
 def _limits_preexec(cfg: SandboxConfig, nproc: int | None, cgroup_procs: str | None):
     """The function the child runs between fork and exec: join the cgroup, set the rlimits."""
-    cpu = math.ceil(cfg.timeout)
+    # a backstop one second past the wall-clock deadline: a single-threaded program's CPU time
+    # never runs ahead of the wall clock, so the deadline fires first and the reason is stable
+    cpu = math.ceil(cfg.timeout) + 1
     libc = ctypes.CDLL(None, use_errno=True)
 
     def preexec() -> None:
@@ -403,7 +406,7 @@ def _classify(
     if overflow:
         return "output_limit", exit_code, f"output exceeded {cfg.max_output_bytes} bytes"
     if exit_code == -signal.SIGXCPU:
-        return "timeout", exit_code, f"CPU time limit of {math.ceil(cfg.timeout)} s exceeded"
+        return "timeout", exit_code, f"CPU time limit of {math.ceil(cfg.timeout) + 1} s exceeded"
     if exit_code == 0:
         return "ok", 0, "exit code 0"
     if exit_code is not None and exit_code > 0 and _MEMORY_ERROR_RE.search(stderr[-2000:]):
