@@ -1,7 +1,12 @@
 """`tidal report`: one HTML page with the run's curves and sample tables, and nothing fetched."""
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import make_samples
@@ -126,3 +131,24 @@ def test_a_run_without_samples_still_reports(tmp_path):
     assert "no samples saved in this run" in page and page.count("<svg") == 1
     with pytest.raises(FileNotFoundError):
         build_report(tmp_path / "missing")
+
+
+@pytest.mark.slow  # a browser start: seconds alone, a minute on a busy 2-core machine
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_screenshot_script_renders_the_page_offline(tmp_path):
+    from PIL import Image
+
+    run = _run(tmp_path / "run", steps=3)
+    png = tmp_path / "shot.png"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "report_screenshot.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(script), str(run), str(png), "900,1200"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    with Image.open(png) as im:
+        assert im.size == (900, 1200)
+        # drawn, not blank: the plots' blue line colour (#1f77b4) is on the page
+        colours = {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert (0x1F, 0x77, 0xB4) in colours
+    assert not (run / "report.html").exists()  # the page went to a temporary folder
