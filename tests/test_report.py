@@ -43,6 +43,7 @@ def _run(tmp_path, steps=4):
         samples = make_samples(n=4)
         for i, s in enumerate(samples):
             s.prompt, s.response, s.reward = f"prompt <{k}>", f"response {k}.{i} & <b>bold</b>", float(i % 2)
+            s.group_index = i // 2
         record_step(tmp_path, k, samples)
     rows[1]["actor/entropy"] = None  # a NaN step, written as null, is skipped in the plot
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -75,7 +76,10 @@ def test_page_has_the_curves_and_sample_rows_and_no_network_references(tmp_path)
     assert "3 of 4 steps with saved samples" in page
     assert [int(s) for s in re.findall(r'<details class="step" id="step-(\d+)"', page)] == [4, 3, 1]
     assert '<details class="step" id="step-4" open>' in page
-    assert page.count("<tr class=") == 12
+    rows = re.findall(r"<tr(?: class=\"good\")?><td>(\d+)\.(\d+)</td>", page)
+    assert len(rows) == 12 and page.count('<tr class="good">') == 6  # rewards 0, 1, 0, 1 per step
+    # a group's prompt once, spanning its 2 rows: 2 groups x 3 steps
+    assert page.count('<td rowspan="2"><div class="text">prompt &lt;') == 6
     assert "response 3.1 &amp; &lt;b&gt;bold&lt;/b&gt;" in page and "<b>bold" not in page
     assert "prompt &lt;4&gt;" in page
     # self-contained: no URL at all, no external script, style, image or font

@@ -185,27 +185,38 @@ def _parts(parts: object) -> str:
 
 
 def _sample_table(step: int, rows: list[dict], open_: bool) -> str:
+    """One step's samples as a collapsible table; a group's shared prompt (and label) is shown
+    once, in a cell spanning the group's rows."""
     e = html.escape
+    with_parts = any(isinstance(r.get("reward_parts"), dict) for r in rows)
     body = []
-    for r in rows:
+    for i, r in enumerate(rows):
         reward = r.get("reward")
-        cls = "good" if isinstance(reward, int | float) and reward > 0 else ""
         status = str(r.get("status", ""))
+        cells = [f"<td>{e(str(r.get('group', '')))}.{e(str(r.get('index', '')))}</td>"]
+        key = (r.get("group"), r.get("prompt"))
+        if i == 0 or key != (rows[i - 1].get("group"), rows[i - 1].get("prompt")):
+            span = 1
+            while i + span < len(rows) and (rows[i + span].get("group"), rows[i + span].get("prompt")) == key:
+                span += 1
+            label = f'<div class="label">label: {e(_cut(r["label"]))}</div>' if r.get("label") is not None else ""
+            cells.append(f'<td rowspan="{span}"><div class="text">{e(_cut(r.get("prompt")))}</div>{label}</td>')
         error = f'<div class="err">{e(_cut(r["error"]))}</div>' if r.get("error") else ""
-        body.append(
-            f'<tr class="{cls} {e(status)}"><td>{e(str(r.get("group", "")))}.{e(str(r.get("index", "")))}</td>'
-            f"<td>{_num(reward, '.3f')}</td><td>{e(_parts(r.get('reward_parts')))}</td>"
-            f"<td>{_num(r.get('advantage'), '+.3f')}</td><td>{e(status)}</td>"
-            f"<td>{_num(r.get('response_length'), 'd')}</td><td>{_num(r.get('weight_version'), 'd')}</td>"
-            f'<td><div class="text">{e(_cut(r.get("prompt")))}</div></td>'
-            f'<td><div class="text">{e(_cut(r.get("response")))}</div>{error}</td></tr>'
-        )
+        cells.append(f'<td><div class="text">{e(_cut(r.get("response")))}</div>{error}</td>')
+        cells.append(f'<td class="n">{_num(reward, ".3f")}</td>')
+        if with_parts:
+            cells.append(f"<td>{e(_parts(r.get('reward_parts')))}</td>")
+        cells.append(f'<td class="n">{_num(r.get("advantage"), "+.3f")}</td><td class="{e(status)}">{e(status)}</td>')
+        cells.append(f'<td class="n">{_num(r.get("response_length"), "d")}</td>')
+        cells.append(f'<td class="n">{_num(r.get("weight_version"), "d")}</td>')
+        good = ' class="good"' if isinstance(reward, int | float) and reward > 0 else ""
+        body.append(f"<tr{good}>{''.join(cells)}</tr>")
     rewards = [r["reward"] for r in rows if isinstance(r.get("reward"), int | float)]
     mean = f"mean reward {sum(rewards) / len(rewards):.3f}" if rewards else "no rewards"
+    heads = ["#", "prompt", "response", "reward"] + (["parts"] if with_parts else []) + ["adv", "status", "len", "ver"]
     return (
         f'<details class="step" id="step-{step}"{" open" if open_ else ""}><summary>step {step}: {len(rows)} samples, '
-        f"{mean}</summary><table><thead><tr><th>group.index</th><th>reward</th><th>parts</th><th>adv</th>"
-        f"<th>status</th><th>len</th><th>version</th><th>prompt</th><th>response</th></tr></thead>"
+        f"{mean}</summary><table><thead><tr>{''.join(f'<th>{h}</th>' for h in heads)}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table></details>"
     )
 
@@ -228,8 +239,8 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bott
 .meta{color:#555}.grid{display:flex;flex-wrap:wrap;gap:8px}.grid svg{width:440px;height:auto;border:1px solid #eee}
 table{border-collapse:collapse;font-size:12px;margin:6px 0}th,td{border:1px solid #ddd;padding:3px 6px;
 vertical-align:top;text-align:left}th{background:#f4f4f4}td.n{text-align:right}
-.text{white-space:pre-wrap;max-height:9em;overflow:auto;max-width:520px;font-family:ui-monospace,monospace}
-tr.good{background:#eefaf0}tr.failed{background:#fdecec}tr.truncated td:nth-child(5){color:#a60}
+.text{white-space:pre-wrap;max-height:12em;overflow:auto;max-width:560px;font-family:ui-monospace,monospace}
+tr.good{background:#eefaf0}td.failed{color:#b00;font-weight:600}td.truncated{color:#a60}.label{color:#555;margin-top:4px}
 .err{color:#b00;font-size:11px}details.step{margin:4px 0}summary{cursor:pointer;font-weight:600}
 pre{background:#f7f7f7;padding:8px;overflow:auto;font-size:12px}
 """
