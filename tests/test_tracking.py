@@ -2,6 +2,7 @@
 
 import struct
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,8 @@ def _wandb_records(path):
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # still being written
+            break
         buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
@@ -33,8 +36,14 @@ def _wandb_records(path):
     return out
 
 
-def _history(run_dir):
+def _history(run_dir, timeout=60.0):
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # wandb's writer is a separate process: on a busy machine the last records land just after
+    # run.finish() returns; the run is complete once its exit record is in the file
+    deadline = time.monotonic() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(path)):
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout} s"
+        time.sleep(0.2)
     rows = {}
     for r in _wandb_records(path):
         if r.WhichOneof("record_type") == "history":
