@@ -79,7 +79,7 @@ def test_page_has_the_curves_and_sample_rows_and_no_network_references(tmp_path)
     rows = re.findall(r"<tr(?: class=\"good\")?><td>(\d+)\.(\d+)</td>", page)
     assert len(rows) == 12 and page.count('<tr class="good">') == 6  # rewards 0, 1, 0, 1 per step
     # a group's prompt once, spanning its 2 rows: 2 groups x 3 steps
-    assert page.count('<td rowspan="2"><div class="text">prompt &lt;') == 6
+    assert page.count('<td class="prompt" rowspan="2"><div class="text">prompt &lt;') == 6
     assert "response 3.1 &amp; &lt;b&gt;bold&lt;/b&gt;" in page and "<b>bold" not in page
     assert "prompt &lt;4&gt;" in page
     # self-contained: no URL at all, no external script, style, image or font

@@ -200,7 +200,9 @@ def _sample_table(step: int, rows: list[dict], open_: bool) -> str:
             while i + span < len(rows) and (rows[i + span].get("group"), rows[i + span].get("prompt")) == key:
                 span += 1
             label = f'<div class="label">label: {e(_cut(r["label"]))}</div>' if r.get("label") is not None else ""
-            cells.append(f'<td rowspan="{span}"><div class="text">{e(_cut(r.get("prompt")))}</div>{label}</td>')
+            cells.append(
+                f'<td class="prompt" rowspan="{span}"><div class="text">{e(_cut(r.get("prompt")))}</div>{label}</td>'
+            )
         error = f'<div class="err">{e(_cut(r["error"]))}</div>' if r.get("error") else ""
         cells.append(f'<td><div class="text">{e(_cut(r.get("response")))}</div>{error}</td>')
         cells.append(f'<td class="n">{_num(reward, ".3f")}</td>')
@@ -240,7 +242,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bott
 table{border-collapse:collapse;font-size:12px;margin:6px 0}th,td{border:1px solid #ddd;padding:3px 6px;
 vertical-align:top;text-align:left}th{background:#f4f4f4}td.n{text-align:right}
 .text{white-space:pre-wrap;max-height:12em;overflow:auto;max-width:560px;font-family:ui-monospace,monospace}
-tr.good{background:#eefaf0}td.failed{color:#b00;font-weight:600}td.truncated{color:#a60}.label{color:#555;margin-top:4px}
+tr.good{background:#eefaf0}td.prompt{background:#fff}td.failed{color:#b00;font-weight:600}td.truncated{color:#a60}.label{color:#555;margin-top:4px}
 .err{color:#b00;font-size:11px}details.step{margin:4px 0}summary{cursor:pointer;font-weight:600}
 pre{background:#f7f7f7;padding:8px;overflow:auto;font-size:12px}
 """
