@@ -13,6 +13,7 @@ from tidal.config import (
     Config,
     ConfigError,
     DataConfig,
+    DebugConfig,
     EvalConfig,
     LogConfig,
     OverlapConfig,
@@ -47,7 +48,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval", "debug"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
@@ -66,6 +67,8 @@ def test_default_values():
     assert cfg.train.adam_betas == [0.9, 0.999]
     assert cfg.log.dir is None
     assert cfg.log.log_samples == 2
+    assert cfg.log.save_samples is True and cfg.log.wandb is False and cfg.log.wandb_mode == "offline"
+    assert cfg.debug == DebugConfig(rollout_only=False, save_rollout=None, load_rollout=None)
 
 
 def test_mutable_defaults_are_not_shared():
@@ -89,7 +92,7 @@ def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
     classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
-    classes.append(EvalConfig)
+    classes += [EvalConfig, DebugConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
@@ -199,7 +202,7 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, algo, train, cluster, overlap, log, eval"
+    known = "data, rollout, algo, train, cluster, overlap, log, eval, debug"
     assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 

@@ -108,16 +108,21 @@ def test_console_line(tmp_path, capsys):
         "actor/grad_norm": 0.8412,
         "time/step": 123.21,
         "perf/train_tokens_per_s": 12345.6,
+        "perf/rollout_tokens_per_s": 456.7,
     }
     with MetricsLogger(tmp_path, tensorboard=False, total_steps=1000) as logger:
         logger.log(120, metrics)
+        logger.log(121, {**metrics, "time/step": 76.79})
     out = capsys.readouterr().out
-    # Not a TTY under capture: exactly one plain line, no escape codes, fits 100 columns.
-    assert out.count("\n") == 1 and "\x1b" not in out
-    line = out.rstrip("\n")
-    assert len(line) <= 100
-    for piece in ("120/1000", "-0.412±0.312", "153.2", "5%", "-0.0123", "0.00123", "0.841", "123.2s"):
-        assert piece in line
+    # Not a TTY under capture: one plain line per step, no escape codes, fits 125 columns.
+    assert out.count("\n") == 2 and "\x1b" not in out
+    first, second = out.splitlines()
+    assert max(len(first), len(second)) <= 125
+    pieces = ("120/1000", "-0.412±0.312", "153.2", "5%", "-0.0123", "0.00123", "0.841", "457 tok/s", "123.2s")
+    for piece in pieces:
+        assert piece in first
+    # ETA = steps left x mean step time so far: 880 x 123.21 s = 30h07m, then 879 x 100 s = 24h25m
+    assert first.endswith("eta 30h07m") and second.endswith("76.8s  eta 24h25m")
 
 
 def test_reward_table_summary_exact():

@@ -47,9 +47,9 @@ def test_a_new_run_in_a_used_folder_is_an_error_and_changes_nothing(tiny_model_d
     with pytest.raises(RunDirError) as err:
         tidal.loop.train(loop_config(tiny_model_dir, run, **{"train.num_steps": 2}))
     assert str(err.value) == (
-        f"train.output_dir: {run} already holds a run (checkpoints, config.json, metrics.jsonl); a new run there "
-        "would overwrite its metrics and mix its checkpoints. Continue that run with --resume, or start this one "
-        "in a new or empty folder with --train.output_dir=NEW_FOLDER"
+        f"train.output_dir: {run} already holds a run (checkpoints, config.json, metrics.jsonl, samples); "
+        "a new run there would overwrite its metrics and mix its checkpoints. Continue that run with --resume, "
+        "or start this one in a new or empty folder with --train.output_dir=NEW_FOLDER"
     )
     assert snapshot(run) == before
     # an empty folder is a fine place for a new run

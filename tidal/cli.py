@@ -1,4 +1,4 @@
-"""`tidal train | eval | serve | convert`: parse arguments, build the config, call into the rest."""
+"""`tidal train | eval | serve | convert | report`: parse arguments, build the config, call into the rest."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("run_dir", help="a run's train.output_dir")
     x.add_argument("--step", type=int, help="checkpoint step (default: the newest complete checkpoint)")
     x.add_argument("--out", required=True, help="new or empty folder to write")
+
+    rp = sub.add_parser(
+        "report",
+        help="write a self-contained HTML page with a run's curves and samples",
+        description="Curves (reward, eval, length, KL, entropy, clip fraction, throughput, timings) and the kept "
+        "samples of RUN_DIR as one HTML file that needs no network to view.",
+        allow_abbrev=False,
+    )
+    rp.add_argument("run_dir", help="a run folder (train.output_dir)")
+    rp.add_argument("--out", help="output file (default: RUN_DIR/report.html)")
+    rp.add_argument("--sample-steps", type=int, default=50, help="steps whose samples are shown (default: 50)")
     p.commands = sub.choices  # the sub-parsers by name, for unknown-option hints
 
     c = sub.add_parser("convert", help="convert a GGUF model into a local Hugging Face folder")
@@ -174,6 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.train.checkpoint import export_checkpoint
 
         print(export_checkpoint(args.run_dir, args.out, args.step))
+        return 0
+    if args.command == "report":
+        from tidal.report import write_report
+
+        try:
+            print(write_report(args.run_dir, args.out, args.sample_steps))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"tidal report: {e}", file=sys.stderr)
+            return 2
         return 0
     values = {k: v for k, v in vars(args).items() if "." in k}
     if args.command == "eval":

@@ -308,6 +308,19 @@ class LogConfig:
     tensorboard: bool = _opt(True, "write TensorBoard scalars")
     console: bool = _opt(True, "print a line per step")
     log_samples: int = _opt(2, "responses printed per step (0 = none)")
+    save_samples: bool = _opt(True, "keep every step's samples in output_dir/samples/step_N.jsonl.gz (tidal report)")
+    wandb: bool = _opt(False, "also log to Weights & Biases (pip install 'tidal[wandb]')")
+    wandb_project: str = _opt("tidal", "wandb project")
+    wandb_mode: str = _opt("offline", "wandb mode: offline (files under output_dir/wandb, no network) | online")
+
+
+@dataclass
+class DebugConfig:
+    rollout_only: bool = _opt(False, "roll out and keep the samples, but never train (the weights stay as loaded)")
+    save_rollout: str | None = _opt(None, "folder to save every step's rollout in (whole samples, for load_rollout)")
+    load_rollout: str | None = _opt(
+        None, "train on the rollouts saved in this folder instead of generating (no engine is started)"
+    )
 
 
 EVAL_SET_KEYS = {
@@ -416,6 +429,7 @@ class Config:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -693,6 +707,25 @@ def _validate_overlap(cfg: Config, need) -> None:
     )
 
 
+def _validate_debug(cfg: Config, need) -> None:
+    g, lg = cfg.debug, cfg.log
+    need(lg.wandb_mode in ("offline", "online"), f"log.wandb_mode: offline or online, got {lg.wandb_mode!r}")
+    need(not (g.rollout_only and g.load_rollout), "debug.rollout_only: cannot replay saved rollouts (load_rollout)")
+    need(not (g.save_rollout and g.load_rollout), "debug.save_rollout: cannot be set with debug.load_rollout")
+    if not (g.rollout_only or g.save_rollout or g.load_rollout):
+        return
+    need(cfg.algo.mode == "rl", "debug: rollout modes need algo.mode rl")
+    need(cfg.overlap.mode == "off", "debug: rollout modes run the synchronous loop; set overlap.mode off")
+    need(
+        not g.load_rollout or Path(g.load_rollout).is_dir(),
+        f"debug.load_rollout: {g.load_rollout!r} is not a folder (write one with debug.save_rollout)",
+    )
+    need(
+        not g.load_rollout or not cfg.eval.interval,
+        "debug.load_rollout: starts no engine, so eval.interval must be 0 (evaluation samples)",
+    )
+
+
 def resolved_policy_loss(a: AlgoConfig) -> str:
     """The loss `policy_loss: auto` stands for: the one named by a gspo/cispo estimator, else ppo."""
     if a.policy_loss != "auto":
@@ -817,5 +850,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     _validate_cluster(cfg.cluster, r, for_training, need)
     _validate_overlap(cfg, need)
     _validate_eval_and_streaming(cfg, need)
+    _validate_debug(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -1,4 +1,5 @@
-"""Training metrics: a JSONL file (the source of truth), TensorBoard scalars and a console line.
+"""Training metrics: a JSONL file (the source of truth), TensorBoard scalars, an optional tracker
+(wandb, `tidal.tracking`) and a console line with throughput and ETA.
 
 `metrics.jsonl` holds one JSON object per step, `{"step": k, **metrics}`, flushed as soon as the
 step is logged so a killed run keeps every finished step. TensorBoard and the console are views
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["MetricsLogger", "print_reward_table", "reward_table"]
+__all__ = ["MetricsLogger", "print_reward_table", "read_metrics", "reward_table"]
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -48,6 +49,21 @@ def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return _parse_jsonl(path.read_text(encoding="utf-8"), path)[0]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of `run_dir/metrics.jsonl` ([] when there is none); a torn last line is skipped."""
+    return _read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def _duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: short enough for the step line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _to_number(key: str, value: Any) -> int | float:
@@ -101,6 +117,7 @@ class MetricsLogger:
         resume: bool = False,
         *,
         total_steps: int | None = None,
+        tracker: Any = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +127,10 @@ class MetricsLogger:
         self.resume = resume
         self._use_tb = tensorboard
         self._tb_writer: Any = None
+        # anything with log(step, values) and close(), e.g. tidal.tracking.WandbTracker
+        self._tracker = tracker
+        # recent step durations (this process only: a resumed run's first step includes start-up)
+        self._step_times: list[float] = []
         self._console: Any = None
         if console:
             from rich.console import Console
@@ -194,6 +215,11 @@ class MetricsLogger:
         self._file.flush()
 
         self._log_tensorboard(step, values)
+        if self._tracker is not None:
+            self._tracker.log(step, values)
+        step_time = values.get("time/step")
+        if step_time is not None and math.isfinite(step_time):
+            self._step_times = [*self._step_times[-9:], float(step_time)]
         if self._console is not None:
             self._console.print(self.format_line(step, values), soft_wrap=True, markup=False)
 
@@ -228,7 +254,7 @@ class MetricsLogger:
         return SummaryWriter(str(self.tensorboard_dir), purge_step=first_step if self.resume else None)
 
     def format_line(self, step: int, metrics: dict[str, Any]) -> str:
-        """The one-line console summary for a step (about 100 columns at most)."""
+        """The one-line console summary for a step (about 125 columns at most)."""
 
         def get(*keys: str) -> float | None:
             for key in keys:
@@ -260,10 +286,22 @@ class MetricsLogger:
             v = get(*keys)
             if v is not None:
                 parts.append(f"{label} {_fmt(v, spec)}")
+        tok_s = get("perf/rollout_tokens_per_s")
+        if tok_s is not None:
+            parts.append(f"{_fmt(tok_s, '.0f')} tok/s")
         step_time = get("time/step")
         if step_time is not None:
             parts.append(f"{_fmt(step_time, '.1f')}s")
+        eta = self.eta(step)
+        if eta is not None:
+            parts.append(f"eta {_duration(eta)}")
         return "  ".join(parts)
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left until `total_steps`, from the mean of the last 10 logged step times."""
+        if not self.total_steps or not self._step_times or step >= self.total_steps:
+            return None
+        return (self.total_steps - step) * sum(self._step_times) / len(self._step_times)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -282,6 +320,9 @@ class MetricsLogger:
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -31,14 +31,16 @@ from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
+from tidal.debug_rollout import rollout_for_step
 from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
-from tidal.rollout.rewards import scalar_reward
 from tidal.run_dir import check_run_dir, start_run_dir
+from tidal.samples_log import record_step
+from tidal.tracking import open_tracker
 from tidal.train.checkpoint import load_checkpoint, save_checkpoint
 from tidal.train.estimate import compute_advantages
 from tidal.types import Status
@@ -116,6 +118,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             console=cfg.log.console,
             resume=ckpt is not None,
             total_steps=t_cfg.num_steps,
+            tracker=open_tracker(cfg.log, cfg.log.dir or out_dir, cfg.to_dict(), resume=ckpt is not None),
         )
         if ckpt is not None:
             logger.truncate_after(start)
@@ -133,6 +136,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                     metrics.update(evaluator.run(step + 1, overlapped))
                 logger.log(step + 1, metrics)
                 done = step + 1
+                if cfg.debug.rollout_only:  # nothing trained, nothing to save
+                    continue
                 if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
                     trainer_state = roles.trainer.state_dict()
                     if roles.critic is not None:
@@ -181,8 +186,14 @@ def rl_step(
     if overlapped is not None:  # rolled out while earlier steps trained
         samples, metrics = overlapped.next_batch(step)
     else:
-        samples, metrics = collect(source, rollout, step, a_cfg, r_cfg.reward_key)
+        samples, metrics = rollout_for_step(
+            cfg.debug, step + 1, lambda: collect(source, rollout, step, a_cfg, r_cfg.reward_key)
+        )
     t_rollout = time.perf_counter() - t0
+    if cfg.debug.rollout_only:  # no forward pass, update or sync: the weights stay as loaded
+        rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.response_budget)
+        _keep_samples(cfg, step, samples, rewards, None)
+        return {**metrics, **rollout_metrics(samples, rewards, group_size(samples)), "time/rollout": t_rollout}
     if roles.colocate:  # the engines give their memory to the trainers until the next push
         roles.engines.sleep()
 
@@ -235,6 +246,14 @@ def rl_step(
             "data/epoch": float(source.epoch),
         }
     )
-    for s in samples[: cfg.log.log_samples]:
-        log.info("sample (reward %.2f, %s): %r", scalar_reward(s, r_cfg.reward_key), s.status.value, s.response[:160])
+    _keep_samples(cfg, step, samples, rewards, adv)
     return metrics
+
+
+def _keep_samples(cfg: Config, step: int, samples, rewards, adv) -> None:
+    """The step's samples to output_dir/samples (always in rollout-only mode) and a few to the log."""
+    save = cfg.log.save_samples or cfg.debug.rollout_only
+    run_dir = cfg.log.dir or cfg.train.output_dir
+    record_step(
+        run_dir, step + 1, samples, rewards, adv, reward_key=cfg.rollout.reward_key, show=cfg.log.log_samples, save=save
+    )

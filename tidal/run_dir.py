@@ -60,6 +60,7 @@ HARMLESS_FIELDS = frozenset(
         "cluster.sync_dir",
         "cluster.cpus_per_trainer",
         "cluster.cpus_per_engine",
+        "debug.save_rollout",  # only writes a copy of each rollout
     }
 )
 HARMLESS_GROUPS = ("log", "eval")

@@ -94,7 +94,8 @@ def _sync_kind(cfg: Config) -> str:
 
 def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None, sft: bool = False) -> Roles:
     """Trainer (and critic), engines and weight sync for `cfg`; the trainer starts from
-    `checkpoint` when given (its optimizer state is loaded by the caller)."""
+    `checkpoint` when given (its optimizer state is loaded by the caller). Replaying saved
+    rollouts (`debug.load_rollout`) starts no engine."""
     from tidal.engine.factory import engine_options, make_engine
     from tidal.train.critic import Critic
 
@@ -112,7 +113,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             roles.trainer = Actor(
                 start_from, t, a, r.temperature, pad_id, reference=model_dir, max_response_len=max_len
             )
-            if not sft:
+            if not sft and not cfg.debug.load_rollout:
                 roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
         else:
             from tidal.cluster.engines import EngineGroup
@@ -129,14 +130,18 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
                 c, t, a, start_from, model_dir, r.temperature, pad_id, max_len, group, trainer_bundles
             )
             roles.closers.append(roles.trainer.close)
-            if not sft:
+            if not sft and not cfg.debug.load_rollout:
                 if r.engine == "remote":
                     roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
                 else:
                     opts = engine_options(r, cfg.data.max_prompt_length)
                     roles.engines = EngineGroup(c, r, str(model_dir), opts, group, engine_bundles)
                     roles.closers.append(roles.engines.close)
-        if not sft:
+        if not sft and cfg.debug.load_rollout:
+            from tidal.debug_rollout import NoEngines, NoSync
+
+            roles.engines, roles.sync = NoEngines(), NoSync()
+        elif not sft:
             roles.sync = build_sync(cfg, roles.trainer, roles.engines)
             roles.closers.append(roles.sync.close)
         return roles
