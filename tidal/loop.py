@@ -139,19 +139,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                 if cfg.debug.rollout_only:  # nothing trained, nothing to save
                     continue
                 if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
-                    trainer_state = roles.trainer.state_dict()
-                    if roles.critic is not None:
-                        trainer_state["critic"] = roles.critic.state_dict()
-                    if overlapped is not None:  # the worker finishes its wave: buffer and source agree
-                        overlapped.pause()
-                    state = {"data": source.state_dict(), "weight_version": done}
-                    if overlapped is not None:
-                        state["overlap"] = overlapped.state_dict()
-                    save_checkpoint(
-                        out_dir, done, roles.trainer.save_model, tokenizer, trainer_state, state, t_cfg.keep_checkpoints
-                    )
-                    if overlapped is not None:
-                        overlapped.resume()
+                    save(done, cfg, roles, source, tokenizer, overlapped)
         finally:
             logger.close()
     finally:
@@ -160,6 +148,25 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     if cfg.log.console and not sft:
         print_reward_table(history)
     return history
+
+
+def save(done: int, cfg: Config, roles: Roles, source, tokenizer, overlapped: OverlappedRollout | None) -> None:
+    """Checkpoint after step `done`: trainer (and critic), data position, the overlapped buffer."""
+    trainer_state = roles.trainer.state_dict()
+    if roles.critic is not None:
+        trainer_state["critic"] = roles.critic.state_dict()
+    if overlapped is not None:  # the worker finishes its wave: buffer and source agree
+        overlapped.pause()
+    try:
+        state = {"data": source.state_dict(), "weight_version": done}
+        if overlapped is not None:
+            state["overlap"] = overlapped.state_dict()
+        t = cfg.train
+        write_model = roles.trainer.save_model
+        save_checkpoint(t.output_dir, done, write_model, tokenizer, trainer_state, state, t.keep_checkpoints)
+    finally:
+        if overlapped is not None:
+            overlapped.resume()
 
 
 def sft_step(source: DataSource, roles: Roles) -> dict[str, float]:
