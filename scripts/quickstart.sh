@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 tidal convert
-tidal train --config examples/quickstart/config.yaml "$@"
+# a second run goes to a new folder: tidal refuses to start a new run in a used one
+out=runs/quickstart
+[ -e "$out" ] && out="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
+tidal train --config examples/quickstart/config.yaml --train.output_dir "$out" "$@"
