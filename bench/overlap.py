@@ -145,6 +145,8 @@ def main() -> None:
         print(f"{r['mode']:<10} {r['step_s']:7.2f} {speed:>8} {r['train_s']:8.2f} {r['trainer_idle_s']:13.2f} "
               f"{r['engine_idle_s']:12.2f} {r['staleness_mean']:10.2f} {r['aborted']:8.0f}  "
               f"{' '.join(f'{x:.2f}' for x in r['reward_by_step'])}")  # fmt: skip
-    name = "overlap" if args.engine == "simulated" else "overlap-quickstart"
+    name = "overlap-quickstart" if args.engine == "real" else "overlap"
+    if args.engine == "simulated" and args.sleep_ms != 60:
+        name += f"-sleep{args.sleep_ms:g}ms"
     path = write_result(name, {"machine": machine(), "args": vars(args), "rows": rows})
     print(f"wrote {path}")
