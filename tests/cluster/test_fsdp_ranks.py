@@ -44,6 +44,7 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
     if rank == 0:
         torch.save({"sums": sums, "extra": extra, "logp": logp, "w1": weights, "state": state, "w2": weights2}, out)
     torch.save(logp, f"{out}.logp{rank}")  # every rank ends with the whole batch's
+    torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     tr.close()
 
 
@@ -119,6 +120,7 @@ def _bad_step_main(rank: int, world: int, init: str, model_dir: str, out: str) -
     _, extra = tr.train_sums(samples, adv, None, None)
     after = tr.full_weights(None)
     torch.save({"extra": extra, "before": before, "after": after}, f"{out}.{rank}")
+    torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     tr.close()
 
 
