@@ -18,9 +18,8 @@ from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import GenerationOutput
 from tidal.rollout.agent import Alignment, align
-from tidal.rollout.generate import RoundBatcher
+from tidal.rollout.generate import RoundBatcher, turn_seed
 from tidal.rollout.manager import RolloutManager, sample_seed
-from tidal.rollout.multi_turn import turn_seed
 from tidal.types import Status
 from tidal.utils import load_object
 

@@ -13,9 +13,9 @@ from conftest import CHATML
 from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
 from tidal.engine.base import GenerationOutput
-from tidal.rollout.generate import GenerateContext, RoundBatcher, single_turn
+from tidal.rollout.generate import GenerateContext, RoundBatcher, single_turn, turn_seed
 from tidal.rollout.manager import RolloutManager, sample_seed
-from tidal.rollout.multi_turn import call_tool, tool_spec, turn_seed
+from tidal.rollout.multi_turn import call_tool, tool_spec
 from tidal.types import Sample, Status
 
 

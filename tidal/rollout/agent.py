@@ -11,8 +11,8 @@ it `client.base_url` and `client.api_key`; that program must finish before the a
 Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
 functions of `tidal.server.openai`), sampled by the engine with the rollout's sampling (the
 request's temperature, top_p and penalties are ignored: the trainer needs the behaviour
-distribution; call k's seed is the tool loop's `turn_seed(sample seed, k)`) and recorded: prompt ids, sampled
-ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
+distribution; call k's seed is `turn_seed(sample seed, k)`, as in the tool loop) and recorded:
+prompt ids, sampled ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
 samples (docs/agents.md, "The agent door").
 """
 
@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import inspect
 import logging
 import secrets
 import socket
@@ -33,8 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from tidal.engine.sampling import SamplingParams
-from tidal.rollout.generate import GenerateContext, finish
-from tidal.rollout.multi_turn import turn_seed
+from tidal.rollout.generate import GenerateContext, finish, load_async_fn, turn_seed
 from tidal.server.common import ApiError, BadRequest
 from tidal.server.openai import (
     ChatBody,
@@ -49,7 +47,6 @@ from tidal.server.openai import (
     uses_tools,
 )
 from tidal.types import Sample, Status
-from tidal.utils import load_object
 
 log = logging.getLogger(__name__)
 
@@ -327,13 +324,7 @@ async def _release_door(extra: dict, door: AgentDoor) -> None:
 
 
 def load_agent(name: str) -> Any:
-    try:
-        fn = load_object(name, callable_required=True)
-    except (ImportError, ValueError) as e:
-        raise ValueError(f"rollout.agent: cannot load {name!r}: {e}") from e
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.agent: {name!r} must be `async def agent(client, prompt, label)`")
-    return fn
+    return load_async_fn(name, "rollout.agent", "async def agent(client, prompt, label)")
 
 
 async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> list[Sample]:

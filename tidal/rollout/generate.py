@@ -144,6 +144,25 @@ class GenerateContext:
         return await self.engine.generate(input_ids, sampling, self.key)
 
 
+def turn_seed(seed: int | None, k: int) -> int | None:
+    """The seed of a sample's k-th engine call (a tool-loop turn, an agent call, a partial
+    rollout's continuation). k = 0 keeps the sample's seed, so a sample that needs one call
+    samples exactly what `single_turn` would."""
+    return None if seed is None else (seed + k * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def load_async_fn(name: str, where: str, signature: str) -> Callable:
+    """A user coroutine function by dotted path or `file.py:fn`; errors name `where` and the
+    `signature` expected."""
+    try:
+        fn = load_object(name, callable_required=True)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{where}: cannot load {name!r}: {e}") from e
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{where}: {name!r} must be `{signature}`")
+    return fn
+
+
 def finish(sample: Sample, finish_reason: str) -> Sample:
     sample.status = FINISH_STATUS[finish_reason]
     sample.metadata["finish_reason"] = finish_reason
@@ -160,8 +179,9 @@ async def single_turn(ctx: GenerateContext, sample: Sample, sampling: SamplingPa
     if done:
         segment = sample.metadata.get("segments", 1)
         sample.metadata["segments"] = segment + 1
-        seed = None if sampling.seed is None else (sampling.seed + segment * 0xD1B54A32D192ED03) % (1 << 63)
-        sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - done, seed=seed)
+        sampling = dataclasses.replace(
+            sampling, max_new_tokens=sampling.max_new_tokens - done, seed=turn_seed(sampling.seed, segment)
+        )
     out = await ctx.generate(sample.tokens, sampling)
     sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
     if done and ctx.tokenizer is not None:  # decode the whole: a character may straddle the segments
@@ -188,12 +208,7 @@ def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
     """A built-in generate function by name, or a user one by dotted path or `file.py:fn`."""
     if name in BUILTIN_GENERATE:
         return BUILTIN_GENERATE[name]
-    try:
-        fn = load_object(name, callable_required=True)
-    except (ImportError, ValueError) as e:
-        raise ValueError(f"{where}: cannot load generate function {name!r}: {e}") from e
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"{where}: {name!r} must be `async def generate(ctx, sample, sampling)`")
+    fn = load_async_fn(name, where, "async def generate(ctx, sample, sampling)")
     params = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
     if len(params) != 3:
         raise ValueError(f"{where}: {name!r} takes {len(params)} required arguments; expected (ctx, sample, sampling)")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.engine.sampling import SamplingParams
-from tidal.rollout.generate import GenerateContext, finish
+from tidal.rollout.generate import GenerateContext, finish, turn_seed
 from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
 from tidal.types import Sample, Status
 from tidal.utils import load_object
@@ -161,11 +161,6 @@ def _clip(tokenizer: Any, text: str, max_tokens: int) -> str:
     if len(ids) <= max_tokens:
         return text
     return tokenizer.decode(ids[:max_tokens]) + f" ...[cut at {max_tokens} tokens]"
-
-
-def turn_seed(seed: int | None, turn: int) -> int | None:
-    """Turn 0 keeps the sample's seed, so a tool loop with no call samples what single_turn would."""
-    return None if seed is None else (seed + turn * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 def _state(ctx: GenerateContext) -> tuple[dict[str, Callable], TurnRenderer]:
