@@ -27,10 +27,10 @@ class EngineServer:
     def __init__(self, model: str, engine_kwargs: dict, threads: int, api_key: str) -> None:
         from transformers import AutoTokenizer
 
-        from tidal.cluster.ray_setup import node_ip
         from tidal.config import ServerConfig
         from tidal.engine.async_engine import AsyncEngine
         from tidal.engine.llm_engine import LLMEngine
+        from tidal.net import node_ip
         from tidal.server import BackgroundServer, build_app
 
         torch.set_num_threads(max(1, threads))

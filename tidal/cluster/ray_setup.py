@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 
 from tidal.config import ClusterConfig
@@ -67,15 +66,3 @@ def placement(cfg: ClusterConfig):
             f"available: {ray.available_resources()}"
         ) from None
     return group, list(range(cfg.trainers)), engines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()

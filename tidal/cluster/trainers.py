@@ -182,7 +182,7 @@ class TrainerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tidal.cluster.ray_setup import free_port, node_ip
+        from tidal.net import free_port, node_ip
 
         self.timeout = cluster.sync_timeout
         world = cluster.trainers

@@ -91,7 +91,7 @@ class BroadcastSync:
     def _join(self) -> None:
         """A new process group of trainer rank 0 and the engines there are now (also after an
         engine was restarted or dropped: the old group still counts the dead one)."""
-        from tidal.cluster.ray_setup import free_port, node_ip
+        from tidal.net import free_port, node_ip
 
         engines = self.engines
         self.names = [f"{u} (engine {i})" for i, u in enumerate(engines.urls)]
