@@ -92,9 +92,9 @@ def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
         for j in range(n):
             batch.append(p)
             params.append(SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=sample_seed(seed, 0, g * n + j)))
-    engine.generate(batch[:2], params[:2])  # warm-up
+    engine.generate_batch(batch[:2], params[:2])  # warm-up
     t0 = time.perf_counter()
-    outs = engine.generate(batch, params)
+    outs = engine.generate_batch(batch, params)
     seconds = time.perf_counter() - t0
     st = engine.stats()
     return {

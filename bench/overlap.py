@@ -4,7 +4,7 @@
     python -m bench overlap --engine real --steps 20 # the quickstart itself in each mode
 
 `--engine simulated` (the default) is a labelled simulation of an engine on a device of its own:
-the engine's weights are real (the weight pushes are real copies) but a decode step is a fixed
+the engine's weights are real (the weight pushes are real loads) but a decode step is a fixed
 sleep of `--sleep-ms` per step that uses no CPU, emitting seeded random tokens, so the trainer
 has the 2 cores to itself while the engine "works". That shows what overlap buys when rollout and
 training do not share a processor: the step time, and the idle time it removes on each side.
@@ -44,36 +44,51 @@ def parity_reward(sample) -> float:
 
 
 def simulate_engine(sleep_s: float) -> None:
-    """Make `LLMEngine.generate` a sleeping stand-in (see the module docstring)."""
-    from tidal.engine.base import GenerationOutput
+    """Make `LLMEngine`'s step API a sleeping stand-in (see the module docstring): requests are
+    queued and answered with seeded random tokens, one per step, each step a sleep; weights, weight
+    loads and everything else stay real."""
+    from tidal.contracts import RequestOutput
     from tidal.engine.llm_engine import LLMEngine
 
-    def generate(self, prompts, params, should_abort=None):
-        vocab = self.model.config.vocab_size
-        rngs = [random.Random(p.seed) for p in params]
-        outs: list[list[int]] = [[] for _ in prompts]
-        aborted = False
-        for _ in range(max(p.max_new_tokens for p in params)):
-            if should_abort is not None and should_abort():
-                aborted = True
-                break
-            time.sleep(sleep_s)
-            for i, p in enumerate(params):
-                if len(outs[i]) < p.max_new_tokens:
-                    outs[i].append(rngs[i].randrange(3, vocab))
-        lp = -math.log(vocab)
-        return [
-            GenerationOutput(
-                ids,
-                [lp] * len(ids),
-                "abort" if aborted and len(ids) < p.max_new_tokens else "length",
-                self.tokenizer.decode(ids),
-                self.weight_version,
-            )
-            for ids, p in zip(outs, params, strict=True)
-        ]
+    def table(self) -> dict:
+        return self.__dict__.setdefault("_simulated", {})
 
-    LLMEngine.generate = generate
+    def add_request(self, request_id, prompt_ids, params):
+        rid = request_id if request_id is not None else f"sim-{len(table(self))}-{time.monotonic_ns()}"
+        table(self)[rid] = (list(prompt_ids), params, random.Random(params.seed), [])
+        return rid
+
+    def output(self, rid: str, reason: str) -> RequestOutput:
+        prompt, _, _, ids = table(self).pop(rid)
+        lp = -math.log(self.model.config.vocab_size)
+        text = self.tokenizer.decode(ids)
+        return RequestOutput(
+            request_id=rid,
+            token_ids=ids,
+            log_probs=[lp] * len(ids),
+            finish_reason=reason,
+            text=text,
+            weight_version=self.weight_version,
+            prompt_tokens=len(prompt),
+        )
+
+    def step(self):
+        time.sleep(sleep_s)
+        vocab, done = self.model.config.vocab_size, []
+        for rid, (_, params, rng, ids) in list(table(self).items()):
+            ids.append(rng.randrange(3, vocab))
+            if len(ids) >= params.max_new_tokens:
+                done.append(output(self, rid, "length"))
+        return done
+
+    def abort(self, request_id=None):
+        rids = list(table(self)) if request_id is None else [request_id]
+        return [output(self, r, "abort") for r in rids if r in table(self)]
+
+    LLMEngine.add_request = add_request
+    LLMEngine.step = step
+    LLMEngine.abort = abort
+    LLMEngine.has_unfinished = lambda self: bool(table(self))
 
 
 def child(args) -> dict:

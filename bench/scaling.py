@@ -74,11 +74,11 @@ def child_rollout(args) -> dict:
                 temperature=1.0, max_new_tokens=args.max_new, seed=sample_seed(args.seed, 0, g * args.n + j)
             )
             params.append(sp)
-    engine.generate([batch[0]] * 2, [SamplingParams(temperature=1.0, max_new_tokens=8, seed=s) for s in (1, 2)])
+    engine.generate_batch([batch[0]] * 2, [SamplingParams(temperature=1.0, max_new_tokens=8, seed=s) for s in (1, 2)])
     engine.flush_cache()  # the warm-up only warms kernels: no prefix hits from it
     steps0 = engine.stats()["steps"]
     t0 = time.perf_counter()
-    outs = engine.generate(batch, params)
+    outs = engine.generate_batch(batch, params)
     seconds = time.perf_counter() - t0
     return {
         "n": args.n,

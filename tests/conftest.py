@@ -166,3 +166,32 @@ def loop_config(model_dir, out_dir, **over):
     from tidal.config import build_config
 
     return build_config(None, values)
+
+
+_TEST_LOOP = None
+
+
+def shared_loop():
+    """One long-lived rollout event loop for the tests (as a run has one per rollout role)."""
+    global _TEST_LOOP
+    from tidal.aio import LoopThread
+
+    if _TEST_LOOP is None or _TEST_LOOP.closed:
+        _TEST_LOOP = LoopThread("tidal-test")
+    return _TEST_LOOP
+
+
+def run_batch(engine, prompts, params, groups=True):
+    """Submit every prompt to an async `tidal.contracts.Engine` at once (identical consecutive
+    prompts as one group when `groups`) and wait for all outputs, in order: the tests' batch call."""
+    import asyncio
+
+    keys = []
+    for i, p in enumerate(prompts):
+        keys.append(keys[-1] if groups and i and list(p) == list(prompts[i - 1]) else i)
+
+    async def main():
+        calls = [engine.generate(p, sp, group=k) for p, sp, k in zip(prompts, params, keys, strict=True)]
+        return list(await asyncio.gather(*calls))
+
+    return shared_loop().run(main(), 600, "run_batch")

@@ -221,7 +221,7 @@ def test_in_process_engine_shares_the_trainers_weights(tiny_model_dir, tmp_path,
         actor, engine = roles.trainer, roles.engines.engine
         trainer = actor.model if shared == "master" else actor.mixed.model
         ptrs = {n: p.data_ptr() for n, p in trainer.named_parameters()}
-        seen[step] = all(p.data_ptr() == ptrs[n] for n, p in engine.model.named_parameters())
+        seen[step] = all(p.data_ptr() == ptrs[n] for n, p in engine.core.model.named_parameters())
         seen["version"] = engine.weight_version
         return out
 

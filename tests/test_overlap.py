@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 
 import tidal.loop
 from tidal.config import ConfigError, RolloutConfig
+from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.engine.base import GenerationOutput
+from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.rollout.buffer import Buffer, newest_first, oldest_version, reward_stratified
 from tidal.rollout.manager import RolloutManager
@@ -110,77 +111,97 @@ def test_resume_in_full_mode_trains_every_prompt_once(tiny_model_dir, tmp_path, 
 
 
 class AbortingEngine:
-    """A scripted engine that is cut short once while `should_abort` says so: prompt i's first
-    call samples [10 + i, 20 + i] and is aborted; a continuation samples [30 + i] and stops."""
+    """A scripted engine whose first request for prompt i samples [10 + i, 20 + i] and is aborted
+    (weights were on their way: the next version is 1); a continuation samples [30 + i] and stops."""
 
     def __init__(self):
         self.calls, self.weight_version = [], 0
 
-    def generate(self, prompts, params, should_abort=None):
-        self.calls.append([list(p) for p in prompts])
-        if should_abort is not None and should_abort():
-            v = self.weight_version
-            return [GenerationOutput([10 + i, 20 + i], [-1.0, -2.0], "abort", "", v) for i in range(len(prompts))]
-        return [GenerationOutput([30 + i], [-3.0], "stop", "", self.weight_version) for i in range(len(prompts))]
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        self.calls.append(list(input_ids))
+        if len(input_ids) == 2:
+            i = sampling.seed % 2  # the two samples of the group have distinct seeds
+            return GenerationOutput([10 + i, 20 + i], [-1.0, -2.0], "abort", "", 0)
+        i = input_ids[2] - 10
+        assert sampling.max_new_tokens == 3  # what is left of 5
+        return GenerationOutput([30 + i], [-3.0], "stop", "", 1)
 
 
 def test_an_aborted_request_continues_from_its_own_tokens():
     engine = AbortingEngine()
     manager = RolloutManager(engine, RolloutConfig(n_samples_per_prompt=2, reward="exact_match", max_new_tokens=5))
-    pending = {"weights": True}
-    manager.should_abort = lambda: pending["weights"]
-
-    def load():
-        pending["weights"] = False
-        engine.weight_version = 1
-
-    manager.on_abort = load
+    manager.continue_partial = True
     rec = PromptRecord(index=0, prompt="p", text="p", input_ids=[1, 2], label="x")
     samples = manager.generate([rec], step=0)
-    # the continuation asked for exactly the prompt + the cut tokens
-    assert engine.calls == [[[1, 2], [1, 2]], [[1, 2, 10, 20], [1, 2, 11, 21]]]
-    for i, s in enumerate(samples):
+    parity = [s.tokens[2] - 10 for s in samples]
+    assert sorted(parity) == [0, 1]
+    # each continuation asked for exactly the prompt + its own cut tokens, with what is left of the budget
+    assert sorted(engine.calls) == [[1, 2], [1, 2], [1, 2, 10, 20], [1, 2, 11, 21]]
+    for i, s in zip(parity, samples, strict=True):
         assert s.tokens == [1, 2, 10 + i, 20 + i, 30 + i] and s.token_versions == [0, 0, 1]
         assert s.rollout_log_probs == [-1.0, -2.0, -3.0] and s.loss_mask == [1, 1, 1]
         assert s.status == Status.COMPLETED and s.metadata["segments"] == 2 and s.weight_version == 0
     assert (manager.aborted, manager.resumed) == (2, 2)
+    manager.close()
+
+
+class HeldEngine(LLMEngine):
+    """tidal's engine, held still after its `hold_after`-th step until the test lets it go."""
+
+    def __init__(self, *args, hold_after: int, **kw):
+        super().__init__(*args, **kw)
+        import threading
+
+        self.hold_after, self.reached, self.release = hold_after, threading.Event(), threading.Event()
+
+    def step(self):
+        out = super().step()
+        if self.counters["steps"] == self.hold_after:
+            self.reached.set()
+            assert self.release.wait(60), "the test never released the engine"
+        return out
 
 
 def test_a_partial_rollout_on_the_real_engine_keeps_its_tokens_and_log_probs():
+    """The overlapped loop's push with partial rollout, step by step on tidal's engine: pause,
+    abort (the samples are sent again at once and wait), load version 1, resume."""
     tok = make_tokenizer()
-    engine = LLMEngine(make_model(), tok, dtype="float32", block_size=4, kv_cache_tokens=512)
+    core = HeldEngine(make_model(), tok, dtype="float32", block_size=4, kv_cache_tokens=512, hold_after=5)
+    engine = AsyncEngine(core)
     cfg = RolloutConfig(n_samples_per_prompt=2, reward="exact_match", max_new_tokens=12, temperature=1.0)
     manager = RolloutManager(engine, cfg, tok)
-    steps = {"n": 0}
+    manager.continue_partial = True
     cut = []
+    real = RolloutManager._call
 
-    def should_abort():
-        steps["n"] += 1
-        return steps["n"] == 5  # four decode steps in
-
-    def load():
-        engine.update_weights_from_tensors(make_model(seed=1).named_parameters(), version=1)
-
-    manager.should_abort, manager.on_abort = should_abort, load
-    real = RolloutManager._run_one
-
-    async def spy(self, fn, ctx, sample, params, batcher):
+    async def spy(self, fn, ctx, sample, params):
         if sample.response_length:  # a continuation: remember what it had
             cut.append((sample.index, list(sample.tokens), list(sample.rollout_log_probs)))
-        return await real(self, fn, ctx, sample, params, batcher)
+        return await real(self, fn, ctx, sample, params)
 
-    RolloutManager._run_one = spy
+    RolloutManager._call = spy
     try:
         rec = PromptRecord(index=0, prompt="p", text="p", input_ids=tok.encode("hello"), label="x")
-        samples = manager.generate([rec], step=0)
+        rollout = manager.loop.submit(manager.agenerate([rec], step=0))
+        assert core.reached.wait(60)  # five steps in: the prompt's prefill and four decodes
+        paused = manager.loop.submit(engine.pause())
+        aborted = manager.loop.submit(engine.abort())
+        core.release.set()
+        paused.result(60), aborted.result(60)
+        engine.load_weights(make_model(seed=1).named_parameters(), version=1, timeout=60)
+        manager.loop.run(engine.resume(), 60)
+        samples = rollout.result(60)
     finally:
-        RolloutManager._run_one = real
+        RolloutManager._call = real
+        manager.close()
+        engine.close()
     assert len(cut) == 2
     for index, tokens, logps in cut:
         s = samples[index]
         assert s.tokens[: len(tokens)] == tokens and s.rollout_log_probs[: len(logps)] == logps
         n_old = len(tokens) - len(rec.input_ids)
-        assert s.token_versions == [0] * n_old + [1] * (s.response_length - n_old) and n_old > 0
+        assert n_old == 5 and s.token_versions == [0] * n_old + [1] * (s.response_length - n_old)
+    assert (manager.aborted, manager.resumed) == (2, 2)
 
 
 def group(versions, reward=0.0, mask=None):

@@ -43,7 +43,7 @@ def test_engine_greedy_is_token_exact_with_transformers(smollm2):
         ).input_ids
         for q in questions
     ]
-    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=16) for _ in prompts])
+    outs = engine.generate_batch(prompts, [SamplingParams(temperature=0.0, max_new_tokens=16) for _ in prompts])
     for p, o in zip(prompts, outs, strict=True):
         ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16, pad_token_id=2)[0, len(p) :]
         assert o.token_ids == ref.tolist()[: len(o.token_ids)]

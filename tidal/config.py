@@ -683,7 +683,10 @@ def _validate_overlap(cfg: Config, need) -> None:
     if o.mode == "off":
         return
     need(a.mode == "rl", "overlap.mode: overlaps rollout with training; algo.mode sft has no rollout")
-    need(not cfg.cluster.uses_ray and r.engine == "tidal", "overlap.mode: needs the in-process tidal engine for now")
+    need(
+        not cfg.cluster.colocate,
+        "overlap.mode: colocated engines sleep while the trainers train, so nothing overlaps; set cluster.colocate false",
+    )
     need(a.advantage != "ppo", "overlap.mode: the ppo critic is not overlapped yet; use a critic-free estimator")
     # the behaviour policy of a stale token is not the policy being trained: its log-probs must
     # enter the loss through a correction, or the run would silently train on-policy math

@@ -77,12 +77,23 @@ def rollout_for_step(
 
 
 class NoEngines:
-    """The rollout role when `debug.load_rollout` replays saved samples: nothing to run."""
+    """The rollout role when `debug.load_rollout` replays saved samples: no engine to run."""
 
     engine = None
 
+    def __init__(self) -> None:
+        from tidal.aio import LoopThread
+
+        self.loop = LoopThread()  # the rollout manager's rewards still run on it
+
     def health(self) -> bool:
         return True
+
+    def recover(self) -> bool:
+        return False
+
+    def live_urls(self) -> list[str]:
+        return []
 
     def sleep(self) -> None:
         pass
@@ -91,11 +102,13 @@ class NoEngines:
         pass
 
     def close(self) -> None:
-        pass
+        self.loop.close()
 
 
 class NoSync:
     """Weight sync with no engine to receive the weights."""
+
+    transport = "none"
 
     def push(self, version: int) -> dict[str, float]:
         return {}

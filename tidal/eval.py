@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from tidal.aio import LoopThread
 from tidal.config import Config, DataConfig, EvalConfig, EvalSet, RolloutConfig
+from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
 from tidal.rollout.manager import RolloutManager, group_size
@@ -124,15 +126,24 @@ class Evaluator:
     `run(step)` scores every set with the engine's current weights and returns
     `eval/<name>/<metric>` entries. Sets are read once, up front."""
 
-    def __init__(self, cfg: EvalConfig, rollout: RolloutConfig, data: DataConfig, tokenizer: Any, engine: Any) -> None:
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        tokenizer: Any,
+        engine: Engine,
+        loop: LoopThread | None = None,
+    ) -> None:
         self.cfg = cfg
         self.reward_key = rollout.reward_key
         self.sets = []
+        self.engine = engine
+        self.loop = loop if loop is not None else LoopThread("tidal-eval")
         if cfg.interval:
             for s in cfg.sets(data, rollout):
-                manager = RolloutManager(engine, set_rollout_config(rollout, s, cfg.seed), tokenizer)
+                manager = RolloutManager(engine, set_rollout_config(rollout, s, cfg.seed), tokenizer, self.loop)
                 self.sets.append((s.name, manager, load_set(s, tokenizer)))
-        self.engine = engine
 
     def due(self, step: int) -> bool:
         """Whether the weights after `step` steps (0: the initial ones) are to be evaluated."""
@@ -142,13 +153,13 @@ class Evaluator:
 
     def run(self, step: int, overlapped: Any = None) -> dict[str, float]:
         """Every set's metrics as `eval/<name>/<metric>`, plus `time/eval`. With an overlapped
-        rollout (`overlap.mode`), its worker is held while eval has the engine, and the weights
-        pushed to it are loaded first; `eval/<name>/weight_version` records the version used."""
+        rollout (`overlap.mode`), its worker is held while eval has the engine (it holds the
+        trainer's latest weights: pushes finish before the loop goes on);
+        `eval/<name>/weight_version` records the version used."""
         t0 = time.perf_counter()
         out: dict[str, float] = {}
         if overlapped is not None:  # the engine serves one caller at a time
             overlapped.pause()
-            overlapped.load_pushed_weights()
         # The engine's sampler draws from torch's global generator even for seeded rows, and a
         # user's reward may use `random`: put both back so training's draws are untouched.
         py_state = random.getstate()
@@ -160,9 +171,7 @@ class Evaluator:
                     out.update({f"eval/{name}/{k}": v for k, v in metrics.items() if k not in ("prompts", "samples")})
             # Eval prompts left in the prefix cache would let the next rollout reuse K/V computed
             # in another batch; drop them so a run's rollouts are the same with and without eval.
-            flush = getattr(self.engine, "flush_cache", None)
-            if flush is not None:
-                flush()
+            self.loop.run(self.engine.flush_cache(), 60, "flushing the engine's prefix cache after eval")
         finally:
             random.setstate(py_state)
             if overlapped is not None:
@@ -210,13 +219,18 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     max_prompt = max(s.data.max_prompt_length for s in sets)
     engine = make_engine(sizing, model_dir, tokenizer, max_prompt, prompts=prompts)
     results = {}
-    for s, records in loaded:
-        manager = RolloutManager(engine, set_rollout_config(cfg.rollout, s, cfg.eval.seed), tokenizer)
-        metrics = evaluate_set(
-            manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.rollout.reward_key
-        )
-        metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
-        results[s.name] = metrics
+    with LoopThread("tidal-eval") as loop:
+        try:
+            for s, records in loaded:
+                set_cfg = set_rollout_config(cfg.rollout, s, cfg.eval.seed)
+                manager = RolloutManager(engine, set_cfg, tokenizer, loop)
+                metrics = evaluate_set(
+                    manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.rollout.reward_key
+                )
+                metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
+                results[s.name] = metrics
+        finally:
+            loop.run(engine.aclose(), 60, "closing the engine")
     return {"model": str(Path(model_dir)), "datasets": results}
 
 

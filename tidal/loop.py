@@ -104,14 +104,12 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
         overlapped = None
         if not sft:
             roles.sync.push(start)
-            rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer)
+            rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer, roles.engines.loop)
             if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
-                overlapped = OverlappedRollout(
-                    cfg, source, rollout, roles.engines.engine.update_weights_from_tensors, start,
-                    state.get("overlap") if ckpt is not None else None,
-                )  # fmt: skip
+                overlap_state = state.get("overlap") if ckpt is not None else None
+                overlapped = OverlappedRollout(cfg, source, rollout, start, overlap_state)
                 roles.closers.append(overlapped.close)
-            evaluator = Evaluator(cfg.eval, cfg.rollout, cfg.data, tokenizer, roles.engines.engine)
+            evaluator = Evaluator(cfg.eval, cfg.rollout, cfg.data, tokenizer, roles.engines.engine, roles.engines.loop)
         logger = MetricsLogger(
             cfg.log.dir or out_dir,
             tensorboard=cfg.log.tensorboard,
@@ -233,9 +231,9 @@ def rl_step(
         roles.engines.wake()
     if overlapped is None:
         metrics.update(roles.sync.push(step + 1))
-    elif (step + 1) % cfg.overlap.sync_interval == 0:  # a copy: the engine reads it while we train on
-        dtype = roles.sync.dtype
-        overlapped.push_weights(step + 1, [(n, t.detach().clone()) for n, t in trainer.named_weights(dtype)])
+    elif (step + 1) % cfg.overlap.sync_interval == 0:  # at a point the rollout makes safe for it
+        metrics.update(overlapped.push(step + 1, roles.sync.push))
+        metrics["time/trainer_idle"] = metrics.get("time/trainer_idle", 0.0) + metrics.pop("time/push_wait")
     t_sync = time.perf_counter() - t2
 
     resp_tokens = sum(s.response_length for s in samples)

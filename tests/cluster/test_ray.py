@@ -2,6 +2,7 @@
 colocated, against the in-process default; and weight syncs that fail end the run with an error
 naming the engine and the transport, within the timeout, leaving no Ray workers behind."""
 
+import asyncio
 import os
 import signal
 import threading
@@ -120,7 +121,8 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
         assert roles.engines.health()
         roles.engines.pause()
         roles.engines.resume()
-        assert roles.engines.engine.get_weight_versions() == [1, 1]
+        loop = roles.engines.loop
+        assert loop.run(roles.engines.engine.get_weight_versions(), 30) == [1, 1]
         # the engines listen on the node's address, so only this run (it holds the key) may call them
         import httpx
 
@@ -157,22 +159,26 @@ def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
     roles = engine_roles(tiny_model_dir, tmp_path, timeout=60, **{"cluster.engine_failure": policy})
     try:
         roles.sync.push(1)
-        engine, router = roles.engines.engine, roles.engines.engine.router
-        reference = [o.token_ids for o in engine.generate(prompts, params)]
+        engine, router, loop = roles.engines.engine, roles.engines.engine.router, roles.engines.loop
+
+        async def rollout():
+            calls = [
+                engine.generate(p, sp, group=i // 4) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+            return await asyncio.gather(*calls)
+
+        reference = [o.token_ids for o in loop.run(rollout(), 120)]
         victim, old_url = roles.engines.actors[1], roles.engines.urls[1]
         pid = ray.get(victim.pid.remote())
-        engine._run(lambda: router.clients[1].pause())  # its requests wait there...
-        result = {}
-        t = threading.Thread(target=lambda: result.update(outs=engine.generate(prompts, params)))
-        t.start()
+        loop.run(router.clients[1].pause(), 30)  # its requests wait there...
+        running = loop.submit(rollout())
         deadline = time.monotonic() + 60
         while router.in_flight[1] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         held = router.in_flight[1]
         os.kill(pid, signal.SIGKILL)  # ...and the process dies with them
-        t.join(120)
-        outs = result["outs"]
+        outs = running.result(120)
         assert [o.token_ids for o in outs] == reference
         assert all(o.weight_version == 1 for o in outs)
         assert list(router.down) == [1] and router.resent >= held >= 1
@@ -180,11 +186,11 @@ def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
         assert metrics["engines/restarts"] == 1.0
         if policy == "restart":
             assert roles.engines.urls[1] != old_url and ray.get(roles.engines.actors[1].pid.remote()) != pid
-            assert engine.router.down == {} and engine.get_weight_versions() == [2, 2]
+            assert engine.router.down == {} and loop.run(engine.get_weight_versions(), 30) == [2, 2]
         else:
             assert len(roles.engines.actors) == 1 and old_url not in roles.engines.urls
-            assert engine.router.down == {} and engine.get_weight_versions() == [2]
-        outs = engine.generate(prompts, params)
+            assert engine.router.down == {} and loop.run(engine.get_weight_versions(), 30) == [2]
+        outs = loop.run(rollout(), 120)
         assert {o.weight_version for o in outs} == {2}
     finally:
         roles.close()

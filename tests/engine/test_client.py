@@ -1,4 +1,4 @@
-"""EngineClient, Router and RemoteEngine against real uvicorn servers (on free local ports) that
+"""EngineClient, Router and HttpEngine against real uvicorn servers (on free local ports) that
 serve the scripted fake core of test_server.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from test_server import FakeCore, expected_logprobs, expected_tokens
 
 from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import EngineClient, EngineError, RemoteEngine, Router
+from tidal.engine.client import EngineClient, EngineError, HttpEngine, Router
 from tidal.engine.sampling import SamplingParams
 from tidal.server import BackgroundServer, build_app
 
@@ -183,32 +183,55 @@ def test_router_keeps_a_group_on_one_server_until_it_completes(servers):
     asyncio.run(main())
 
 
-# ---------------------------------------------------------------------- RemoteEngine
-def test_remote_engine_round_trip(servers, tmp_path):
-    engine = RemoteEngine([s.url for s in servers], timeout=30)
+# ---------------------------------------------------------------------- HttpEngine
+def test_http_engine_meets_the_engine_contract(servers):
+    from tidal.contracts import Engine
+
+    engine = HttpEngine([s.url for s in servers], timeout=30)
+    assert isinstance(engine, Engine)
     prompts = [[1, 2], [1, 2], [1, 2], [3], [3], [4, 5, 6]]
     params = [sp(3 + i, seed=i) for i in range(len(prompts))]
-    outs = engine.generate(prompts, params)
-    for p, s, o in zip(prompts, params, outs, strict=True):
-        assert o.token_ids == expected_tokens(p, s.max_new_tokens) and o.finish_reason == "length"
-        assert o.log_probs == expected_logprobs(s.max_new_tokens) and o.weight_version == 0
-    # each run of identical prompts went to one server
-    for p in ([1, 2], [3]):
-        homes = [i for i, s in enumerate(servers) if p in s.core.prompts.values()]
-        assert len(homes) == 1, (p, homes)
-    assert sum(len(s.core.prompts) for s in servers) == len(prompts)
+    groups = ["a", "a", "a", "b", "b", "c"]
 
-    w = {"w": torch.randn(4, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}
-    engine.update_weights_from_tensors(iter(w.items()), version=3)  # a one-shot iterator, sent to both
-    assert engine.weight_version == 3
-    for s in servers:
-        ((named, version),) = s.core.received
-        assert version == 3 and all(torch.equal(named[k], t) for k, t in w.items())
-    assert engine.get_weight_versions() == [3, 3]
-    assert engine.generate([[9]], [sp(1)])[0].weight_version == 3
+    async def main() -> None:
+        try:
+            outs = await asyncio.gather(
+                *(engine.generate(p, s, group=g) for p, s, g in zip(prompts, params, groups, strict=True))
+            )
+            for p, s, o in zip(prompts, params, outs, strict=True):
+                assert o.token_ids == expected_tokens(p, s.max_new_tokens) and o.finish_reason == "length"
+                assert o.log_probs == expected_logprobs(s.max_new_tokens) and o.weight_version == 0
+            # each group went to one server, and the requests carried their own seeds
+            for p in ([1, 2], [3]):
+                homes = [i for i, s in enumerate(servers) if p in s.core.prompts.values()]
+                assert len(homes) == 1, (p, homes)
+            assert sum(len(s.core.prompts) for s in servers) == len(prompts)
+            seeds = sorted(p.seed for s in servers for p in s.core.params.values())
+            assert seeds == list(range(len(prompts)))
 
-    engine.update_weights_from_disk(tmp_path, version=4)
-    assert engine.weight_version == 4 and [s.core.disk_loads for s in servers] == [[(str(tmp_path), 4)]] * 2
-    assert engine.health() and engine.flush_cache()
-    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
-        engine.generate([[1], [2]], [sp(1)])
+            # control calls reach every server
+            await engine.pause()
+            assert all(s.engine.paused for s in servers)
+            stuck = asyncio.ensure_future(engine.generate([7, 7], sp(5), request_id="r-stuck"))
+            await await_until(lambda: any("r-stuck" in s.core.reqs for s in servers))
+            await engine.abort()  # every request in flight, on every server
+            out = await stuck
+            assert out.finish_reason == "abort" and out.token_ids == []
+            await engine.resume()
+            assert not any(s.engine.paused for s in servers)
+            assert await engine.health() and await engine.flush_cache()
+            assert await engine.get_weight_versions() == [0, 0]
+            for s in servers:
+                s.core.weight_version = 5
+            assert (await engine.generate([9], sp(1))).weight_version == 5
+            assert engine.weight_version == 5  # the newest a server reported
+
+            # cancelling a call aborts its request on the server
+            task = asyncio.ensure_future(engine.generate([8, 8], sp(10_000), request_id="r-cancel"))
+            await await_until(lambda: any("r-cancel" in s.core.reqs for s in servers))
+            task.cancel()
+            await await_until(lambda: not any("r-cancel" in s.core.reqs for s in servers))
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())

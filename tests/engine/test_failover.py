@@ -3,15 +3,16 @@ rollout, and every sample still comes back exactly once, exactly as a healthy ru
 
 from __future__ import annotations
 
+import asyncio
 import socket
-import threading
 import time
 
 import pytest
+from conftest import run_batch, shared_loop
 from test_served_engine import Served, make_model
 
 from tidal.cluster import LocalEngines
-from tidal.engine.client import EngineClient, EngineError, RemoteEngine
+from tidal.engine.client import EngineClient, EngineError, HttpEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.sync.remote import HttpSync
 
@@ -42,36 +43,41 @@ def reference():
     """The samples of a run on one healthy server."""
     s = Served(make_model())
     try:
-        return [o.token_ids for o in RemoteEngine([s.url], timeout=60).generate(PROMPTS, PARAMS)]
+        return [o.token_ids for o in run_batch(HttpEngine([s.url], timeout=60), PROMPTS, PARAMS)]
     finally:
         s.close()
 
 
-def _rollout_while(engine: RemoteEngine, stuck: int, fail) -> list:
-    """Generate in a thread; once server `stuck` (paused) holds requests, call `fail()`."""
-    result: dict = {}
+def run(engine: HttpEngine, coro_fn, *args):
+    """`await coro_fn(*args)` on the tests' rollout loop."""
 
-    def run() -> None:
-        try:
-            result["outs"] = engine.generate(PROMPTS, PARAMS)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            result["error"] = e
+    async def call():
+        return await coro_fn(*args)
 
-    t = threading.Thread(target=run)
-    t.start()
-    deadline = time.monotonic() + 30
+    return shared_loop().run(call(), 120)
+
+
+def _rollout_while(engine: HttpEngine, stuck: int, fail) -> list:
+    """Roll out on the tests' event loop; once server `stuck` (paused) holds requests, call `fail()`."""
+
+    async def rollout():
+        groups = [i // 4 for i in range(len(PROMPTS))]
+        return await asyncio.gather(
+            *(engine.generate(p, sp, group=g) for p, sp, g in zip(PROMPTS, PARAMS, groups, strict=True))
+        )
+
+    fut = shared_loop().submit(rollout())
+    deadline = time.monotonic() + 60
     while engine.router.in_flight[stuck] == 0:
-        assert time.monotonic() < deadline and t.is_alive(), result
+        assert time.monotonic() < deadline and not fut.done(), fut
         time.sleep(0.01)
     fail()
-    t.join(60)
-    assert not t.is_alive() and "error" not in result, result
-    return result["outs"]
+    return fut.result(120)
 
 
 def test_a_server_shut_down_mid_rollout_has_its_requests_sent_to_the_other(two, reference):
-    engine = RemoteEngine([s.url for s in two], timeout=60)
-    engine._run(lambda: engine.router.clients[1].pause())  # its requests wait there...
+    engine = HttpEngine([s.url for s in two], timeout=60)
+    run(engine, engine.router.clients[1].pause)  # its requests wait there...
     held = []
 
     def shut_down() -> None:
@@ -85,19 +91,21 @@ def test_a_server_shut_down_mid_rollout_has_its_requests_sent_to_the_other(two, 
     assert list(engine.router.down) == [1] and engine.router.resent >= held[0] >= 1
     assert engine.router.in_flight == [0, 0]
     # the dead server is out of service: later requests and controls go to the live one only
-    assert engine.get_weight_versions() == [0]
-    assert 1 in engine.check_health()
+    assert run(engine, engine.get_weight_versions) == [0]
+    assert 1 in run(engine, engine.check_health)
     # the weight push goes to the server in service (not ours to restart: it stays out until it
     # answers /health again)
-    engines = LocalEngines(engine)
-    sync = HttpSync(Weights(make_model(seed=1)), [EngineClient(s.url, 30) for s in two], 30, engines=engines)
+    engines = LocalEngines(engine, shared_loop())
+    clients = [EngineClient(s.url, 30) for s in two]
+    sync = HttpSync(Weights(make_model(seed=1)), clients, 30, engines=engines, loop=engines.loop)
     sync.push(3)
-    assert engine.get_weight_versions() == [3] and engines.live_urls() == [two[0].url]
+    assert run(engine, engine.get_weight_versions) == [3] and engines.live_urls() == [two[0].url]
+    assert engine.weight_version == 3
 
 
 def test_a_silent_server_is_a_bounded_wait(two, reference):
-    engine = RemoteEngine([s.url for s in two], timeout=2.0)
-    engine._run(lambda: engine.router.clients[1].pause())  # paused for good: it never answers
+    engine = HttpEngine([s.url for s in two], timeout=2.0)
+    run(engine, engine.router.clients[1].pause)  # paused for good: it never answers
     t0 = time.monotonic()
     outs = _rollout_while(engine, 1, lambda: None)
     assert 2.0 <= time.monotonic() - t0 < 30
@@ -106,11 +114,11 @@ def test_a_silent_server_is_a_bounded_wait(two, reference):
 
 
 def test_no_live_server_left_names_every_one(two):
-    engine = RemoteEngine([s.url for s in two], timeout=60)
+    engine = HttpEngine([s.url for s in two], timeout=60)
     for s in two:
         s.server.stop()
     with pytest.raises(EngineError) as err:
-        engine.generate(PROMPTS[:2], PARAMS[:2])
+        run_batch(engine, PROMPTS[:2], PARAMS[:2])
     msg = str(err.value)
     assert msg.startswith("engines: no live engine left (2 of 2 down): ")
     for s in two:
@@ -124,11 +132,11 @@ def test_control_calls_wait_the_control_timeout_not_the_request_timeout():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # the kernel completes the handshakes; nobody reads the requests
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        engine = RemoteEngine([url], timeout=600)
+        engine = HttpEngine([url], timeout=600)
         engine.router.clients[0].control_timeout = 0.5
         for call, endpoint in ((engine.health, "health"), (engine.pause, "pause_generation")):
             t0 = time.monotonic()
             with pytest.raises(EngineError, match=rf"^{url}/{endpoint}: timed out after 0.5 s$"):
-                call()
+                run(engine, call)
             assert time.monotonic() - t0 < 5
-        assert engine.check_health() == {0: f"{url}/health: timed out after 0.5 s"}
+        assert run(engine, engine.check_health) == {0: f"{url}/health: timed out after 0.5 s"}

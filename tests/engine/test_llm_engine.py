@@ -67,7 +67,7 @@ def run_all(engine: LLMEngine) -> dict:
 def test_greedy_matches_transformers_generate_and_forward_log_probs():
     ref = make_model()
     engine = engine_for()
-    outs = engine.generate(PROMPTS, [greedy() for _ in PROMPTS])
+    outs = engine.generate_batch(PROMPTS, [greedy() for _ in PROMPTS])
     assert engine.stats()["prefix_hit_blocks"] == 2  # the duplicate 9-token prompt
     for p, o in zip(PROMPTS, outs, strict=True):
         assert o.token_ids == hf_greedy(ref, p, 12)
@@ -84,7 +84,7 @@ def test_sampled_log_probs_use_the_tempered_distribution():
     params = [
         SamplingParams(temperature=0.7, max_new_tokens=10, seed=s, stop_token_ids=[]) for s in range(len(PROMPTS))
     ]
-    outs = engine.generate(PROMPTS, params)
+    outs = engine.generate_batch(PROMPTS, params)
     for p, o in zip(PROMPTS, outs, strict=True):
         assert o.log_probs == pytest.approx(forward_log_probs(ref, p, o.token_ids, 0.7), abs=1e-4)
 
@@ -92,11 +92,11 @@ def test_sampled_log_probs_use_the_tempered_distribution():
 def test_seed_gives_same_tokens_whatever_the_batch():
     engine = engine_for()
     sp = lambda seed: SamplingParams(temperature=1.0, max_new_tokens=10, seed=seed)  # noqa: E731
-    alone = engine.generate([PROMPTS[1]], [sp(11)])[0]
-    mixed = engine.generate(PROMPTS, [sp(5), sp(11), sp(6), sp(7), sp(8), sp(9)])[1]
+    alone = engine.generate_batch([PROMPTS[1]], [sp(11)])[0]
+    mixed = engine.generate_batch(PROMPTS, [sp(5), sp(11), sp(6), sp(7), sp(8), sp(9)])[1]
     assert alone.token_ids == mixed.token_ids
     assert alone.log_probs == pytest.approx(mixed.log_probs, abs=1e-5)
-    other = engine.generate([PROMPTS[1]], [sp(12)])[0]
+    other = engine.generate_batch([PROMPTS[1]], [sp(12)])[0]
     assert other.token_ids != alone.token_ids
 
 
@@ -113,7 +113,7 @@ def test_continuous_batching_matches_separate_runs():
     assert sorted(done) == sorted(rids)
     single = engine_for()
     for rid, p in zip(rids, prompts, strict=True):
-        (alone,) = single.generate([p], [greedy(8)])
+        (alone,) = single.generate_batch([p], [greedy(8)])
         assert done[rid].token_ids == alone.token_ids
         assert done[rid].log_probs == pytest.approx(alone.log_probs, abs=1e-5)
     lengths = sum(len(o.token_ids) for o in done.values())
@@ -124,9 +124,9 @@ def test_continuous_batching_matches_separate_runs():
 def test_preemption_under_a_tiny_cache_is_exact():
     model_kw = dict(eos_token_id=None)  # no eos: every request runs to max_new_tokens
     big = engine_for(make_model(**model_kw), kv_cache_tokens=1024)
-    expected = big.generate(LONG, [greedy(20) for _ in LONG])
+    expected = big.generate_batch(LONG, [greedy(20) for _ in LONG])
     tiny = engine_for(make_model(**model_kw), kv_cache_tokens=48)  # 12 blocks; each request needs 8
-    outs = tiny.generate(LONG, [greedy(20) for _ in LONG])
+    outs = tiny.generate_batch(LONG, [greedy(20) for _ in LONG])
     assert tiny.stats()["preemptions"] > 0
     for o, e in zip(outs, expected, strict=True):
         assert len(o.token_ids) == 20 and o.finish_reason == "length"
@@ -139,9 +139,9 @@ def test_preemption_keeps_seeded_sampling_exact():
     model_kw = dict(eos_token_id=None)
     sp = lambda s: SamplingParams(temperature=1.0, max_new_tokens=20, seed=s)  # noqa: E731
     big = engine_for(make_model(**model_kw), kv_cache_tokens=1024)
-    expected = big.generate(LONG, [sp(i) for i in range(len(LONG))])
+    expected = big.generate_batch(LONG, [sp(i) for i in range(len(LONG))])
     tiny = engine_for(make_model(**model_kw), kv_cache_tokens=48)
-    outs = tiny.generate(LONG, [sp(i) for i in range(len(LONG))])
+    outs = tiny.generate_batch(LONG, [sp(i) for i in range(len(LONG))])
     assert tiny.stats()["preemptions"] > 0
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
 
@@ -149,9 +149,9 @@ def test_preemption_keeps_seeded_sampling_exact():
 def test_preemption_when_the_newest_request_needs_a_block():
     prompts = [[10, 11, 12], [20, 21, 22, 23]]  # with blocks of 2, the second one outgrows first
     big = engine_for(make_model(eos_token_id=None), block_size=2)
-    expected = big.generate(prompts, [greedy(3), greedy(3)])
+    expected = big.generate_batch(prompts, [greedy(3), greedy(3)])
     tiny = engine_for(make_model(eos_token_id=None), block_size=2, kv_cache_tokens=8)
-    outs = tiny.generate(prompts, [greedy(3), greedy(3)])
+    outs = tiny.generate_batch(prompts, [greedy(3), greedy(3)])
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     assert tiny.stats()["preemptions"] > 0
 
@@ -190,7 +190,7 @@ def test_prefix_sharing_group_prefills_once():
     # the shared K/V give the same samples as prefilling each one alone (no full block to share)
     alone = engine_for(block_size=64)
     for s in (0, 3, 7):
-        (o,) = alone.generate([prompt], [sp(s)])
+        (o,) = alone.generate_batch([prompt], [sp(s)])
         assert done[f"g{s}"].token_ids == o.token_ids
         assert done[f"g{s}"].log_probs == pytest.approx(o.log_probs, abs=1e-4)
     assert alone.stats()["prefix_hit_blocks"] == 0
@@ -199,13 +199,13 @@ def test_prefix_sharing_group_prefills_once():
 def test_multi_turn_continuation_reuses_the_previous_turn():
     engine = engine_for(make_model(eos_token_id=None))
     prompt = list(range(40, 50))
-    (turn1,) = engine.generate([prompt], [greedy(9)])
+    (turn1,) = engine.generate_batch([prompt], [greedy(9)])
     hits = engine.stats()["prefix_hit_blocks"]
     # prompt + response = 19 tokens; the last response token was never fed, so 18 have K/V: 4 blocks
     turn2_prompt = prompt + turn1.token_ids + [60, 61]
-    (turn2,) = engine.generate([turn2_prompt], [greedy(5)])
+    (turn2,) = engine.generate_batch([turn2_prompt], [greedy(5)])
     assert engine.stats()["prefix_hit_blocks"] - hits == 4
-    ref = engine_for(make_model(eos_token_id=None)).generate([turn2_prompt], [greedy(5)])[0]
+    ref = engine_for(make_model(eos_token_id=None)).generate_batch([turn2_prompt], [greedy(5)])[0]
     assert turn2.token_ids == ref.token_ids
     assert turn2.log_probs == pytest.approx(ref.log_probs, abs=1e-4)
 
@@ -213,15 +213,15 @@ def test_multi_turn_continuation_reuses_the_previous_turn():
 # ------------------------------------------------------------------ stop conditions
 def test_stop_token_ids_and_max_new_tokens():
     engine = engine_for(make_model(eos_token_id=None))
-    (free,) = engine.generate([PROMPTS[2]], [greedy(20)])
+    (free,) = engine.generate_batch([PROMPTS[2]], [greedy(20)])
     assert len(free.token_ids) == 20 and free.finish_reason == "length"
     stop_id = free.token_ids[3]
     k = free.token_ids.index(stop_id)
-    (cut,) = engine.generate([PROMPTS[2]], [greedy(20, stop_token_ids=[stop_id])])
+    (cut,) = engine.generate_batch([PROMPTS[2]], [greedy(20, stop_token_ids=[stop_id])])
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free.token_ids[: k + 1]
     assert cut.log_probs == pytest.approx(free.log_probs[: k + 1], abs=1e-5)
-    (short,) = engine.generate([PROMPTS[2]], [greedy(3)])
+    (short,) = engine.generate_batch([PROMPTS[2]], [greedy(3)])
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
 
 
@@ -235,11 +235,11 @@ def test_tokenizer_eos_stops(tokenizer):
         model.lm_head.weight[2] = 2.0 * model.lm_head.weight[top]
     no_tok = engine_for(model)
     assert no_tok.eos_ids == set()
-    (o,) = no_tok.generate([PROMPTS[0]], [greedy(5)])
+    (o,) = no_tok.generate_batch([PROMPTS[0]], [greedy(5)])
     assert o.token_ids[0] == 2 and len(o.token_ids) == 5 and o.finish_reason == "length"
     with_tok = engine_for(model, tokenizer)
     assert with_tok.eos_ids == {2}
-    (o,) = with_tok.generate([PROMPTS[0]], [greedy(5)])
+    (o,) = with_tok.generate_batch([PROMPTS[0]], [greedy(5)])
     assert o.token_ids == [2] and o.finish_reason == "stop" and o.text == ""
 
 
@@ -248,18 +248,18 @@ def test_model_config_eos_stops():
     with torch.no_grad():
         top = int(model(torch.tensor([PROMPTS[0]])).logits[0, -1].argmax())
         model.lm_head.weight[2] = 2.0 * model.lm_head.weight[top]
-    (o,) = engine_for(model).generate([PROMPTS[0]], [greedy(5)])
+    (o,) = engine_for(model).generate_batch([PROMPTS[0]], [greedy(5)])
     assert o.token_ids == [2] and o.finish_reason == "stop"
 
 
 def test_stop_strings(tokenizer):
     engine = engine_for(make_model(eos_token_id=None), tokenizer)
     prompt = tokenizer.encode("hello there")
-    (free,) = engine.generate([prompt], [greedy(20)])
+    (free,) = engine.generate_batch([prompt], [greedy(20)])
     text = tokenizer.decode(free.token_ids[:5], skip_special_tokens=True)
     stop = text[-2:]
     assert stop.strip(), f"need a visible stop string, got {text!r}"
-    (cut,) = engine.generate([prompt], [greedy(20, stop=[stop])])
+    (cut,) = engine.generate_batch([prompt], [greedy(20, stop=[stop])])
     assert cut.finish_reason == "stop"
     assert stop in cut.text and len(cut.token_ids) <= 5
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
@@ -268,9 +268,9 @@ def test_stop_strings(tokenizer):
 
 def test_max_model_len_truncates_with_length():
     engine = engine_for(make_model(eos_token_id=None), max_model_len=12)
-    (o,) = engine.generate([PROMPTS[2]], [greedy(20)])  # 9 prompt tokens
+    (o,) = engine.generate_batch([PROMPTS[2]], [greedy(20)])  # 9 prompt tokens
     assert len(o.token_ids) == 3 and o.finish_reason == "length"
-    (o,) = engine.generate([list(range(10, 21))], [greedy(20)])  # 11 prompt tokens: room for 1
+    (o,) = engine.generate_batch([list(range(10, 21))], [greedy(20)])  # 11 prompt tokens: room for 1
     assert len(o.token_ids) == 1 and o.finish_reason == "length"
 
 
@@ -283,7 +283,7 @@ def test_abort_returns_partial_output_and_others_finish():
     (out,) = engine.abort("b")
     assert out.request_id == "b" and out.finish_reason == "abort"
     assert len(out.token_ids) == 2 and len(out.log_probs) == 2
-    (alone,) = engine_for(make_model(eos_token_id=None)).generate([PROMPTS[1]], [greedy(10)])
+    (alone,) = engine_for(make_model(eos_token_id=None)).generate_batch([PROMPTS[1]], [greedy(10)])
     assert out.token_ids == alone.token_ids[:2]
     assert out.log_probs == pytest.approx(alone.log_probs[:2], abs=1e-5)
     assert engine.abort("b") == [] and engine.abort("nope") == []
@@ -311,11 +311,11 @@ def test_update_weights_changes_outputs_version_and_flushes_the_prefix_cache():
     engine = engine_for()
     other = make_model(seed=1)
     prompt = list(range(40, 53))  # 3 full blocks
-    before = engine.generate([prompt, PROMPTS[0]], [greedy(), greedy()])
+    before = engine.generate_batch([prompt, PROMPTS[0]], [greedy(), greedy()])
     engine.update_weights_from_tensors(other.named_parameters(), version=7)
     assert engine.weight_version == 7
     hits = engine.stats()["prefix_hit_blocks"]
-    after = engine.generate([prompt, PROMPTS[0]], [greedy(), greedy()])
+    after = engine.generate_batch([prompt, PROMPTS[0]], [greedy(), greedy()])
     # the prompt's blocks were computed with the old weights: they must not be reused
     assert engine.stats()["prefix_hit_blocks"] == hits
     assert [o.token_ids for o in after] == [hf_greedy(other, p, 12) for p in (prompt, PROMPTS[0])]
@@ -338,7 +338,7 @@ def test_blocks_filled_across_a_weight_update_are_not_shared():
     hits = engine.stats()["prefix_hit_blocks"]
     engine.add_request("new", prompt, greedy(6))
     done = run_all(engine)
-    (fresh,) = engine_for(make_model(seed=1, eos_token_id=None)).generate([prompt], [greedy(6)])
+    (fresh,) = engine_for(make_model(seed=1, eos_token_id=None)).generate_batch([prompt], [greedy(6)])
     assert engine.stats()["prefix_hit_blocks"] == hits
     assert done["new"].token_ids == fresh.token_ids
 
@@ -346,13 +346,13 @@ def test_blocks_filled_across_a_weight_update_are_not_shared():
 def test_flush_cache_stops_prefix_hits():
     engine = engine_for()
     prompt = list(range(40, 53))
-    engine.generate([prompt], [greedy(2)])
-    engine.generate([prompt], [greedy(2)])
+    engine.generate_batch([prompt], [greedy(2)])
+    engine.generate_batch([prompt], [greedy(2)])
     assert engine.stats()["prefix_hit_blocks"] == 3  # freed blocks are still cached
     assert engine.flush_cache() is True
-    engine.generate([prompt], [greedy(2)])
+    engine.generate_batch([prompt], [greedy(2)])
     assert engine.stats()["prefix_hit_blocks"] == 3
-    engine.generate([prompt], [greedy(2)])
+    engine.generate_batch([prompt], [greedy(2)])
     assert engine.stats()["prefix_hit_blocks"] == 6  # cached again after the flush
 
 
@@ -370,11 +370,11 @@ def test_bad_requests_are_rejected_and_the_engine_still_serves():
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got -1"):
         engine.add_request("n", [1, 2], greedy(-1))
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
-        engine.generate([[1, 2]], [greedy(0)])
+        engine.generate_batch([[1, 2]], [greedy(0)])
     with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
         engine.add_request("s", [1, 2], greedy(stop=["x"]))
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
-        engine.generate([[1, 2], [3]], [greedy()])
+        engine.generate_batch([[1, 2], [3]], [greedy()])
     engine.add_request("dup", [1, 2, 3], greedy(4))
     with pytest.raises(ValueError, match="request dup: id already in use"):
         engine.add_request("dup", [4, 5], greedy(4))
@@ -400,5 +400,5 @@ def test_bad_engine_options():
 def test_rejected_generate_leaves_nothing_queued():
     engine = engine_for()
     with pytest.raises(ValueError, match="the prompt is empty"):
-        engine.generate([[1, 2, 3], []], [greedy(), greedy()])
+        engine.generate_batch([[1, 2, 3], []], [greedy(), greedy()])
     assert not engine.has_unfinished() and engine.seqs == {}

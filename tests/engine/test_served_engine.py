@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, run_batch, shared_loop
 from conftest import make_model as _make_model
 
 from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import RemoteEngine
+from tidal.engine.client import HttpEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.server import BackgroundServer, build_app
@@ -47,8 +47,8 @@ def served():
 
 def test_greedy_over_http_equals_transformers(served):
     ref = make_model()
-    remote = RemoteEngine([served.url], timeout=60)
-    outs = remote.generate(PROMPTS, [SamplingParams(temperature=0.0, max_new_tokens=8) for _ in PROMPTS])
+    remote = HttpEngine([served.url], timeout=60)
+    outs = run_batch(remote, PROMPTS, [SamplingParams(temperature=0.0, max_new_tokens=8) for _ in PROMPTS])
     for p, o in zip(PROMPTS, outs, strict=True):
         assert o.token_ids == hf_greedy(ref, p, 8)
         with torch.no_grad():
@@ -59,10 +59,11 @@ def test_greedy_over_http_equals_transformers(served):
 
 def test_weight_update_over_http_switches_to_the_new_model(served):
     other = make_model(seed=1)
-    remote = RemoteEngine([served.url], timeout=60)
-    remote.update_weights_from_tensors(other.state_dict().items(), version=7)
-    assert remote.get_weight_versions() == [7]
-    (out,) = remote.generate([PROMPTS[1]], [SamplingParams(temperature=0.0, max_new_tokens=8)])
+    remote = HttpEngine([served.url], timeout=60)
+    client = remote.router.clients[0]
+    shared_loop().run(client.update_weights_from_tensors(other.state_dict().items(), version=7), 60)
+    assert shared_loop().run(remote.get_weight_versions(), 60) == [7]
+    (out,) = run_batch(remote, [PROMPTS[1]], [SamplingParams(temperature=0.0, max_new_tokens=8)])
     assert out.token_ids == hf_greedy(other, PROMPTS[1], 8)
     assert out.weight_version == 7
 

@@ -15,10 +15,10 @@ import torch
 from conftest import loop_config, make_model, make_tokenizer
 
 from tidal.config import RolloutConfig
+from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.engine.base import GenerationOutput
 from tidal.rollout.agent import Alignment, align
-from tidal.rollout.generate import RoundBatcher, turn_seed
+from tidal.rollout.generate import GenerateContext, turn_seed
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.types import Status
 from tidal.utils import load_object
@@ -76,16 +76,13 @@ class ScriptedEngine:
         self.reply = reply
         self.calls: list[tuple[list[int], object, GenerationOutput]] = []
 
-    def generate(self, prompts, params):
-        outs = []
-        for p, sp in zip(prompts, params, strict=True):
-            toks = list(self.reply(p, len(self.calls)))[: sp.max_new_tokens]
-            reason = "stop" if toks and toks[-1] == 2 else "length"
-            lps = [-0.01 * (k + 1) for k in range(len(toks))]
-            out = GenerationOutput(toks, lps, reason, TOK.decode(toks, skip_special_tokens=True), self.weight_version)
-            self.calls.append((list(p), sp, out))
-            outs.append(out)
-        return outs
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        toks = list(self.reply(list(input_ids), len(self.calls)))[: sampling.max_new_tokens]
+        reason = "stop" if toks and toks[-1] == 2 else "length"
+        lps = [-0.01 * (k + 1) for k in range(len(toks))]
+        out = GenerationOutput(toks, lps, reason, TOK.decode(toks, skip_special_tokens=True), self.weight_version)
+        self.calls.append((list(input_ids), sampling, out))
+        return out
 
 
 def rollout(reply, agent: str, n=1, prompts=("What is 2 + 3?",), **cfg):
@@ -253,9 +250,7 @@ def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
         door = AgentDoor()
         await door.start()
         c = RolloutConfig(generate="agent", agent="x:y")
-        from tidal.rollout.generate import GenerateContext
-
-        session = Session(GenerateContext(RoundBatcher(None), TOK, c), None, None)
+        session = Session(GenerateContext(None, TOK, c), None, None)
         door.sessions[session.token] = session
         url = door.base_url(session)
         try:
@@ -309,11 +304,11 @@ def test_an_openai_agent_trains_through_the_door_token_exactly(tmp_path, monkeyp
     ascii_model().save_pretrained(model_dir)
     TOK.save_pretrained(model_dir)
     calls: dict = {}
-    real_generate = RoundBatcher.generate
+    real_generate = GenerateContext.generate
 
-    async def spy_generate(self, input_ids, sampling, key=0):
-        out = await real_generate(self, input_ids, sampling, key)
-        calls.setdefault(key, []).append((list(input_ids), out))
+    async def spy_generate(self, input_ids, sampling):
+        out = await real_generate(self, input_ids, sampling)
+        calls.setdefault(self.index, []).append((list(input_ids), out))
         return out
 
     checked = []
@@ -338,7 +333,7 @@ def test_an_openai_agent_trains_through_the_door_token_exactly(tmp_path, monkeyp
         samples_seen.append((samples, dict(calls)))
         return samples
 
-    monkeypatch.setattr(RoundBatcher, "generate", spy_generate)
+    monkeypatch.setattr(GenerateContext, "generate", spy_generate)
     monkeypatch.setattr(Actor, "train_step", spy_train)
     monkeypatch.setattr(tidal.loop.RolloutManager, "generate", spy_rollout)
     cfg = loop_config(

@@ -5,28 +5,29 @@ import re
 import pytest
 
 from tidal.config import RolloutConfig
+from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.engine.base import GenerationOutput
 from tidal.rollout.failures import TooManyFailedSamples
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.types import Status
 
 
 class ScriptedEngine:
-    """Answers request i with tokens [100+i, 101+i] and a finish reason cycling stop/length/abort."""
+    """Answers its i-th request with tokens [100+i, 101+i] and a finish reason cycling
+    stop/length/abort (requests arrive in sample order: each sample's task starts in that order)."""
 
     weight_version = 7
 
     def __init__(self):
-        self.calls = []
+        self.prompts, self.params, self.groups = [], [], []
 
-    def generate(self, prompts, params):
-        self.calls.append((prompts, params))
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        i = len(self.prompts)
+        self.prompts.append(list(input_ids))
+        self.params.append(sampling)
+        self.groups.append(group)
         reasons = ["stop", "length", "abort"]
-        return [
-            GenerationOutput([100 + i, 101 + i], [-0.5, -1.5], reasons[i % 3], f"answer {i}", self.weight_version)
-            for i in range(len(prompts))
-        ]
+        return GenerationOutput([100 + i, 101 + i], [-0.5, -1.5], reasons[i % 3], f"answer {i}", self.weight_version)
 
 
 def records():
@@ -40,8 +41,9 @@ def test_samples_follow_the_contract():
     engine = ScriptedEngine()
     cfg = RolloutConfig(n_samples_per_prompt=3, reward="exact_match", temperature=0.7, max_new_tokens=5, seed=4)
     samples = RolloutManager(engine, cfg).generate(records(), step=2)
-    prompts, params = engine.calls[0]
+    prompts, params = engine.prompts, engine.params
     assert prompts == [[1, 2, 3]] * 3 + [[4, 5]] * 3
+    assert len(set(engine.groups)) == 2 and engine.groups[:3] == [engine.groups[0]] * 3  # a group's key
     assert [p.seed for p in params] == [sample_seed(4, 2, i) for i in range(6)]
     assert len({p.seed for p in params}) == 6
     assert all(p.temperature == 0.7 and p.max_new_tokens == 5 for p in params)

@@ -1,6 +1,6 @@
 """The tool loop, token for token: what the trainer gets is the engine's sampled ids plus the
 environment's ids, never a re-encoding; plus the Sample growth API, tool schemas, tool errors and
-the round batcher's determinism."""
+per-request engine calls (no sample waits for another)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from conftest import CHATML
 
 from tidal.config import RolloutConfig
+from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.engine.base import GenerationOutput
-from tidal.rollout.generate import GenerateContext, RoundBatcher, single_turn, turn_seed
+from tidal.rollout.generate import GenerateContext, single_turn, turn_seed
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.rollout.multi_turn import call_tool, tool_spec
 from tidal.types import Sample, Status
@@ -59,22 +59,19 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>'
 
 
 class ScriptedEngine:
-    """Answers by (sample, turn), found from the request's seed; records every round."""
+    """Answers by (sample, turn), found from the request's seed; records every request."""
 
     def __init__(self, tok, scripts: dict[int, list[str]], seeds: dict[int, int]):
-        self.tok, self.scripts, self.rounds = tok, scripts, []
+        self.tok, self.scripts, self.calls = tok, scripts, []
         self.by_seed = {turn_seed(seed, t): (i, t) for i, seed in seeds.items() for t in range(8)}
         self.weight_version = 3
 
-    def generate(self, prompts, params):
-        self.rounds.append([self.by_seed[p.seed] for p in params])
-        outs = []
-        for p in params:
-            i, t = self.by_seed[p.seed]
-            ids = byte_ids(self.tok, self.scripts[i][t]) + [self.tok.eos_token_id]
-            logps = [-0.01 * (k + 1) - t for k in range(len(ids))]
-            outs.append(GenerationOutput(ids, logps, "stop", self.scripts[i][t], self.weight_version + t))
-        return outs
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        i, t = self.by_seed[sampling.seed]
+        self.calls.append((i, t))
+        ids = byte_ids(self.tok, self.scripts[i][t]) + [self.tok.eos_token_id]
+        logps = [-0.01 * (k + 1) - t for k in range(len(ids))]
+        return GenerationOutput(ids, logps, "stop", self.scripts[i][t], self.weight_version + t)
 
 
 def record(prompt="What is 2 + 3 + 4?"):
@@ -118,7 +115,7 @@ def test_three_turns_are_token_exact_with_a_tokenizer_that_does_not_round_trip()
     assert s.weight_version == 3 and s.status == Status.COMPLETED
     assert s.metadata["turns"] == 3 and s.metadata["tool_calls"] == 2 and s.metadata["tool_errors"] == 0
     assert [m["content"] for m in s.metadata["conversation"] if m["role"] == "tool"] == ["5", "9"]
-    assert engine.rounds == [[(0, 0)], [(0, 1)], [(0, 2)]]
+    assert engine.calls == [(0, 0), (0, 1), (0, 2)]
     # each turn's request is exactly the tokens so far: sampled ids are never re-encoded
     s.validate()
 
@@ -145,8 +142,10 @@ def test_tool_errors_are_answers_and_turns_are_bounded():
     assert [s.status for s in samples] == [Status.COMPLETED] * 3 + [Status.TRUNCATED]
     assert samples[3].metadata["stop"] == "max_turns" and samples[3].metadata["turns"] == 3
     assert [s.metadata["tool_errors"] for s in samples] == [1, 1, 1, 0]
-    # rounds: everyone's turn 0, then the turn-1 calls of all four, then sample 3's last turn
-    assert engine.rounds == [[(i, 0) for i in range(4)], [(i, 1) for i in range(4)], [(3, 2)]]
+    # every sample's turns in order, each its own request
+    assert len(engine.calls) == 9
+    for i, turns in enumerate([2, 2, 2, 3]):
+        assert [c for c in engine.calls if c[0] == i] == [(i, t) for t in range(turns)]
 
 
 def test_a_response_budget_cuts_before_the_tool_output_that_overflows_it():
@@ -224,52 +223,56 @@ def test_sample_growth_keeps_fields_aligned_and_refuses_misaligned_input():
     assert Sample.from_dict(Sample(tokens=[1], response_length=0).to_dict()).token_versions == []
 
 
-def test_round_batcher_sends_one_batch_per_round_in_key_order_whatever_the_timing():
-    class Echo:
-        def __init__(self):
-            self.batches = []
+class Echo:
+    """Answers [last id + 1] at once; records the prompts in the order they arrive."""
 
-        def generate(self, prompts, params):
-            self.batches.append([p[0] for p in prompts])
-            return [GenerationOutput([p[0] + 1], [0.0], "stop") for p in prompts]
+    weight_version = 0
 
-    async def job(batcher, key, delays):
-        batcher.enter(key)
-        try:
+    def __init__(self):
+        self.prompts = []
+
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        self.prompts.append(list(input_ids))
+        return GenerationOutput([input_ids[-1] + 1], [-0.5], "stop", "x", 0)
+
+
+def test_a_sample_waiting_on_its_tool_holds_no_other_sample_up():
+    """Sample 0's tool finishes only after samples 1 and 2 have finished both their turns. Under a
+    round barrier (every request waits until every sample is waiting on the engine) this could not
+    end; per request it does, in that order."""
+
+    async def main():
+        engine, others_done = Echo(), asyncio.Event()
+        finished = []
+
+        async def job(key, tool):
             x = key * 100
-            for d in delays:  # a tool that takes `d` seconds, then the next turn
-                await asyncio.sleep(d)
-                x = (await batcher.generate([x], None, key)).token_ids[0]
+            for _ in range(2):  # a turn, the tool, the next turn
+                x = (await engine.generate([x], None)).token_ids[0]
+                await tool()
+            finished.append(key)
+            if len(finished) == 2:
+                others_done.set()
             return x
-        finally:
-            batcher.exit(key)
 
-    async def main(delays):
-        engine = Echo()
-        batcher = RoundBatcher(engine)
-        results = await asyncio.gather(*(job(batcher, k, d) for k, d in enumerate(delays)))
-        return results, engine.batches
+        async def no_tool():
+            pass
 
-    fast = main([[0, 0], [0, 0, 0], [0]])
-    slow = main([[0.03, 0], [0, 0.05, 0.01], [0.02]])
-    assert asyncio.run(fast) == asyncio.run(slow) == ([2, 103, 201], [[0, 100, 200], [1, 101], [102]])
+        results = await asyncio.wait_for(
+            asyncio.gather(job(0, others_done.wait), job(1, no_tool), job(2, no_tool)), timeout=60
+        )
+        return results, finished
+
+    assert asyncio.run(main()) == ([2, 102, 202], [1, 2, 0])
 
 
 def test_single_turn_through_the_context():
     class One:
-        def generate(self, prompts, params):
-            return [GenerationOutput([9, 2], [-0.1, -0.2], "length", "xy", 6)]
+        async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+            return GenerationOutput([9, 2], [-0.1, -0.2], "length", "xy", 6)
 
-    async def main():
-        batcher = RoundBatcher(One())
-        ctx = GenerateContext(batcher, None, RolloutConfig(), key=0)
-        batcher.enter(0)
-        try:
-            return await single_turn(ctx, Sample(tokens=[1, 2, 3]), None)
-        finally:
-            batcher.exit(0)
-
-    s = asyncio.run(main())
+    ctx = GenerateContext(One(), None, RolloutConfig())
+    s = asyncio.run(single_turn(ctx, Sample(tokens=[1, 2, 3]), None))
     assert (s.tokens, s.loss_mask, s.token_versions, s.status) == ([1, 2, 3, 9, 2], [1, 1], [6, 6], Status.TRUNCATED)
 
 
@@ -286,16 +289,6 @@ async def twice(ctx, sample, sampling):
 
 
 def test_user_generate_functions_by_path_and_per_prompt_row():
-    class Echo:
-        weight_version = 0
-
-        def __init__(self):
-            self.prompts = []
-
-        def generate(self, prompts, params):
-            self.prompts += prompts
-            return [GenerationOutput([p[-1] + 1], [-0.5], "stop", "x", 0) for p in prompts]
-
     rows = [record(), PromptRecord(index=1, prompt="q", text="q", input_ids=[7], metadata={"generate": "single_turn"})]
     cfg = RolloutConfig(n_samples_per_prompt=2, generate="test_multi_turn:twice", reward="exact_match")
     samples = RolloutManager(Echo(), cfg).generate(rows[:1], step=0)

@@ -1,59 +1,70 @@
 """The roles the loop drives, built from the config: in this process (one trainer, one engine: the
 laptop default, no Ray), or on Ray (trainer ranks with FSDP2, engine actors, colocated or not).
+Their contracts are in `tidal.contracts`.
 
     roles = build_roles(cfg, model_dir, tokenizer, checkpoint)
-    roles.trainer.train_step(...); roles.engines.engine.generate(...); roles.sync.push(version)
+    roles.trainer.train_step(...); RolloutManager(roles.engines.engine, ..., roles.engines.loop); roles.sync.push(v)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from tidal.aio import LoopThread
 from tidal.config import Config
+from tidal.contracts import Engine, Engines, Trainer, WeightSync
 
 log = logging.getLogger("tidal")
 
 
 class LocalEngines:
-    """The rollout role's engines: one engine in this process, or external servers
-    (`rollout.engine: remote`). `EngineGroup` (Ray) has the same methods."""
+    """The rollout role's engine in this process: an in-process engine (`AsyncEngine` over tidal's,
+    vLLM's or transformers' core) or external HTTP servers (`HttpEngine`: `rollout.engine`
+    remote or sglang). `EngineGroup` (Ray) has the same methods."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: Engine, loop: LoopThread | None = None, on_close: Callable[[], None] | None = None):
         self.engine = engine
-        self.urls = [c.base_url for c in engine.router.clients] if hasattr(engine, "router") else []
-        self.api_key = engine.router.clients[0].api_key if self.urls else None
+        self.loop = loop if loop is not None else LoopThread()
+        self.urls: list[str] = list(getattr(engine, "urls", []))
+        self.api_key = getattr(engine, "api_key", None)
+        self._on_close = on_close
+        self.timeout = 60.0  # control calls (pause, abort, health) on a live engine answer in seconds
+
+    def _run(self, coro, what: str):
+        return self.loop.run(coro, self.timeout, f"engine {what}")
 
     def health(self) -> bool:
-        return self.engine.health() if hasattr(self.engine, "health") else True
+        check = getattr(self.engine, "health", None)
+        return self._run(check(), "health") if check is not None else True
 
     def pause(self) -> None:
-        if hasattr(self.engine, "pause"):
-            self.engine.pause()
+        self._run(self.engine.pause(), "pause")
 
     def resume(self) -> None:
-        if hasattr(self.engine, "resume"):
-            self.engine.resume()
+        self._run(self.engine.resume(), "resume")
 
     def recover(self) -> bool:
         """Remote servers are not ours to restart: one the router took out of service is put back
         when it answers /health again (the weight push that follows gives it the current weights).
         True when one came back."""
-        router = getattr(self.engine, "router", None)
+        router = getattr(self.engine, "control", None)
         if router is None or not router.down:
             return False
-        failing = self.engine.check_health()
+        failing = self._run(self.engine.check_health(), "health check")
         back = [i for i in list(router.down) if i not in failing]
         for i in back:
             log.info("engine %s answers again: back in service after this weight push", router.clients[i].base_url)
             router.mark_up(i)
+            if self.engine.router is not router:  # a front (sglang-router) before the servers
+                self.engine.router.mark_up(0)
         return bool(back)
 
     def live_urls(self) -> list[str]:
         """The URLs of the servers in service."""
-        router = getattr(self.engine, "router", None)
+        router = getattr(self.engine, "control", None)
         return [router.clients[i].base_url for i in router.live] if router is not None else self.urls
 
     def sleep(self) -> None:
@@ -63,15 +74,22 @@ class LocalEngines:
         pass
 
     def close(self) -> None:
-        pass
+        try:
+            self._run(self.engine.aclose(), "close")
+        finally:
+            self.loop.close()
+            if self._on_close is not None:
+                self._on_close()
 
 
 @dataclass
 class Roles:
-    trainer: Any  # tidal.train.role.Trainer
-    critic: Any | None
-    engines: Any  # .engine (tidal.engine.base.Engine), .sleep(), .wake(), .close()
-    sync: Any  # tidal.sync.base.WeightSync
+    """What the loop drives (`tidal.contracts`); `closers` run in reverse order at the end."""
+
+    trainer: Trainer | None
+    critic: Trainer | None
+    engines: Engines | None
+    sync: WeightSync | None
     colocate: bool = False
     closers: list = field(default_factory=list)
 
@@ -115,6 +133,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             )
             if not sft and not cfg.debug.load_rollout:
                 roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
+                roles.closers.append(roles.engines.close)
         else:
             from tidal.cluster.engines import EngineGroup
             from tidal.cluster.ray_setup import placement, start_ray
@@ -133,6 +152,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             if not sft and not cfg.debug.load_rollout:
                 if r.engine == "remote":
                     roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
+                    roles.closers.append(roles.engines.close)
                 else:
                     opts = engine_options(r, cfg.data.max_prompt_length)
                     roles.engines = EngineGroup(c, r, str(model_dir), opts, group, engine_bundles)
@@ -141,6 +161,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             from tidal.debug_rollout import NoEngines, NoSync
 
             roles.engines, roles.sync = NoEngines(), NoSync()
+            roles.closers.append(roles.engines.close)
         elif not sft:
             roles.sync = build_sync(cfg, roles.trainer, roles.engines)
             roles.closers.append(roles.sync.close)
@@ -158,7 +179,7 @@ def build_sync(cfg: Config, trainer, engines):
         from tidal.sync.local import InProcessSync
 
         # the overlapped loop generates while the trainer updates: the engine needs its own copy
-        return InProcessSync(trainer, engines.engine, share=cfg.overlap.mode == "off")
+        return InProcessSync(trainer, engines.engine, timeout, share=cfg.overlap.mode == "off")
     if kind == "broadcast":
         from tidal.sync.broadcast import BroadcastSync
 
@@ -171,8 +192,8 @@ def build_sync(cfg: Config, trainer, engines):
     clients = [EngineClient(u, timeout, api_key=getattr(engines, "api_key", None)) for u in engines.urls]
     if kind == "disk":
         root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
-        return DiskSync(trainer, clients, root, timeout, engines=engines)
-    return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines)
+        return DiskSync(trainer, clients, root, timeout, engines=engines, loop=engines.loop)
+    return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines, loop=engines.loop)
 
 
 def _remove_group(group) -> None:

@@ -2,13 +2,12 @@
 as `tidal serve`), and the loop reaches them through the router like any remote server.
 
 Besides HTTP, an engine actor can join a process group with trainer rank 0 and receive weights by
-broadcast (`tidal.sync.broadcast`), and sleep (free its KV cache and weights) while colocated
-trainers train.
+broadcast (`tidal.sync.broadcast`). Sleep and wake (colocated trainers need the memory) go over
+HTTP like every other control call. An actor runs tidal's engine or vLLM's (`rollout.engine`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -16,26 +15,37 @@ import time
 
 import torch
 
+from tidal.aio import LoopThread
 from tidal.config import ClusterConfig, RolloutConfig
 
 log = logging.getLogger("tidal")
 
 
-class EngineServer:
-    """One engine (a Ray actor): `LLMEngine` on its thread, the HTTP app on a port of this node."""
+def _core(kind: str, model: str, tokenizer, engine_kwargs: dict):
+    if kind == "vllm":
+        from tidal.engine.vllm_core import VLLMCore
 
-    def __init__(self, model: str, engine_kwargs: dict, threads: int, api_key: str) -> None:
+        return VLLMCore(model, tokenizer, **engine_kwargs)
+    from tidal.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, tokenizer, **engine_kwargs)
+
+
+class EngineServer:
+    """One engine (a Ray actor): a core (tidal's `LLMEngine`, or vLLM's) on its thread behind
+    `AsyncEngine`, the HTTP app on a port of this node."""
+
+    def __init__(self, model: str, engine_kwargs: dict, threads: int, api_key: str, kind: str = "tidal") -> None:
         from transformers import AutoTokenizer
 
         from tidal.config import ServerConfig
         from tidal.engine.async_engine import AsyncEngine
-        from tidal.engine.llm_engine import LLMEngine
         from tidal.net import node_ip
         from tidal.server import BackgroundServer, build_app
 
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)
-        self.core = LLMEngine(model, tokenizer, **engine_kwargs)
+        self.core = _core(kind, model, tokenizer, engine_kwargs)
         self.engine = AsyncEngine(self.core)
         host = node_ip()
         # reachable from the network: only the run that started it knows the key
@@ -65,18 +75,7 @@ class EngineServer:
         from tidal.sync.broadcast import receive_weights
 
         named = receive_weights(self.weight_group, meta, self.engine.dtype, bucket_bytes)
-
-        async def load() -> tuple[int, str]:
-            await self.engine.update_weights_from_tensors(named, version)
-            return self.engine.weight_version, await self.engine.weights_checksum()
-
-        return asyncio.run(load())
-
-    def sleep(self) -> None:
-        asyncio.run(self.engine.sleep())
-
-    def wake(self) -> None:
-        asyncio.run(self.engine.wake())
+        return self.engine.load_weights(named, version)
 
     def close(self) -> None:
         self.server.stop()
@@ -84,8 +83,8 @@ class EngineServer:
 
 
 class EngineGroup:
-    """`cluster.engines` engine actors in the run's placement group, and the `RemoteEngine`
-    (router) the rollout calls.
+    """`cluster.engines` engine actors in the run's placement group, and the `HttpEngine` (router)
+    the rollout calls, on the role's event loop.
 
     Fault tolerance: an engine is given `cluster.engine_startup_timeout` seconds to load and answer
     /health before it counts as failed. During a rollout the router takes a failed engine out of
@@ -104,20 +103,22 @@ class EngineGroup:
     ) -> None:
         import ray
 
-        from tidal.engine.client import RemoteEngine
+        from tidal.engine.client import HttpEngine
 
         self.remote = ray.remote(EngineServer)
         self.api_key = secrets.token_hex(16)  # a key of this run's own for its engines' HTTP servers
         self.cluster, self.rollout = cluster, rollout
         self.model, self.engine_kwargs, self.group = model, engine_kwargs, group
         self.bundles = list(bundles)
+        self.loop = LoopThread()  # every call to the engines' HTTP servers runs on it
+        self.timeout = cluster.sync_timeout
         self.actors = [self._start(b) for b in self.bundles]
         try:
             self.urls = self._wait_started(self.actors, list(range(len(self.actors))))
         except BaseException:
             self.close()  # nothing else holds them yet
             raise
-        self.engine = RemoteEngine(self.urls, timeout=rollout.request_timeout, api_key=self.api_key)
+        self.engine = HttpEngine(self.urls, timeout=rollout.request_timeout, api_key=self.api_key)
         self.timeout = cluster.sync_timeout
         self.restarts = 0  # engines restarted (or dropped) so far
 
@@ -129,9 +130,9 @@ class EngineGroup:
         return self.remote.options(
             num_cpus=0 if c.colocate else c.cpus_per_engine,
             num_gpus=0 if c.colocate else c.gpus_per_engine,
-            max_concurrency=4,  # HTTP thread + weight receive + sleep/wake calls
+            max_concurrency=4,  # HTTP thread + weight receive + control calls
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
-        ).remote(self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key)
+        ).remote(self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key, self.rollout.engine)
 
     def _wait_started(self, actors: list, which: list[int]) -> list[str]:
         """The URLs of just-started actors once each answers /health: the start-up grace period,
@@ -193,7 +194,7 @@ class EngineGroup:
             self.actors = [self.actors[i] for i in keep]
             self.urls = [self.urls[i] for i in keep]
             self.bundles = [self.bundles[i] for i in keep]
-            self.engine.router = Router([router.clients[i] for i in keep])
+            self.engine.router = self.engine.control = Router([router.clients[i] for i in keep])
             self.engine.router.resent = router.resent
             return True
         which = sorted(failed)
@@ -214,33 +215,36 @@ class EngineGroup:
         """The URLs of the engines in service."""
         return [self.urls[i] for i in self.engine.router.live]
 
+    def _run(self, coro, what: str):
+        return self.loop.run(coro, self.timeout, f"engines: {what}")
+
     def health(self) -> bool:
-        return self.engine.health()
+        return self._run(self.engine.health(), "health")
 
     def pause(self) -> None:
-        self.engine.pause()
+        self._run(self.engine.pause(), "pause")
 
     def resume(self) -> None:
-        self.engine.resume()
-
-    def _in_service(self) -> list:
-        # an engine that failed during the rollout is left alone until `recover` replaces it
-        return [self.actors[i] for i in self.engine.router.live]
+        self._run(self.engine.resume(), "resume")
 
     def sleep(self) -> None:
-        import ray
-
-        ray.get([a.sleep.remote() for a in self._in_service()], timeout=self.timeout)
+        """Every engine in service frees its KV cache and weights (an engine that failed during the
+        rollout is left alone until `recover` replaces it)."""
+        self._run(self.engine.sleep(), "sleep")
 
     def wake(self) -> None:
-        import ray
-
-        ray.get([a.wake.remote() for a in self._in_service()], timeout=self.timeout)
+        self._run(self.engine.wake(), "wake")
 
     def close(self) -> None:
         """Kill the actors (a rank or engine stuck in a broken collective would not answer a
         polite call); their processes free every resource they held."""
         import ray
 
+        if hasattr(self, "engine"):  # not when the engines failed to start
+            try:
+                self._run(self.engine.aclose(), "close")
+            except Exception as e:  # the actors go anyway
+                log.warning("engines: closing the HTTP clients: %s", e)
+        self.loop.close()
         for a in self.actors:
             ray.kill(a)

@@ -1,10 +1,15 @@
-"""An asyncio front for the step-based core engine.
+"""An asyncio front for a step-based core engine: the `tidal.contracts.Engine` contract.
 
-The core (`tidal.engine.llm_engine.LLMEngine`) is synchronous and single-threaded. `AsyncEngine`
-owns one background thread that makes every core call: it runs queued commands (add a request,
-abort, update weights, ...) between steps and calls `core.step()` while there is work and the
-engine is not paused. Callers in any asyncio event loop await results through
-`concurrent.futures.Future`s, so several loops (or threads) can share one engine.
+A core (`tidal.engine.llm_engine.LLMEngine`, vLLM's or transformers' behind their adapters) is
+synchronous and single-threaded. `AsyncEngine` owns one background thread that makes every core
+call: it runs queued commands (add a request, abort, update weights, ...) between steps and calls
+`core.step()` while there is work and the engine is not paused. Callers in any asyncio event loop
+await results through `concurrent.futures.Future`s, so several loops (or threads) can share one
+engine. Requests join the running batch at the next step: continuous batching, per request.
+
+Requests submitted in the same turn of a caller's event loop reach the engine thread as one
+command, so they join the same step: a rollout that submits a whole batch at once gets the same
+batch, step for step, whatever the thread timing (the same numerics, so the same tokens).
 """
 
 from __future__ import annotations
@@ -16,36 +21,19 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from torch import Tensor
 
+from tidal.contracts import EngineCore, RequestOutput
 from tidal.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "CoreEngine"]
+__all__ = ["AsyncEngine", "CoreEngine", "EngineClosed"]
 
-
-class CoreEngine(Protocol):
-    """What `AsyncEngine` needs from the core (met by `tidal.engine.llm_engine.LLMEngine`)."""
-
-    weight_version: int
-    tokenizer: Any
-    max_model_len: int
-
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
-    def step(self) -> list[Any]: ...
-    def has_unfinished(self) -> bool: ...
-    def abort(self, request_id: str | None = None) -> list[Any]: ...
-    def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, stage: bool = False
-    ) -> None: ...
-    def update_weights_from_disk(self, path: str, version: int | None = None) -> None: ...
-    def flush_cache(self) -> bool: ...
-    def stats(self) -> dict: ...
-    def weights_checksum(self) -> str: ...
+CoreEngine = EngineCore  # the name this module used before the contracts moved to tidal.contracts
 
 
 class EngineClosed(RuntimeError):
@@ -64,19 +52,23 @@ def _resolve(fut: cf.Future, result: Any = None, exc: BaseException | None = Non
 
 
 class AsyncEngine:
-    """Runs a core engine on a background thread; all public coroutines are safe from any event loop.
+    """Runs a core engine on a background thread; meets `tidal.contracts.Engine`, and every
+    coroutine is safe from any event loop.
 
     `stats()`, `load()` and `weight_version` are plain (non-blocking) reads of values the engine
     thread keeps up to date; `stats()` is refreshed at most every `stats_interval_s` while busy.
+    `call(fn)` runs `fn()` on the engine thread from synchronous code (no event loop needed).
     """
 
-    def __init__(self, core: CoreEngine, *, stats_interval_s: float = 0.25) -> None:
+    def __init__(self, core: EngineCore, *, stats_interval_s: float = 0.25) -> None:
         self.core = core
         # Read-only attributes the HTTP layer needs; read once here, before the thread starts.
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
+        self.dtype = getattr(core, "dtype", None)
         model = getattr(core, "model", None)
-        self.dtype = next(model.parameters()).dtype if model is not None else None
+        if self.dtype is None and model is not None:
+            self.dtype = next(model.parameters()).dtype
         self._weight_version: int = core.weight_version
         self._stats_interval_s = stats_interval_s
         self._stats: dict = {}
@@ -85,6 +77,7 @@ class AsyncEngine:
         self._commands: deque[tuple[Callable[[], Any], cf.Future]] = deque()
         self._pending: dict[str, cf.Future] = {}  # touched only on the engine thread
         self._streams: dict[str, list] = {}  # rid -> [on_tokens, tokens delivered]; engine thread
+        self._adds: dict[asyncio.AbstractEventLoop, list] = {}  # this turn's requests, per caller loop
         self._paused = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
@@ -129,22 +122,55 @@ class AsyncEngine:
         """
         rid = request_id if request_id is not None else uuid.uuid4().hex
         done: cf.Future = cf.Future()
-
-        def add() -> None:
-            if rid in self._pending:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self.core.add_request(rid, list(prompt_ids), params)
-            self._pending[rid] = done
-            if on_tokens is not None:
-                self._streams[rid] = [on_tokens, 0]
-
-        await self._call(add)
+        added: cf.Future = cf.Future()
+        loop = asyncio.get_running_loop()
+        batch = self._adds.get(loop)
+        if batch is None:  # the first request of this turn: the whole turn's requests go together
+            batch = self._adds[loop] = []
+            loop.call_soon(self._send_adds, loop)
+        batch.append((rid, list(prompt_ids), params, on_tokens, done, added))
+        try:
+            await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # it may still be added: this abort is queued after the add
+            self._submit(lambda: self._abort(rid))
+            raise
         done.add_done_callback(lambda f: f.cancelled() and self._submit(lambda: self._abort(rid)))
         return asyncio.wrap_future(done)
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Any:
-        """Generate one response; returns the core's `RequestOutput` (finish_reason "abort" if aborted)."""
-        return await (await self.add_request(prompt_ids, params, request_id))
+    def _send_adds(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch = self._adds.pop(loop, [])
+
+        def add_all() -> None:
+            for rid, ids, params, on_tokens, done, added in batch:
+                try:
+                    if rid in self._pending:
+                        raise ValueError(f"request id {rid!r} is already in use")
+                    self.core.add_request(rid, ids, params)
+                except BaseException as e:  # this request's caller hears of it; the others go on
+                    _resolve(added, exc=e)
+                    continue
+                self._pending[rid] = done
+                if on_tokens is not None:
+                    self._streams[rid] = [on_tokens, 0]
+                _resolve(added, None)
+
+        sent = self._submit(add_all)
+        sent.add_done_callback(
+            lambda f: f.exception() is not None and [_resolve(b[5], exc=f.exception()) for b in batch]
+        )
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        group: Hashable | None = None,
+    ) -> RequestOutput:
+        """Generate one response (the `Engine` contract); returns the core's `RequestOutput`
+        (finish_reason "abort" if aborted). `group` is for engines with several servers: one
+        engine shares a group's prompt through its prefix cache anyway."""
+        return await (await self.add_request(input_ids, sampling, request_id))
 
     async def abort(self, request_id: str | None = None) -> list:
         """Abort one request (None = all); their `generate` calls resolve with the partial outputs."""
@@ -166,13 +192,14 @@ class AsyncEngine:
         await self._call(resume)
 
     async def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, flush_cache: bool = True
+        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, flush_cache: bool = True, **kw: Any
     ) -> None:
-        """Load new weights between two steps; in-flight requests continue on the new weights."""
-        await self._call(lambda: self._update(self.core.update_weights_from_tensors, named, version, flush_cache))
+        """Load new weights between two steps (all or nothing; `kw` goes to the core, e.g.
+        `share`); in-flight requests continue on the new weights."""
+        await self._call(lambda: self._update(self.core.update_weights_from_tensors, named, version, flush_cache, kw))
 
     async def update_weights_from_disk(self, path: str, version: int | None = None, flush_cache: bool = True) -> None:
-        await self._call(lambda: self._update(self.core.update_weights_from_disk, str(path), version, flush_cache))
+        await self._call(lambda: self._update(self.core.update_weights_from_disk, str(path), version, flush_cache, {}))
 
     async def stage_weights(self, named: Iterable[tuple[str, Tensor]]) -> None:
         """Check tensors and keep them for the next `update_weights_from_tensors` (a chunked
@@ -201,6 +228,32 @@ class AsyncEngine:
         await self._call(self._refresh_stats)
         return self.stats()
 
+    def call(self, fn: Callable[[], Any], timeout: float | None = None, what: str = "engine call") -> Any:
+        """Run `fn()` on the engine thread between two steps and return its result, from
+        synchronous code; at most `timeout` seconds (then TimeoutError naming `what`)."""
+        try:
+            return self._submit(fn).result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"{what}: the engine thread did not get to it within {timeout:g} s") from None
+
+    def load_weights(
+        self,
+        named: Iterable[tuple[str, Tensor]],
+        version: int | None = None,
+        timeout: float | None = None,
+        flush_cache: bool = True,
+        checksum: bool = True,
+        **kw: Any,
+    ) -> tuple[int, str | None]:
+        """`update_weights_from_tensors` from synchronous code (the weight-sync role, an engine
+        actor); returns (the version, the checksum of the weights when asked) the core reports."""
+
+        def load() -> tuple[int, str | None]:
+            self._update(self.core.update_weights_from_tensors, named, version, flush_cache, kw)
+            return self.core.weight_version, self.core.weights_checksum() if checksum else None
+
+        return self.call(load, timeout, f"loading weight version {version}")
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; queued commands and unfinished requests fail with EngineClosed."""
         with self._cv:
@@ -208,6 +261,9 @@ class AsyncEngine:
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
 
     # ------------------------------------------------------------------ engine thread
     def _submit(self, fn: Callable[[], Any]) -> cf.Future:
@@ -223,8 +279,8 @@ class AsyncEngine:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))
 
-    def _update(self, load: Callable, source: Any, version: int | None, flush_cache: bool) -> None:
-        load(source, version)
+    def _update(self, load: Callable, source: Any, version: int | None, flush_cache: bool, kw: dict) -> None:
+        load(source, version, **kw)
         self._weight_version = self.core.weight_version
         if flush_cache:
             # Cached prefixes were computed with the old weights; the core may refuse while requests run.

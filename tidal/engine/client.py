@@ -2,7 +2,8 @@
 
 `EngineClient` talks to one server, `Router` spreads requests over several (least loaded first,
 sticky per group so a group's shared prompt is reused from one server's prefix cache), and
-`RemoteEngine` wraps a router in the synchronous `tidal.engine.base.Engine` protocol.
+`HttpEngine` is the `tidal.contracts.Engine` contract over a router: async and per request, its
+connection pools living on the rollout's one event loop (`tidal.aio.LoopThread`).
 
 Weights travel to `/update_weights_from_tensor` in tidal's own wire format (SGLang's endpoint of
 that name takes in-process tensor handles instead, so it is for tidal servers only): a JSON body
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
+import contextlib
 import logging
-from collections.abc import Coroutine, Hashable, Iterable, Iterator, Sequence
+import uuid
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,13 +31,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from tidal.engine.base import GenerationOutput
+from tidal.contracts import GenerationOutput
 from tidal.engine.sampling import SamplingParams
 
 __all__ = [
     "EngineClient",
     "EngineError",
-    "RemoteEngine",
+    "HttpEngine",
     "Router",
     "decode_tensors",
     "encode_tensors",
@@ -396,12 +398,12 @@ class Router:
         self.mark_up(index)
 
     async def generate(
-        self, input_ids: Sequence[int], params: SamplingParams, group: Hashable | None = None
+        self, input_ids: Sequence[int], params: SamplingParams, group: Hashable | None = None, rid: str | None = None
     ) -> GenerationOutput:
         while True:
             index = self.acquire(group)
             try:
-                return await self.clients[index].generate(input_ids, params)
+                return await self.clients[index].generate(input_ids, params, rid)
             except EngineError as e:
                 if not is_engine_failure(e):
                     raise
@@ -444,85 +446,97 @@ class Router:
         await asyncio.gather(*(c.aclose() for c in self.clients))
 
 
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, also from a thread whose event loop is already running."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+class HttpEngine:
+    """The `tidal.contracts.Engine` contract over one or more HTTP servers (`tidal serve`, SGLang,
+    Ray engine actors) behind a `Router`: each request goes to one server on its own, so requests
+    join that server's running batch as they arrive.
 
-
-class RemoteEngine:
-    """The synchronous `Engine` protocol over one or more HTTP servers."""
+    `weight_version` is the newest version a server reported (every response carries it; the
+    weight sync checks each server's after a push). Control calls go to every server in service.
+    Use it from one event loop (the rollout's): its HTTP clients belong to that loop."""
 
     def __init__(
         self,
         urls: str | Sequence[str],
         timeout: float = 600.0,
         *,
-        weights_timeout: float = 1800.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_connections: int = 256,
         api_key: str | None = None,
+        control_urls: Sequence[str] | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
+        self.timeout = timeout
+        self.api_key = api_key
         self.router = Router([EngineClient(u, timeout, max_connections=max_connections, api_key=api_key) for u in urls])
-        self.weights_timeout = weights_timeout
-        self.chunk_bytes = chunk_bytes
-        self.weight_version = 0
-
-    def _run(self, make: Any) -> Any:
-        async def main() -> Any:
-            try:
-                return await make()
-            finally:
-                await self.router.aclose()
-
-        return _run_sync(main())
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
-        """One response per prompt; identical consecutive prompts form one group (one server)."""
-        if len(prompts) != len(params):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        groups: list[int] = []
-        for i, p in enumerate(prompts):
-            groups.append(groups[-1] if i and p == prompts[i - 1] else i)
-
-        async def run() -> list[GenerationOutput]:
-            calls = [self.router.generate(p, sp, group=g) for p, sp, g in zip(prompts, params, groups, strict=True)]
-            return list(await asyncio.gather(*calls))
-
-        return self._run(run)
-
-    def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send the tensors to every server (tidal servers only); all carry `version` after."""
-        self._run(
-            lambda: self.router.update_weights_from_tensors(named, version, self.chunk_bytes, self.weights_timeout)
+        # a front (sglang-router) that forwards /generate but not every control call: those go to
+        # the servers behind it directly
+        self.control = (
+            Router([EngineClient(u, timeout, api_key=api_key) for u in control_urls]) if control_urls else self.router
         )
-        self.weight_version = version
+        self._version = 0
 
-    def update_weights_from_disk(self, path: str | Path, version: int) -> None:
-        self._run(lambda: self.router.broadcast("update_weights_from_disk", path, version, self.weights_timeout))
-        self.weight_version = version
+    @property
+    def weight_version(self) -> int:
+        return self._version
 
-    def health(self) -> bool:
-        return all(self._run(lambda: self.router.broadcast("health")))
+    @property
+    def urls(self) -> list[str]:
+        return [c.base_url for c in self.control.clients]
 
-    def check_health(self) -> dict[int, str]:
-        """Errors of the servers that do not answer /health, by index (every server is asked)."""
-        return self._run(self.router.check_health)
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        group: Hashable | None = None,
+    ) -> GenerationOutput:
+        """One response; a failed server is taken out of service and the request sent again,
+        unchanged, to another (see `Router`). Cancelling the call aborts it on its server."""
+        rid = request_id or uuid.uuid4().hex
+        try:
+            out = await self.router.generate(input_ids, sampling, group=group, rid=rid)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # best effort: the server may be gone
+                await asyncio.shield(self.abort(rid))
+            raise
+        self._version = max(self._version, out.weight_version)
+        return out
 
-    def pause(self) -> None:
+    async def abort(self, request_id: str | None = None) -> None:
+        await self.control.broadcast("abort", request_id)
+
+    async def pause(self) -> None:
         """Every server stops generating; unfinished requests wait for `resume()`."""
-        self._run(lambda: self.router.broadcast("pause"))
+        await self.control.broadcast("pause")
 
-    def resume(self) -> None:
-        self._run(lambda: self.router.broadcast("resume"))
+    async def resume(self) -> None:
+        await self.control.broadcast("resume")
 
-    def flush_cache(self) -> bool:
-        return all(self._run(lambda: self.router.broadcast("flush_cache")))
+    async def sleep(self) -> None:
+        await self.control.broadcast("release_memory")
 
-    def get_weight_versions(self) -> list[int]:
-        return self._run(lambda: self.router.broadcast("get_weight_version"))
+    async def wake(self) -> None:
+        await self.control.broadcast("resume_memory")
+
+    async def flush_cache(self) -> bool:
+        return all(await self.control.broadcast("flush_cache"))
+
+    async def health(self) -> bool:
+        return all(await self.control.broadcast("health"))
+
+    async def check_health(self) -> dict[int, str]:
+        """Errors of the servers that do not answer /health, by index (every server is asked)."""
+        return await self.control.check_health()
+
+    async def get_weight_versions(self) -> list[int]:
+        return await self.control.broadcast("get_weight_version")
+
+    def note_version(self, version: int) -> None:
+        """The weight sync confirmed every server at `version`."""
+        self._version = version
+
+    async def aclose(self) -> None:
+        await self.router.aclose()
+        if self.control is not self.router:
+            await self.control.aclose()

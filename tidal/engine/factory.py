@@ -1,11 +1,12 @@
-"""The rollout config's engine, built in-process."""
+"""The rollout config's engine, built in this process: an in-process core behind `AsyncEngine`, or
+HTTP servers behind `HttpEngine`; both meet `tidal.contracts.Engine`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tidal.config import RolloutConfig
-from tidal.engine.base import Engine
+from tidal.contracts import Engine, EngineCore
 
 MAX_AUTO_KV_TOKENS = 32768
 BLOCK_SIZE = 16
@@ -34,19 +35,12 @@ def engine_options(cfg: RolloutConfig, max_prompt_length: int = 1024, prompts: i
     }
 
 
-def make_engine(
+def make_core(
     cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
-) -> Engine:
-    """`rollout.engine: tidal` (the default), `hf` (transformers forward, for architectures the
-    tidal engine does not run) or `remote` (HTTP servers at `rollout.engine_urls`). The tidal
-    engine's KV cache is sized by `kv_cache_tokens`."""
-    if cfg.engine == "remote":
-        import os
-
-        from tidal.engine.client import RemoteEngine
-
-        key = cfg.api_key or os.environ.get("TIDAL_API_KEY") or None
-        return RemoteEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
+) -> EngineCore:
+    """The step-based core of an in-process engine: `rollout.engine: tidal` (the default; its KV
+    cache sized by `kv_cache_tokens`) or `hf` (transformers forward, for architectures the tidal
+    engine does not run)."""
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 
@@ -54,3 +48,20 @@ def make_engine(
     from tidal.engine.llm_engine import LLMEngine
 
     return LLMEngine(model_dir, tokenizer, **engine_options(cfg, max_prompt_length, prompts))
+
+
+def make_engine(
+    cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
+) -> Engine:
+    """`rollout.engine: remote`: the HTTP servers at `rollout.engine_urls`; otherwise `make_core`'s
+    core on a thread of its own (`AsyncEngine`)."""
+    if cfg.engine == "remote":
+        import os
+
+        from tidal.engine.client import HttpEngine
+
+        key = cfg.api_key or os.environ.get("TIDAL_API_KEY") or None
+        return HttpEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
+    from tidal.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(make_core(cfg, model_dir, tokenizer, max_prompt_length, prompts))

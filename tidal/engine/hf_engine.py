@@ -1,9 +1,11 @@
-"""The embedded engine: a Hugging Face causal LM decoding a whole batch with a KV cache.
+"""The fallback engine (`rollout.engine: hf`): a Hugging Face causal LM decoding a whole batch with
+a KV cache, for architectures tidal's own engine does not run.
 
 It samples every row with that row's own parameters and seed, returns the log-prob of each sampled
 token, drops finished rows from the cache as it goes, and prefills each distinct prompt once (the
-n samples of a GRPO group share the prompt's cache rows). A faster engine with continuous
-batching replaces it behind the same `generate` / `update_weights_*` interface.
+n samples of a GRPO group share the prompt's cache rows). As a core (`tidal.contracts.EngineCore`)
+behind `AsyncEngine`, one `step()` runs every queued request to completion as one batch: requests
+that arrive meanwhile wait for the next batch (no continuous batching; tidal's engine has it).
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from tidal.engine.base import GenerationOutput
+from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
-from tidal.engine.weights import load_named_tensors, read_safetensors_dir
+from tidal.engine.weights import load_named_tensors, model_checksum, read_safetensors_dir
 from tidal.hardware import weights_dtype
 
 
 class HFEngine:
-    """In-process engine over a transformers model (CPU or one GPU); meets `tidal.engine.base.Engine`."""
+    """In-process engine over a transformers model (CPU or one GPU); meets `tidal.contracts.EngineCore`."""
 
     def __init__(
         self,
@@ -48,40 +50,106 @@ class HFEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.weight_version = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.max_model_len = self.max_context or 2048
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.queue: dict[str, tuple[list[int], SamplingParams]] = {}  # requests for the next batch
+        self._staged: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- the core's step API
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str:
+        if request_id in self.queue:
+            raise ValueError(f"request {request_id}: id already in use")
+        self._check(request_id, list(prompt_ids), params)
+        self.queue[request_id] = (list(prompt_ids), params)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> list[RequestOutput]:
+        """Every queued request, run to completion as one batch."""
+        batch, self.queue = self.queue, {}
+        outs = self.generate_batch([p for p, _ in batch.values()], [sp for _, sp in batch.values()])
+        return [self._request_output(rid, p, o) for (rid, (p, _)), o in zip(batch.items(), outs, strict=True)]
+
+    def abort(self, request_id: str | None = None) -> list[RequestOutput]:
+        """Queued requests only: a batch in progress runs to its end (it holds the engine thread)."""
+        ids = list(self.queue) if request_id is None else [request_id]
+        gone = [(rid, self.queue.pop(rid)[0]) for rid in ids if rid in self.queue]
+        empty = GenerationOutput(finish_reason="abort", weight_version=self.weight_version)
+        return [self._request_output(rid, p, empty) for rid, p in gone]
+
+    def _request_output(self, rid: str, prompt: list[int], o: GenerationOutput) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid,
+            token_ids=list(o.token_ids),
+            log_probs=list(o.log_probs),
+            finish_reason=o.finish_reason,
+            text=o.text,
+            weight_version=o.weight_version,
+            prompt_tokens=len(prompt),
+        )
+
+    def flush_cache(self) -> bool:
+        return True  # nothing outlives a batch
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.queue), **self.counters}
+
+    def weights_checksum(self) -> str:
+        return model_checksum(self.model)
+
+    def sleep(self) -> None:
+        raise RuntimeError("rollout.engine hf cannot sleep: use the tidal engine to colocate")
+
+    def wake(self) -> None:
+        pass
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: int, share: bool = False
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        share: bool = False,
+        stage: bool = False,
     ) -> None:
-        """Copy tensors into the engine's parameters by name (cast to the engine dtype; `share`:
-        alias same-dtype tensors, see `load_named_tensors`)."""
-        load_named_tensors(self.model, named, share)
-        self.weight_version = version
+        """Copy tensors into the engine's parameters by name, all or nothing (cast to the engine
+        dtype; `share`: alias same-dtype tensors, see `load_named_tensors`; `stage`: keep them for
+        the next call without `stage`)."""
+        named = dict(named)
+        if stage:
+            self._staged.update(named)
+            return
+        named, self._staged = {**self._staged, **named}, {}
+        load_named_tensors(self.model, named.items(), share)
+        self.weight_version = self.weight_version + 1 if version is None else version
 
-    def update_weights_from_disk(self, path: str | Path, version: int) -> None:
+    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
         """Load safetensors weights saved by `save_pretrained` from `path`."""
         self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
 
     # ---------------------------------------------------------------- generation
+    def _check(self, name: str, p: list[int], sp: SamplingParams) -> None:
+        sp.validate()
+        if not p:
+            raise ValueError(f"request {name}: the prompt is empty")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"request {name}: stop strings need an engine with a tokenizer")
+        if self.max_context and len(p) + sp.max_new_tokens > self.max_context:
+            raise ValueError(
+                f"request {name}: the prompt has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} > "
+                f"context length {self.max_context}"
+            )
+
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
         """Sample one response per prompt. `params[i]` applies to `prompts[i]`."""
         if len(prompts) != len(params):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
+            raise ValueError(f"generate_batch: {len(prompts)} prompts but {len(params)} sampling params")
         if not prompts:
             return []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            sp.validate()
-            if not p:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(f"generate: request {i} has stop strings but the engine has no tokenizer")
-            if self.max_context and len(p) + sp.max_new_tokens > self.max_context:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} > "
-                    f"context length {self.max_context}"
-                )
+            self._check(str(i), p, sp)
         outs = [GenerationOutput(weight_version=self.weight_version) for _ in prompts]
         dev = self.device
 
@@ -107,8 +175,8 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        self.stats["prefill_tokens"] += int(mask.sum())
-        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.counters["prefill_tokens"] += int(mask.sum())
+        self.counters["prefill_s"] += time.perf_counter() - t0
         select = torch.tensor(row_of, device=dev)
         cache.batch_select_indices(select)
         logits = out.logits[:, -1][select]
@@ -144,7 +212,7 @@ class HFEngine:
                     o.finish_reason = "length"
                 else:
                     keep.append(row)
-            self.stats["decode_tokens"] += len(active)
+            self.counters["decode_tokens"] += len(active)
             if not keep:
                 break
             if len(keep) < len(active):  # drop finished rows so the tail costs only what is live
@@ -162,7 +230,7 @@ class HFEngine:
             )
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
-        self.stats["decode_s"] += time.perf_counter() - t0
+        self.counters["decode_s"] += time.perf_counter() - t0
         if self.tokenizer is not None:
             for o in outs:
                 o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)

@@ -1,8 +1,11 @@
 """tidal's embedded engine: continuous batching over a paged, prefix-shared KV cache.
 
     engine = LLMEngine("path/to/model", tokenizer)
-    outs = engine.generate(prompts, params)            # the `Engine` protocol the rollout uses
-    engine.add_request("r1", ids, params); engine.step()   # the step API the HTTP server drives
+    engine.add_request("r1", ids, params); engine.step()   # the step API (`tidal.contracts.EngineCore`)
+    outs = engine.generate_batch(prompts, params)      # run a batch to completion (tests, benchmarks)
+
+The rollout and the server reach it through `tidal.engine.async_engine.AsyncEngine`, which drives
+the step API on a thread of its own.
 
 Each `step()` asks the scheduler which sequences run (decodes first, then admissions within the
 token budget), runs one forward pass over all of them, samples one token per sequence, and
@@ -14,14 +17,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.engine.base import GenerationOutput
+from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, top_logprobs
@@ -57,21 +60,8 @@ class EngineConfig:
         return self
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    text: str
-    weight_version: int
-    prompt_tokens: int
-    cached_tokens: int
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when asked for
-
-
 class LLMEngine:
-    """Meets `tidal.engine.base.Engine`; see the module docstring."""
+    """Meets `tidal.contracts.EngineCore`; see the module docstring."""
 
     def __init__(
         self,
@@ -311,37 +301,22 @@ class LLMEngine:
             **self.counters,
         }
 
-    # ---------------------------------------------------------------- Engine protocol
-    def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], should_abort: Callable[[], bool] | None = None
-    ) -> list[GenerationOutput]:
-        """Run the given requests to completion (alone: nothing else may be queued). `should_abort`
-        is asked between steps; once it says yes, the unfinished requests come back with the
-        tokens they have so far and finish reason "abort" (a partial rollout)."""
+    # ---------------------------------------------------------------- batch convenience
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """Run the given requests to completion, alone (nothing else may be queued): one output per
+        prompt, `params[i]` for `prompts[i]`. For tests and benchmarks; the rollout submits
+        requests one by one through `AsyncEngine`."""
         if len(prompts) != len(params):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
+            raise ValueError(f"generate_batch: {len(prompts)} prompts but {len(params)} sampling params")
         rids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, params, strict=True):  # all or nothing: a bad one aborts the rest
                 rids.append(self.add_request(None, p, sp))
             while self.has_unfinished():
-                if should_abort is not None and should_abort():
-                    for out in self.abort():
-                        done[out.request_id] = out
-                    break
                 for out in self.step():
                     done[out.request_id] = out
         except BaseException:
             self.abort()
             raise
-        return [
-            GenerationOutput(
-                token_ids=o.token_ids,
-                log_probs=o.log_probs,
-                finish_reason=o.finish_reason,
-                text=o.text,
-                weight_version=o.weight_version,
-            )
-            for o in (done[r] for r in rids)
-        ]
+        return [done[r].generation() for r in rids]

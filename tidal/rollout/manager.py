@@ -3,25 +3,29 @@
 Each prompt is sampled `n_samples_per_prompt` times, each time by the prompt's generate function
 (`tidal.rollout.generate`); every sample gets its own seed derived from (base seed, step, sample
 index), so a rollout is reproducible whatever else runs (and a resumed run samples exactly what an
-uninterrupted one would have).
+uninterrupted one would have). Every sample is its own task on the rollout's event loop
+(`tidal.aio.LoopThread`), and each of its engine calls is its own request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable
 
+from tidal.aio import LoopThread
 from tidal.config import RolloutConfig
+from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
-from tidal.engine.base import Engine
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.failures import ErrorLog
-from tidal.rollout.generate import FINISH_STATUS, GenerateContext, RoundBatcher, load_generate_fn
+from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, load_async_fn, single_turn
 from tidal.rollout.rewards import check_reward_key, get_reward_fn, score_rollout
 from tidal.types import Sample, Status
 
-__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "sample_seed"]
+__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "load_generate_fn", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +57,58 @@ def group_size(samples: list[Sample]) -> int:
     return distinct.pop() if distinct else 0
 
 
+def _tools(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> Awaitable[Sample]:
+    from tidal.rollout.multi_turn import tool_loop
+
+    return tool_loop(ctx, sample, sampling)
+
+
+def _agent(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> Awaitable[list[Sample]]:
+    from tidal.rollout.agent import agent_generate
+
+    return agent_generate(ctx, sample, sampling)
+
+
+BUILTIN_GENERATE: dict[str, GenerateFn] = {"single_turn": single_turn, "tools": _tools, "agent": _agent}
+
+
+def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
+    """A built-in generate function by name, or a user one by dotted path or `file.py:fn`."""
+    if name in BUILTIN_GENERATE:
+        return BUILTIN_GENERATE[name]
+    fn = load_async_fn(name, where, "async def generate(ctx, sample, sampling)")
+    params = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
+    if len(params) != 3:
+        raise ValueError(f"{where}: {name!r} takes {len(params)} required arguments; expected (ctx, sample, sampling)")
+    return fn
+
+
 def _is_partial(out: list[Sample]) -> bool:
     return len(out) == 1 and out[0].status == Status.ABORTED and out[0].metadata.get("finish_reason") == "abort"
 
 
 class RolloutManager:
-    """Fans prompts out to the generate functions in groups, then scores every sample with the reward."""
+    """Fans prompts out to the generate functions in groups, then scores every sample with the reward.
 
-    def __init__(self, engine: Engine, cfg: RolloutConfig, tokenizer=None) -> None:
+    `generate` is for synchronous callers (the loop): it runs `agenerate` on `loop`, the rollout
+    role's long-lived event loop (one of its own when none is given)."""
+
+    def __init__(self, engine: Engine, cfg: RolloutConfig, tokenizer=None, loop: LoopThread | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.loop = loop if loop is not None else LoopThread()
+        self._own_loop = loop is None
         self.reward_fn = get_reward_fn(cfg.reward, cfg.reward_workers)
         self.reward_errors = ErrorLog()
         self.generate_fn = load_generate_fn(cfg.generate)
-        self.extra: dict = {}  # shared state of built-in generate functions (tools, agent door)
-        # partial rollouts (the overlapped loop): asked between engine steps whether to cut the
-        # round short; `on_abort` then runs (it loads new weights) and the cut samples continue
-        self.should_abort: Callable[[], bool] | None = None
-        self.on_abort: Callable[[], None] | None = None
+        self.extra: dict = {}  # shared state of built-in generate functions (tools, the agent door)
+        # partial rollouts (the overlapped loop): a sample whose request was aborted (new weights
+        # were on their way) is sent again at once, continuing from its own tokens; the engine is
+        # paused until the weights have loaded, so the continuation runs on them
+        self.continue_partial = False
         self.aborted = self.resumed = 0
+        self._rollouts = itertools.count()
 
     def sampling_params(self, seed: int) -> SamplingParams:
         c = self.cfg
@@ -91,11 +127,11 @@ class RolloutManager:
 
         Seeds come from (seed, step, first_index + sample position), so a second call in the same
         step (dynamic sampling) passes the number of samples already drawn to get fresh ones."""
-        return asyncio.run(self.agenerate(records, step, first_index))
+        return self.loop.run(self.agenerate(records, step, first_index))
 
     async def agenerate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
         n = self.cfg.n_samples_per_prompt
-        batcher = RoundBatcher(self.engine, self.should_abort)
+        rollout = next(self._rollouts)  # group keys unique to this call
         jobs = []
         for g, rec in enumerate(records):
             fn = self.generate_fn
@@ -111,20 +147,10 @@ class RolloutManager:
                     index=i,
                     metadata={**rec.metadata, "prompt_index": rec.index},
                 )
-                ctx = GenerateContext(batcher, self.tokenizer, self.cfg, rec, step, i, self.extra)
+                ctx = GenerateContext(self.engine, self.tokenizer, self.cfg, rec, step, (rollout, g), self.extra, i)
                 params = self.sampling_params(sample_seed(self.cfg.seed, step, first_index + i))
                 jobs.append((fn, ctx, sample, params))
-        results = await asyncio.gather(*(self._run_one(*job, batcher) for job in jobs))
-        while self.on_abort is not None:
-            cut = [i for i, out in enumerate(results) if _is_partial(out)]
-            if not cut:
-                break
-            self.aborted += len(cut)
-            self.on_abort()
-            self.resumed += len(cut)
-            again = await asyncio.gather(*(self._run_one(*jobs[i], batcher) for i in cut))
-            for i, out in zip(cut, again, strict=True):
-                results[i] = out
+        results = await asyncio.gather(*(self._run_one(*job) for job in jobs))
         samples: list[Sample] = []
         for out in results:
             for s in out:
@@ -138,8 +164,17 @@ class RolloutManager:
                 s.loss_mask = [0] * s.response_length
         return samples
 
-    async def _run_one(self, fn, ctx: GenerateContext, sample: Sample, params: SamplingParams, batcher) -> list[Sample]:
-        batcher.enter(ctx.key)
+    async def _run_one(
+        self, fn: GenerateFn, ctx: GenerateContext, sample: Sample, params: SamplingParams
+    ) -> list[Sample]:
+        out = await self._call(fn, ctx, sample, params)
+        while self.continue_partial and _is_partial(out):
+            self.aborted += 1
+            out = await self._call(fn, ctx, out[0], params)
+            self.resumed += 1
+        return out
+
+    async def _call(self, fn: GenerateFn, ctx: GenerateContext, sample: Sample, params: SamplingParams) -> list[Sample]:
         try:
             out = await fn(ctx, sample, params)
         except Exception as e:  # one broken trajectory fails its sample, not the rollout
@@ -149,8 +184,6 @@ class RolloutManager:
             sample.metadata["error"] = f"generate: {e!r}"
             sample.reward = 0.0
             out = sample
-        finally:
-            batcher.exit(ctx.key)
         out = out if isinstance(out, list) else [out]
         for s in out:
             if not isinstance(s, Sample):
@@ -158,3 +191,8 @@ class RolloutManager:
             s.validate()
             s.group_index = sample.group_index
         return out
+
+    def close(self) -> None:
+        """Stop the event loop this manager made for itself (a given one is its owner's)."""
+        if self._own_loop:
+            self.loop.close()

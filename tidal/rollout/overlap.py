@@ -1,11 +1,13 @@
 """Rollout overlapped with training (`overlap.mode: one_step | full`).
 
-A worker thread owns the engine. It rolls out one step's batch at a time (a *wave*: `collect`,
-with dynamic sampling when it is on, seeded by the step it is for) into the buffer, while the
-trainer trains on an earlier one. Weights the trainer pushes are copies (the engine never reads
-tensors the optimizer is changing); the worker loads them between waves, or, with partial
-rollout, at once: the engine aborts its in-flight requests, loads the weights, and the cut
-samples continue from exactly the tokens they have (each token keeps the version that sampled it).
+A worker thread rolls out one step's batch at a time (a *wave*: `collect`, with dynamic sampling
+when it is on, seeded by the step it is for) into the buffer, while the trainer trains on an
+earlier one. New weights reach the engine only through the weight-sync role, pushed by the
+trainer's thread at a point the worker makes safe (`push`): between two waves, or, with partial
+rollout, at once: the engine is paused, its in-flight requests are aborted and sent again at once
+(each continuing from exactly the tokens it has, queued behind the pause), the weights load, and
+the engine resumes, so every token keeps the version that sampled it. This works for every engine
+behind the contract (in-process, Ray engine actors, remote servers, vLLM, SGLang).
 
 Admission control bounds staleness: the wave for step w starts only while the engine's weights
 are at least version w - K (K = `overlap.max_staleness`; 1 in one_step mode). Every token of it
@@ -21,11 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-
-import torch
+from collections.abc import Callable
 
 from tidal.config import Config
+from tidal.contracts import Engine
 from tidal.data.source import DataSource
 from tidal.rollout.buffer import Buffer, load_buffer_filter
 from tidal.rollout.collect import collect
@@ -66,20 +67,22 @@ def mask_older_segments(samples: list[Sample]) -> int:
 
 class OverlappedRollout:
     """The rollout role of the overlapped loop: `next_batch(step)` for the trainer,
-    `push_weights(version, named)` from it, `pause`/`state_dict`/`resume` for checkpoints."""
+    `push(version, push_fn)` around its weight sync, `pause`/`state_dict`/`resume` for checkpoints."""
 
     def __init__(
         self,
         cfg: Config,
         source: DataSource,
         manager: RolloutManager,
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]], int], None],
         start_step: int = 0,
         state: dict | None = None,
     ) -> None:
         o = cfg.overlap
-        self.cfg, self.source, self.manager, self.load_weights = cfg, source, manager, load_weights
+        self.cfg, self.source, self.manager = cfg, source, manager
+        self.engine: Engine = manager.engine
         self.k = 1 if o.mode == "one_step" else o.max_staleness
+        self.partial = o.mode == "full" and o.partial_rollout
+        manager.continue_partial = self.partial
         self.groups_per_step = cfg.rollout.rollout_batch_size
         if o.buffer:
             self.buffer = load_object(o.buffer, callable_required=True)()
@@ -93,15 +96,12 @@ class OverlappedRollout:
             self.buffer.load_state_dict(state["buffer"])
             self.next_wave = int(state["next_wave"])
             self.wave_metrics = {int(k): v for k, v in state.get("wave_metrics", {}).items()}
-        self._pending: tuple[int, list] | None = None
         self._cv = threading.Condition()
         self._stop = self._pause = False
-        self._busy = False
+        self._pushing = False  # a weight push is under way: no wave starts
+        self._busy = False  # a wave is being rolled out
         self._error: BaseException | None = None
         self.engine_idle = 0.0  # seconds the worker waited for admission since the last batch
-        if o.mode == "full" and o.partial_rollout:
-            manager.should_abort = lambda: self._pending is not None
-            manager.on_abort = self._load_pending
         self._thread = threading.Thread(target=self._run, name="tidal-rollout", daemon=True)
         self._thread.start()
 
@@ -109,35 +109,18 @@ class OverlappedRollout:
     def _admitted(self) -> bool:
         return self.next_wave <= min(self.engine_version + self.k, self.last_wave)
 
-    def _load_pending(self) -> None:
-        with self._cv:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            version, named = pending
-            self.load_weights(named, version)
-            with self._cv:
-                self.engine_version = version
-                self._cv.notify_all()
-
     def _run(self) -> None:
         try:
             while True:
                 t0 = time.perf_counter()
                 with self._cv:
-                    while not self._stop and (self._pause or (not self._admitted() and self._pending is None)):
+                    while not self._stop and (self._pause or self._pushing or not self._admitted()):
                         self._cv.wait()
                     if self._stop:
                         return
                     self.engine_idle += time.perf_counter() - t0
-                    wave = self.next_wave if self._admitted() else None
-                    # loading weights counts as busy too, so pause() never returns mid-load
-                    self._busy = wave is not None or self._pending is not None
-                self._load_pending()  # new weights before a wave starts, never during one (unless partial)
-                if wave is None:
-                    with self._cv:
-                        self._busy = False
-                        self._cv.notify_all()
-                    continue
+                    wave = self.next_wave
+                    self._busy = True
                 self.manager.aborted = self.manager.resumed = 0
                 samples, metrics = collect(self.source, self.manager, wave, self.cfg.algo, self.cfg.rollout.reward_key)
                 metrics["rollout/aborted"] = float(self.manager.aborted)
@@ -203,13 +186,47 @@ class OverlappedRollout:
         metrics["buffer/evicted"] = float(getattr(self.buffer, "evicted", 0))
         return samples, metrics
 
-    def push_weights(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand the engine a copy of the trainer's weights as `version` (a newer push replaces one
-        the worker has not loaded yet)."""
+    def push(self, version: int, push_fn: Callable[[int], dict[str, float]]) -> dict[str, float]:
+        """Run the weight sync `push_fn(version)` (on the caller's thread: the trainer's weights hold
+        still) at a point that is safe for the rollout, and return its metrics.
+
+        Without partial rollout that point is the end of the wave in flight (waited for, at most
+        `overlap.wait_timeout`); no wave starts until the push is done. With partial rollout it is
+        now: the engine pauses, its requests are aborted and continue from their tokens once the
+        engine resumes on the new weights. `time/push_wait` in the metrics: seconds spent waiting
+        for the wave."""
+        loop, timeout = self.manager.loop, self.cfg.overlap.wait_timeout
+        t0 = time.perf_counter()
         with self._cv:
             self._check()
-            self._pending = (version, named)
+            self._pushing = True
+            if not self.partial and not self._cv.wait_for(lambda: not self._busy or self._error is not None, timeout):
+                self._pushing = False
+                self._cv.notify_all()
+                raise TimeoutError(
+                    f"waited {timeout:g} s for the rollout of wave {self.next_wave} to end before pushing weight "
+                    f"version {version} (overlap.wait_timeout)"
+                )
+        waited = time.perf_counter() - t0
+        try:
+            self._check()
+            if self.partial:
+                loop.run(self.engine.pause(), timeout, "pausing the engine for a weight push")
+                try:
+                    loop.run(self.engine.abort(), timeout, "aborting the engine's requests for a weight push")
+                    metrics = push_fn(version)
+                finally:
+                    loop.run(self.engine.resume(), timeout, "resuming the engine after a weight push")
+            else:
+                metrics = push_fn(version)
+        finally:
+            with self._cv:
+                self._pushing = False
+                self._cv.notify_all()
+        with self._cv:
+            self.engine_version = version
             self._cv.notify_all()
+        return {**metrics, "time/push_wait": waited}
 
     def pause(self, timeout: float | None = None) -> None:
         """Let the current wave finish, then hold: the buffer and source are then consistent."""
@@ -219,12 +236,6 @@ class OverlappedRollout:
             if not self._cv.wait_for(lambda: not self._busy or self._error is not None, timeout):
                 raise TimeoutError(f"waited {timeout:g} s for the rollout worker to finish wave {self.next_wave}")
             self._check()
-
-    def load_pushed_weights(self) -> None:
-        """Load the weights pushed since the worker last loaded, now; call between pause() and
-        resume() (an evaluation then sees the trainer's latest version). The next wave would have
-        loaded them first anyway, so what it samples does not change."""
-        self._load_pending()
 
     def resume(self) -> None:
         with self._cv:

@@ -8,7 +8,9 @@ compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) 
 
 from __future__ import annotations
 
-from typing import Protocol
+from tidal.contracts import WeightSync
+
+__all__ = ["SyncError", "WeightSync", "check_engine"]
 
 
 class SyncError(RuntimeError):
@@ -18,17 +20,6 @@ class SyncError(RuntimeError):
         super().__init__(f"weight sync to engine {engine} over {transport}: {what}")
         self.engine = engine
         self.transport = transport
-
-
-class WeightSync(Protocol):
-    transport: str
-
-    def push(self, version: int) -> dict[str, float]:
-        """Give every engine the trainer's current weights as `version`; returns metrics
-        (`sync/bytes`, `sync/tensors`; the loop times it as `time/sync`). Raises `SyncError`."""
-        ...
-
-    def close(self) -> None: ...
 
 
 def check_engine(

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
-from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, _run_sync, encode_tensors
+from tidal.aio import LoopThread
+from tidal.contracts import Trainer
+from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, encode_tensors
 from tidal.engine.weights import tensor_crc, weights_checksum
 from tidal.sync.base import SyncError, check_engine
-from tidal.train.role import Trainer
 from tidal.utils import atomic_directory
 
 
@@ -21,9 +22,18 @@ class _RemoteSync:
     transport = "?"
 
     def __init__(
-        self, trainer: Trainer, clients: Sequence[EngineClient], timeout: float, check: bool = True, engines=None
+        self,
+        trainer: Trainer,
+        clients: Sequence[EngineClient],
+        timeout: float,
+        check: bool = True,
+        engines=None,
+        loop: LoopThread | None = None,
     ) -> None:
         self.trainer = trainer
+        # the rollout role's event loop when given (one loop for every HTTP client of the run)
+        self.loop = loop if loop is not None else LoopThread("tidal-sync")
+        self._own_loop = loop is None
         self.clients = list(clients)
         self.active = list(clients)  # those a push goes to: the engines in service
         self.engines = engines  # the rollout role, when it takes failed engines out of service
@@ -33,7 +43,8 @@ class _RemoteSync:
         self._wants: dict[torch.dtype, asyncio.Task] = {}  # per push: our checksum per engine dtype
 
     def _run(self, coro):
-        return _run_sync(coro)
+        # every wait inside is bounded by the timeout (`_each`); this one is a backstop
+        return self.loop.run(coro, 3 * self.timeout + 60, f"weight sync over {self.transport}")
 
     async def _engine_dtype(self, c: EngineClient) -> torch.dtype | None:
         if c.base_url not in self._dtypes:
@@ -98,8 +109,15 @@ class _RemoteSync:
             self._wants = {}
             await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
 
+    def _confirmed(self, version: int) -> None:
+        """Every engine holds `version`: the rollout's engine reports it from now on."""
+        note = getattr(getattr(self.engines, "engine", None), "note_version", None)
+        if note is not None:
+            note(version)
+
     def close(self) -> None:
-        pass
+        if self._own_loop:
+            self.loop.close()
 
 
 class HttpSync(_RemoteSync):
@@ -119,8 +137,9 @@ class HttpSync(_RemoteSync):
         delta: bool = False,
         check: bool = True,
         engines=None,
+        loop: LoopThread | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines)
+        super().__init__(trainer, clients, timeout, check, engines, loop)
         self.transport = "delta" if delta else "http"
         self.chunk_bytes = chunk_bytes
         self.delta = delta
@@ -147,6 +166,7 @@ class HttpSync(_RemoteSync):
             await self._each(load, "loading the weights")
 
         self._run(main())
+        self._confirmed(version)
         self._sent = crcs
         return {
             "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in send)),
@@ -169,8 +189,9 @@ class DiskSync(_RemoteSync):
         timeout: float = 600.0,
         check=True,
         engines=None,
+        loop: LoopThread | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines)
+        super().__init__(trainer, clients, timeout, check, engines, loop)
         self.root = Path(root)
         self._last: Path | None = None
 
@@ -191,6 +212,7 @@ class DiskSync(_RemoteSync):
             await self._each(load, f"loading {folder}")
 
         self._run(main())
+        self._confirmed(version)
         if self._last is not None and self._last != folder:
             shutil.rmtree(self._last, ignore_errors=True)
         self._last = folder
@@ -200,3 +222,4 @@ class DiskSync(_RemoteSync):
     def close(self) -> None:
         if self._last is not None:
             shutil.rmtree(self._last, ignore_errors=True)
+        super().close()

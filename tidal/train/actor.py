@@ -2,7 +2,7 @@
 
 It composes a `TrainedModel` (master weights, precision, forward), the frozen reference (when a KL
 term is on) and teacher (distillation) models, an `Optimizer`, and the `PolicyObjective`. It meets
-the trainer role of `tidal.train.role`; on a cluster each rank runs one over its FSDP2 shard.
+the trainer role of `tidal.contracts.Trainer`; on a cluster each rank runs one over its FSDP2 shard.
 """
 
 from __future__ import annotations
