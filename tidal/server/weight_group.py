@@ -121,9 +121,10 @@ class WeightReceiver:
         group.close()
 
     def _drop(self, group_name: str, why: str) -> None:
-        """Destroy a group that is out of step with the trainer."""
-        log.warning("weight group %r destroyed: %s", group_name, why)
-        self.destroy(group_name)
+        """Destroy a group that is out of step with the trainer (unless it is gone already)."""
+        if group_name in self.groups:
+            log.warning("weight group %r destroyed: %s", group_name, why)
+            self.destroy(group_name)
 
     async def update(
         self,
@@ -154,7 +155,9 @@ class WeightReceiver:
             self._drop(group_name, str(e))
             raise BadRequest(f"{e} (the group {group_name!r} is out of step and was destroyed)", e.param) from None
         async with self.lock:
-            group = self.groups[group_name]
+            group = self.groups.get(group_name)
+            if group is None:  # destroyed while this call waited for the one before it
+                raise BadRequest(f"group_name: no group {group_name!r} on this server", "group_name")
             try:
                 received = await asyncio.to_thread(receive, group, names, parsed, shapes)
             except RuntimeError as e:
