@@ -65,11 +65,25 @@ class RolloutConfig:
         "engine weights: auto (bfloat16 where the hardware computes it natively, else float32) | bfloat16 | float32",
     )
     engine: str = _opt(
-        "tidal", "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote"
+        "tidal",
+        "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote | "
+        "sglang (SGLang servers: launched, cluster.engines of them, or attached at engine_urls)",
     )
     engine_urls: list = _opt(
-        [], "remote: URLs of running `tidal serve` (or SGLang) servers, e.g. [http://127.0.0.1:30000]"
+        [],
+        "remote, sglang: URLs of running servers (`tidal serve` or SGLang's launch_server), e.g. "
+        "[http://127.0.0.1:30000]; sglang: empty = launch them",
     )
+    router_url: str | None = _opt(
+        None,
+        "sglang: a running sglang-router in front of engine_urls; generation goes through it, control and weight "
+        "calls to each server",
+    )
+    launch_router: bool = _opt(False, "sglang: start sglang-router in front of the servers tidal launches")
+    sglang_python: str = _opt(
+        "", "sglang: the Python that runs sglang.launch_server and sglang_router (empty = this one)"
+    )
+    sglang_args: list = _opt([], "sglang: extra launch_server flags, e.g. [--mem-fraction-static, '0.7']")
     kv_cache_tokens: int = _opt(
         0,
         "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "
@@ -234,7 +248,7 @@ class TrainConfig:
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
 
 
-WEIGHT_SYNCS = ("auto", "in-process", "broadcast", "http", "delta", "disk")
+WEIGHT_SYNCS = ("auto", "in-process", "broadcast", "http", "delta", "disk", "distributed")
 
 
 @dataclass
@@ -247,19 +261,22 @@ class ClusterConfig:
     cpus_per_trainer: float = _opt(1.0, "CPUs reserved (and torch threads) per trainer rank on Ray")
     gpus_per_trainer: float = _opt(0.0, "GPUs per trainer rank on Ray (0 = CPU, gloo)")
     cpus_per_engine: float = _opt(1.0, "CPUs reserved (and torch threads) per engine on Ray")
-    gpus_per_engine: float = _opt(0.0, "GPUs per engine on Ray")
+    gpus_per_engine: float = _opt(
+        0.0, "GPUs per engine on Ray; sglang: CUDA devices per launched server (its tensor-parallel size)"
+    )
     address: str | None = _opt(
         None, "Ray cluster to join (else RAY_ADDRESS; else Ray starts on this machine when it is needed)"
     )
     weight_sync: str = _opt(
         "auto",
-        "in-process | broadcast | http | delta | disk (auto: in-process for the in-process engine, broadcast "
-        "for Ray engines, http for rollout.engine remote)",
+        "in-process | broadcast | http | delta | disk | distributed (SGLang's broadcast protocol; sglang and "
+        "remote engines) (auto: in-process for the in-process engine, broadcast for Ray engines, http for "
+        "rollout.engine remote, distributed for sglang)",
     )
     sync_timeout: float = _opt(300.0, "seconds a weight sync may take before the run stops naming the engine")
     sync_dir: str | None = _opt(None, "disk weight sync: a folder every engine can read (default: output_dir/weights)")
     engine_startup_timeout: float = _opt(
-        600.0, "seconds a Ray engine may take to load and answer /health before it counts as failed"
+        600.0, "seconds a Ray engine or a launched SGLang server may take to load and answer /health"
     )
     engine_failure: str = _opt(
         "restart",
@@ -658,10 +675,11 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     )
     need(c.weight_sync in WEIGHT_SYNCS, f"cluster.weight_sync: one of {', '.join(WEIGHT_SYNCS)}, got {c.weight_sync!r}")
     need(
-        r.engine == "tidal" or c.engines == 1,
+        r.engine in ("tidal", "sglang") or c.engines == 1,
         f"cluster.engines: Ray engine actors run the tidal engine; rollout.engine {r.engine} takes 1, "
         f"got {c.engines} (for several remote servers list them in rollout.engine_urls)",
     )
+    _validate_sglang(c, r, need)
     need(
         c.weight_sync != "in-process" or (r.engine != "remote" and not c.uses_ray),
         "cluster.weight_sync: in-process needs the in-process engine (one trainer, one engine, no Ray)",
@@ -671,6 +689,42 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
         "cluster.colocate: only Ray engines free their memory for the trainers; with one in-process engine "
         "the engine already shares the trainer's weights",
     )
+
+
+SGLANG_SYNCS = ("auto", "distributed", "disk")
+
+
+def _validate_sglang(c: ClusterConfig, r: RolloutConfig, need) -> None:
+    need(
+        r.router_url is None or (r.engine == "sglang" and bool(r.engine_urls)),
+        "rollout.router_url: needs rollout.engine sglang and rollout.engine_urls, the servers behind the router "
+        "(weight and control calls go to each of them)",
+    )
+    need(
+        not r.launch_router or (r.engine == "sglang" and not r.engine_urls),
+        "rollout.launch_router: starts sglang-router in front of the servers tidal launches (rollout.engine sglang, "
+        "no rollout.engine_urls); for servers you started, give your router's rollout.router_url",
+    )
+    need(
+        all(isinstance(a, str) for a in r.sglang_args),
+        f"rollout.sglang_args: a list of strings (flags and their values), got {r.sglang_args!r}",
+    )
+    need(
+        c.weight_sync != "distributed" or r.engine in ("sglang", "remote"),
+        "cluster.weight_sync: distributed sends weights over SGLang's protocol: rollout.engine sglang or remote",
+    )
+    if r.engine != "sglang":
+        return
+    need(
+        c.weight_sync in SGLANG_SYNCS,
+        f"cluster.weight_sync: SGLang servers take weights by broadcast (distributed) or from a folder (disk), "
+        f"got {c.weight_sync!r}",
+    )
+    need(
+        float(c.gpus_per_engine).is_integer(),
+        f"cluster.gpus_per_engine: a launched SGLang server takes whole GPUs, got {c.gpus_per_engine}",
+    )
+    need(not c.colocate, "cluster.colocate: not with rollout.engine sglang yet (its servers keep their memory)")
 
 
 def _validate_overlap(cfg: Config, need) -> None:
@@ -788,7 +842,8 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
     need(r.dtype in ROLLOUT_DTYPES, f"rollout.dtype: one of {', '.join(ROLLOUT_DTYPES)}, got {r.dtype!r}")
-    need(r.engine in ("tidal", "hf", "remote"), f"rollout.engine: tidal, hf or remote, got {r.engine!r}")
+    engines = ("tidal", "hf", "remote", "sglang")
+    need(r.engine in engines, f"rollout.engine: tidal, hf, remote or sglang, got {r.engine!r}")
     need(
         r.generate in ("single_turn", "tools", "agent") or _is_dotted(r.generate),
         f"rollout.generate: single_turn, tools, agent or a dotted path to a generate function, got {r.generate!r}",
@@ -804,6 +859,11 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(
         r.engine != "remote" or (r.engine_urls and all(isinstance(u, str) for u in r.engine_urls)),
         "rollout.engine_urls: rollout.engine remote needs a list of server URLs",
+    )
+    web = ("http://", "https://")
+    need(
+        r.engine != "sglang" or all(isinstance(u, str) and u.startswith(web) for u in r.engine_urls),
+        f"rollout.engine_urls: http:// URLs of SGLang servers (or none, to launch them), got {r.engine_urls!r}",
     )
     need(
         r.kv_cache_tokens == 0 or r.kv_cache_tokens >= 16,

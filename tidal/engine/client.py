@@ -312,6 +312,72 @@ class EngineClient:
     async def resume_memory(self) -> None:
         await self._request("POST", "/resume_memory_occupation", {})
 
+    # --------------------------------------------------------------- server info, weights by broadcast
+    # SGLang's bodies (see tidal.server.weight_group); `stage` is tidal's and is only sent when set.
+    async def get_model_info(self) -> dict[str, Any]:
+        body = await self._request("GET", "/get_model_info", timeout=self.control_timeout)
+        return body if isinstance(body, dict) else {}
+
+    async def get_server_info(self) -> dict[str, Any]:
+        body = await self._request("GET", "/get_server_info", timeout=self.control_timeout)
+        return body if isinstance(body, dict) else {}
+
+    async def _weights_call(self, endpoint: str, payload: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        body = await self._request("POST", endpoint, payload, timeout=timeout)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(self.base_url + endpoint, str(body.get("message")))
+        return body if isinstance(body, dict) else {}
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout: float | None = None,
+    ) -> None:
+        """Have the server join the trainer's weight group (answers once every rank has joined)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._weights_call("/init_weights_update_group", payload, timeout)
+
+    async def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
+        await self._weights_call("/destroy_weights_update_group", {"group_name": group_name}, timeout)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+        stage: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Announce tensors the trainer broadcasts on `group_name` (the caller broadcasts them while
+        this waits); with `weight_version` the server reports that version once they are loaded."""
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)  # SGLang types it as a string
+        if stage:
+            payload["stage"] = True
+        await self._weights_call("/update_weights_from_distributed", payload, timeout)
+
 
 def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
     """Yield (item, is_last) pairs, looking one item ahead."""

@@ -4,7 +4,10 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     POST /generate                   input_ids | text, sampling_params, return_logprob, top_logprobs_num,
                                      logprob_start_len (-1 only), return_text_in_logprobs, rid, stream
     GET  /health                     200 while the engine runs, else 503 (never behind the API key)
-    GET  /get_model_info             {"model_path", "tokenizer_path", "is_generation", "max_model_len", "dtype", ...}
+    GET  /health_generate            200 once the engine produces a token (or is busy producing them), else 503
+    GET  /get_model_info             {"model_path", "tokenizer_path", "is_generation", "max_model_len", "dtype",
+                                     "engine": "tidal", ...}
+    GET  /get_load                   [{"dp_rank", "num_reqs", "num_waiting_reqs"}] (sglang-router reads it)
     GET  /get_weight_version         {"weight_version"}; ?checksum=true adds "weight_checksum" (CRC-32)
     GET  /get_server_info            engine stats
     POST /flush_cache                {"success"} (400 while requests run)
@@ -17,6 +20,8 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
                                      unstaged one. SGLang's own format (`serialized_named_tensors`) carries
                                      in-process tensor handles and is refused with a 400 saying so.
     POST /release_memory_occupation, /resume_memory_occupation    free / take back KV cache and weights
+    POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+                                     weights by broadcast from a trainer (`tidal.server.weight_group`)
 
 Every weight update is all or nothing: checked against the model before any live weight changes.
 """
@@ -36,6 +41,7 @@ from tidal.config import ServerConfig
 from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.client import decode_tensors
 from tidal.server.common import (
+    ApiError,
     BadRequest,
     Body,
     Runner,
@@ -45,6 +51,9 @@ from tidal.server.common import (
     sampling_params,
     trim_stop,
 )
+from tidal.server.weight_group import WeightReceiver
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for the same check
 
 
 class SamplingParamsBody(Body):
@@ -94,6 +103,31 @@ class DiskWeightsBody(Body):
     abort_all_requests: bool = False
 
 
+class InitGroupBody(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"  # SGLang's default; tidal serves gloo (CPU)
+
+
+class DestroyGroupBody(Body):
+    group_name: str = "weight_update_group"
+
+
+class DistributedWeightsBody(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    load_format: str | None = None
+    stage: bool = False  # tidal's: keep these tensors for the next call (a push in buckets, all or nothing)
+
+
 class TensorWeightsBody(Body):
     tensors: str | None = None
     serialized_named_tensors: list[Any] | None = None  # SGLang's in-process handles: refused
@@ -110,6 +144,15 @@ def _version(value: int | str | None) -> int | None:
         return int(value)
     except ValueError:
         raise BadRequest(f"weight_version: must be an int, got {value!r}") from None
+
+
+def _succeeded(message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message, **extra})
+
+
+def _refused(e: ApiError) -> JSONResponse:
+    """The one error shape plus SGLang's `success` and `message`, which its weight clients read."""
+    return error_response(e.status, str(e), e.kind, e.param, extra={"success": False, "message": str(e)})
 
 
 def _params(sp: SamplingParamsBody, top: int, prefix: str):
@@ -136,6 +179,7 @@ def _params(sp: SamplingParamsBody, top: int, prefix: str):
 def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
     api = APIRouter()
     runner = Runner(engine)
+    receiver = WeightReceiver(engine)
     tok = engine.tokenizer
 
     def piece(t: int, with_text: bool) -> str | None:
@@ -182,7 +226,26 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
             "max_model_len": engine.max_model_len,
             "weight_version": engine.weight_version,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "engine": "tidal",  # a trainer's cue for tidal's extensions (staged updates, weight checksums)
         }
+
+    @api.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        # SGLang's check that the engine really produces a token; a busy engine evidently does
+        if engine.alive and engine.load() == 0 and not engine.paused:
+            probe = sampling_params("", temperature=0.0, max_new_tokens=1)
+            try:
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                    await engine.generate([0], probe)
+            except (TimeoutError, RuntimeError, ValueError) as e:
+                return error_response(503, f"health_generate: no token within {HEALTH_GENERATE_TIMEOUT_S:g} s ({e})")
+        if not engine.alive:
+            return error_response(503, "the engine thread is not running", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/get_load")
+    async def get_load() -> list:
+        return [{"dp_rank": 0, "num_reqs": engine.load(), "num_waiting_reqs": int(engine.stats().get("waiting", 0))}]
 
     @api.get("/get_weight_version")
     async def weight_version(checksum: bool = False) -> dict:
@@ -337,5 +400,44 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         what = "staged" if body.stage else "updated"
         msg = f"{what} {len(named)} tensors; weight version {engine.weight_version}"
         return JSONResponse({"success": True, "message": msg, "weight_version": engine.weight_version})
+
+    @api.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitGroupBody) -> JSONResponse:
+        body.warn_unknown("/init_weights_update_group")
+        try:
+            group = await receiver.join(
+                body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name, body.backend
+            )
+        except ApiError as e:
+            return _refused(e)
+        return _succeeded(f"joined {group.name!r} as rank {group.rank} of {group.world_size}")
+
+    @api.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: DistributedWeightsBody) -> JSONResponse:
+        body.warn_unknown("/update_weights_from_distributed")
+        try:
+            version = await receiver.update(
+                body.names,
+                body.dtypes,
+                body.shapes,
+                body.group_name,
+                _version(body.weight_version),
+                flush_cache=body.flush_cache,
+                stage=body.stage,
+                abort_all=body.abort_all_requests,
+                load_format=body.load_format,
+            )
+        except ApiError as e:
+            return _refused(e)
+        what = "staged" if body.stage else "loaded"
+        return _succeeded(f"{what} {len(body.names)} tensors; weight version {version}", weight_version=version)
+
+    @api.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyGroupBody) -> JSONResponse:
+        try:
+            receiver.destroy(body.group_name)
+        except ApiError as e:
+            return _refused(e)
+        return _succeeded(f"destroyed {body.group_name!r}")
 
     return api
