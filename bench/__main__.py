@@ -3,7 +3,16 @@
 import importlib
 import sys
 
-BENCHES = ("engine", "train_throughput", "scaling", "grpo_step", "learning", "profile_train", "overlap")
+BENCHES = (
+    "engine",
+    "train_throughput",
+    "scaling",
+    "grpo_step",
+    "learning",
+    "profile_train",
+    "overlap",
+    "no_barrier",
+)
 
 
 def main() -> None:

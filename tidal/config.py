@@ -248,6 +248,7 @@ class TrainConfig:
     num_threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
 
 
+RAY_ENGINES = ("tidal", "vllm")  # rollout.engine kinds that run as Ray engine actors when there are several
 WEIGHT_SYNCS = ("auto", "in-process", "broadcast", "http", "delta", "disk", "distributed")
 
 
@@ -283,9 +284,11 @@ class ClusterConfig:
         "a Ray engine that dies or stops answering: restart (in its place, with the current weights) | drop",
     )
 
-    @property
-    def uses_ray(self) -> bool:
-        return self.trainers > 1 or self.engines > 1 or bool(self.address)
+    def uses_ray(self, engine: str = "tidal") -> bool:
+        """Whether the run starts (or joins) Ray: for trainer ranks, for engine actors (tidal's
+        engine or vLLM, `rollout.engine`), or because `address` names a cluster. SGLang servers
+        and remote engines are processes of their own, not Ray actors."""
+        return self.trainers > 1 or (self.engines > 1 and engine in RAY_ENGINES) or bool(self.address)
 
 
 OVERLAP_MODES = ("off", "one_step", "full")
@@ -451,6 +454,10 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def uses_ray(self) -> bool:
+        return self.cluster.uses_ray(self.rollout.engine)
+
 
 GROUPS: list[str] = [f.name for f in dataclasses.fields(Config)]
 _GROUP_TYPES = typing.get_type_hints(Config)
@@ -465,10 +472,13 @@ class ServerConfig:
 
     A request may ask for at most `max_n` samples per prompt, `max_batch` prompts, and
     `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
-    `max_body_bytes`. The defaults protect a laptop."""
+    `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). The defaults
+    protect a laptop."""
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
+    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.engine.client`)
+    max_weights_body_bytes: int = 64 * 2**20
     max_n: int = 16
     max_batch: int = 256
     max_request_tokens: int = 262_144
@@ -681,11 +691,11 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     )
     _validate_sglang(c, r, need)
     need(
-        c.weight_sync != "in-process" or (r.engine != "remote" and not c.uses_ray),
+        c.weight_sync != "in-process" or (r.engine not in ("remote", "sglang") and not c.uses_ray(r.engine)),
         "cluster.weight_sync: in-process needs the in-process engine (one trainer, one engine, no Ray)",
     )
     need(
-        not c.colocate or c.uses_ray,
+        not c.colocate or c.uses_ray(r.engine),
         "cluster.colocate: only Ray engines free their memory for the trainers; with one in-process engine "
         "the engine already shares the trainer's weights",
     )
@@ -739,7 +749,8 @@ def _validate_overlap(cfg: Config, need) -> None:
     need(a.mode == "rl", "overlap.mode: overlaps rollout with training; algo.mode sft has no rollout")
     need(
         not cfg.cluster.colocate,
-        "overlap.mode: colocated engines sleep while the trainers train, so nothing overlaps; set cluster.colocate false",
+        "overlap.mode: colocated engines sleep while the trainers train, so nothing overlaps; "
+        "set cluster.colocate false",
     )
     need(a.advantage != "ppo", "overlap.mode: the ppo critic is not overlapped yet; use a critic-free estimator")
     # the behaviour policy of a stale token is not the policy being trained: its log-probs must

@@ -58,7 +58,7 @@ def resolve_precision(cfg: Config) -> tuple[Config, dict]:
         field_name = f"{group}.{name}"
         requested = getattr(getattr(cfg, group), name)
         choice = resolve_dtype(requested, field_name)
-        if cfg.cluster.uses_ray and requested == "auto":
+        if cfg.uses_ray and requested == "auto":
             record[field_name] = {"requested": requested, "dtype": "auto", "reason": "resolved by each Ray worker"}
             continue
         log.info("%s: %s (%s)", field_name, choice.dtype, choice.reason)

@@ -235,3 +235,25 @@ def test_http_engine_meets_the_engine_contract(servers):
             await engine.aclose()
 
     asyncio.run(main())
+
+
+def test_a_weight_push_bigger_than_the_request_body_limit_goes_in_chunks(servers):
+    """A 40 MiB tensor (over the 8 MiB limit for requests) reaches tidal serve: the weight route
+    has a limit of its own and the chunks stay under it."""
+    from tidal.aio import LoopThread
+    from tidal.sync.remote import HttpSync
+
+    big = torch.arange(10 * 2**20, dtype=torch.float32)  # 40 MiB
+
+    class Trainer:
+        def named_weights(self, dtype=None):
+            return iter([("big", big), ("small", torch.ones(3))])
+
+    with LoopThread() as loop:
+        sync = HttpSync(Trainer(), [EngineClient(servers[0].url, 60)], 60, check=False, loop=loop)
+        metrics = sync.push(4)
+    received = servers[0].core.received
+    assert [v for _, v in received] == [None, 4]  # two chunks: the first staged, the last loads as version 4
+    got = {**received[0][0], **received[1][0]}
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], torch.ones(3))
+    assert metrics["sync/bytes"] == float(big.numel() * 4 + 12)

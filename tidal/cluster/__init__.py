@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tidal.aio import LoopThread
-from tidal.config import Config
+from tidal.config import RAY_ENGINES, Config
 from tidal.contracts import Engine, Engines, Trainer, WeightSync
 
 log = logging.getLogger("tidal")
@@ -25,12 +25,22 @@ class LocalEngines:
     vLLM's or transformers' core) or external HTTP servers (`HttpEngine`: `rollout.engine`
     remote or sglang). `EngineGroup` (Ray) has the same methods."""
 
-    def __init__(self, engine: Engine, loop: LoopThread | None = None, on_close: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        loop: LoopThread | None = None,
+        on_close: Callable[[], None] | None = None,
+        restart: Callable[[str], bool] | None = None,
+        launched=None,
+    ):
         self.engine = engine
+        self.launched = launched  # the processes tidal started for it (SGLang servers), if any
         self.loop = loop if loop is not None else LoopThread()
         self.urls: list[str] = list(getattr(engine, "urls", []))
         self.api_key = getattr(engine, "api_key", None)
         self._on_close = on_close
+        self._restart = restart  # servers tidal launched (SGLang) are started again in place
+        self.restarts = 0
         self.timeout = 60.0  # control calls (pause, abort, health) on a live engine answer in seconds
 
     def _run(self, coro, what: str):
@@ -47,19 +57,32 @@ class LocalEngines:
         self._run(self.engine.resume(), "resume")
 
     def recover(self) -> bool:
-        """Remote servers are not ours to restart: one the router took out of service is put back
-        when it answers /health again (the weight push that follows gives it the current weights).
-        True when one came back."""
+        """Put the servers the router took out of service back: one that answers /health again as
+        it is, one that tidal launched (SGLang) started again in its place; servers that are not
+        ours stay out until they answer. The weight push that follows gives them the current
+        weights before they serve. True when one came back."""
         router = getattr(self.engine, "control", None)
-        if router is None or not router.down:
+        if router is None:
+            return False
+        front = self.engine.router is not router  # (sglang-router): the servers' failures are not seen here
+        if not router.down and not front:
             return False
         failing = self._run(self.engine.check_health(), "health check")
-        back = [i for i in list(router.down) if i not in failing]
-        for i in back:
-            log.info("engine %s answers again: back in service after this weight push", router.clients[i].base_url)
+        for i, error in failing.items():
+            router.mark_down(i, RuntimeError(error))
+        back = []
+        for i in list(router.down):
+            url = router.clients[i].base_url
+            if i in failing and not (self._restart is not None and self._restart(url)):
+                continue
+            if i in failing:
+                self.restarts += 1
+            log.info("engine %s back in service after this weight push", url)
             router.mark_up(i)
-            if self.engine.router is not router:  # a front (sglang-router) before the servers
-                self.engine.router.mark_up(0)
+            back.append(i)
+        if back and front:
+            for i in list(self.engine.router.down):
+                self.engine.router.mark_up(i)
         return bool(back)
 
     def live_urls(self) -> list[str]:
@@ -107,14 +130,15 @@ def _sync_kind(cfg: Config) -> str:
         return kind
     if cfg.rollout.engine == "remote":
         return "http"
-    return "broadcast" if cfg.cluster.uses_ray else "in-process"
+    if cfg.rollout.engine == "sglang":
+        return "distributed"
+    return "broadcast" if cfg.uses_ray else "in-process"
 
 
 def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None, sft: bool = False) -> Roles:
     """Trainer (and critic), engines and weight sync for `cfg`; the trainer starts from
     `checkpoint` when given (its optimizer state is loaded by the caller). Replaying saved
     rollouts (`debug.load_rollout`) starts no engine."""
-    from tidal.engine.factory import engine_options, make_engine
     from tidal.train.critic import Critic
 
     c, r, t, a = cfg.cluster, cfg.rollout, cfg.train, cfg.algo
@@ -122,20 +146,17 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
     max_len = cfg.data.max_length if sft else r.max_new_tokens
     start_from = checkpoint or model_dir
     roles = Roles(trainer=None, critic=None, engines=None, sync=None, colocate=c.colocate)
+    placed = None  # (placement group, engine bundles) on Ray
     try:
         critic = Critic(model_dir, t, a, pad_id) if a.advantage == "ppo" and not sft else None
         roles.critic = critic
-        if not c.uses_ray:
+        if not cfg.uses_ray:
             from tidal.train.actor import Actor
 
             roles.trainer = Actor(
                 start_from, t, a, r.temperature, pad_id, reference=model_dir, max_response_len=max_len
             )
-            if not sft and not cfg.debug.load_rollout:
-                roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
-                roles.closers.append(roles.engines.close)
         else:
-            from tidal.cluster.engines import EngineGroup
             from tidal.cluster.ray_setup import placement, start_ray
             from tidal.cluster.trainers import TrainerGroup
 
@@ -145,33 +166,60 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
                 roles.closers.append(ray.shutdown)
             group, trainer_bundles, engine_bundles = placement(c)
             roles.closers.append(lambda: _remove_group(group))
+            placed = (group, engine_bundles)
             roles.trainer = TrainerGroup(
                 c, t, a, start_from, model_dir, r.temperature, pad_id, max_len, group, trainer_bundles
             )
             roles.closers.append(roles.trainer.close)
-            if not sft and not cfg.debug.load_rollout:
-                if r.engine == "remote":
-                    roles.engines = LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
-                    roles.closers.append(roles.engines.close)
-                else:
-                    opts = engine_options(r, cfg.data.max_prompt_length)
-                    roles.engines = EngineGroup(c, r, str(model_dir), opts, group, engine_bundles)
-                    roles.closers.append(roles.engines.close)
-        if not sft and cfg.debug.load_rollout:
+        if sft:
+            return roles
+        if cfg.debug.load_rollout:
             from tidal.debug_rollout import NoEngines, NoSync
 
             roles.engines, roles.sync = NoEngines(), NoSync()
             roles.closers.append(roles.engines.close)
-        elif not sft:
-            roles.sync = build_sync(cfg, roles.trainer, roles.engines)
-            roles.closers.append(roles.sync.close)
+            return roles
+        roles.engines = build_engines(cfg, model_dir, tokenizer, placed)
+        roles.closers.append(roles.engines.close)
+        roles.sync = build_sync(cfg, roles.trainer, roles.engines)
+        roles.closers.append(roles.sync.close)
         return roles
     except BaseException:
         roles.close()
         raise
 
 
-def build_sync(cfg: Config, trainer, engines):
+def build_engines(cfg: Config, model_dir: Path, tokenizer, placed=None) -> Engines:
+    """The rollout role `rollout.engine` names: SGLang servers (launched or attached), remote
+    servers, engine actors on Ray (`placed`: the placement group and the engines' bundles), or
+    one engine in this process."""
+    from tidal.engine.client import HttpEngine
+    from tidal.engine.factory import engine_options, make_engine
+
+    r, c = cfg.rollout, cfg.cluster
+    if r.engine == "sglang":
+        from tidal.engine.sglang_launch import start_sglang
+
+        servers = start_sglang(r, c, model_dir, Path(cfg.train.output_dir) / "logs")
+        try:
+            # generation through the router when there is one; control and weights to each server
+            engine = HttpEngine(
+                servers.generation_urls, r.request_timeout, api_key=r.api_key, control_urls=servers.worker_urls
+            )
+        except BaseException:
+            servers.close()
+            raise
+        restart = servers.restart if c.engine_failure == "restart" else None
+        return LocalEngines(engine, on_close=servers.close, restart=restart, launched=servers)
+    if placed is not None and r.engine in RAY_ENGINES and r.engine != "remote":
+        from tidal.cluster.engines import EngineGroup
+
+        group, bundles = placed
+        return EngineGroup(c, r, str(model_dir), engine_options(r, cfg.data.max_prompt_length), group, bundles)
+    return LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
+
+
+def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
     """The weight transport `cluster.weight_sync` names (see `_sync_kind` for `auto`)."""
     kind, timeout = _sync_kind(cfg), cfg.cluster.sync_timeout
     log.info("weight sync: %s (timeout %g s)", kind, timeout)
@@ -184,7 +232,7 @@ def build_sync(cfg: Config, trainer, engines):
         from tidal.sync.broadcast import BroadcastSync
 
         if not hasattr(engines, "actors"):
-            raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal)")
+            raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal or vllm)")
         return BroadcastSync(trainer, engines, timeout)
     from tidal.engine.client import EngineClient
     from tidal.sync.remote import DiskSync, HttpSync
@@ -193,6 +241,10 @@ def build_sync(cfg: Config, trainer, engines):
     if kind == "disk":
         root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
         return DiskSync(trainer, clients, root, timeout, engines=engines, loop=engines.loop)
+    if kind == "distributed":
+        from tidal.sync.distributed import DistributedSync
+
+        return DistributedSync(trainer, clients, timeout, engines=engines, loop=engines.loop)
     return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines, loop=engines.loop)
 
 

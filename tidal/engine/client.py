@@ -48,7 +48,7 @@ __all__ = [
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+DEFAULT_CHUNK_BYTES = 32 * 2**20  # base64 makes it ~43 MB: under tidal serve's 64 MiB for weight bodies
 
 
 class EngineError(RuntimeError):
@@ -536,8 +536,11 @@ class HttpEngine:
         self.router = Router([EngineClient(u, timeout, max_connections=max_connections, api_key=api_key) for u in urls])
         # a front (sglang-router) that forwards /generate but not every control call: those go to
         # the servers behind it directly
+        front = control_urls is not None and [u.rstrip("/") for u in control_urls] != [
+            c.base_url for c in self.router.clients
+        ]
         self.control = (
-            Router([EngineClient(u, timeout, api_key=api_key) for u in control_urls]) if control_urls else self.router
+            Router([EngineClient(u, timeout, api_key=api_key) for u in control_urls]) if front else self.router
         )
         self._version = 0
 

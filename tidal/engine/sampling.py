@@ -9,110 +9,14 @@ log-probs of the same token.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from tidal.contracts import SamplingParams  # the request record of the engine contract
+
 __all__ = ["SamplingParams", "sample_tokens"]
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings.
-
-    `temperature == 0` means greedy decoding. `top_k == 0` and `top_p == 1` switch those filters
-    off. `seed` makes one request reproducible whatever else shares its batch.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    # serving options (an RL rollout leaves them at their defaults: they change the distribution)
-    top_logprobs: int = 0  # alternatives reported per token, from the tempered distribution
-    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
-    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
-    repetition_penalty: float = 1.0  # a seen token's logit divided by it (multiplied when negative)
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
-    ignore_eos: bool = False  # the end-of-sequence token does not stop the request
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether penalties or biases change the logits before sampling."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-        )
-
-    def validate(self) -> SamplingParams:
-        """Raise ValueError naming the first bad field and its valid range; return self."""
-        # `not (x >= 0)` rather than `x < 0` so NaN is rejected too.
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not (self.temperature >= 0) or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if (
-            isinstance(self.top_logprobs, bool)
-            or not isinstance(self.top_logprobs, int)
-            or not 0 <= self.top_logprobs <= 20
-        ):
-            raise ValueError(f"top_logprobs must be an int in [0, 20], got {self.top_logprobs!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 10:
-            raise ValueError(f"repetition_penalty must be a number in (0, 10], got {r!r}")
-        for k, v in self.logit_bias.items():
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
-            if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-                raise ValueError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}")
-        return self
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
-        """Build from a config mapping and validate it; unknown keys raise ValueError naming them,
-        so a typo such as `top-p` or `temprature` fails loudly instead of being ignored."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s): {', '.join(unknown)}; valid keys are {', '.join(sorted(known))}"
-            )
-        kwargs = dict(d)
-        # Copy the lists so later edits to the caller's config do not reach into this object.
-        for name in ("stop_token_ids", "stop"):
-            if name in kwargs and kwargs[name] is not None:
-                kwargs[name] = list(kwargs[name])
-        if kwargs.get("logit_bias") is not None:
-            kwargs["logit_bias"] = dict(kwargs["logit_bias"])
-        return cls(**kwargs).validate()
 
 
 def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:

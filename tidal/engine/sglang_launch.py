@@ -55,6 +55,7 @@ class ServerProcess:
     command: list[str]
     log_path: Path | None = None
     popen: subprocess.Popen | None = None
+    devices: str | None = None  # its CUDA_VISIBLE_DEVICES
 
     def start(self, env: dict[str, str]) -> ServerProcess:
         assert self.log_path is not None
@@ -132,10 +133,31 @@ class SGLangServers:
     worker_urls: list[str]
     router_url: str | None = None
     processes: list[ServerProcess] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # launched servers' environment, for restarts
+    startup_timeout: float = 600.0
+    headers: dict[str, str] | None = None
+    restarts: int = 0
 
     @property
     def generation_urls(self) -> list[str]:
         return [self.router_url] if self.router_url else list(self.worker_urls)
+
+    def restart(self, url: str) -> bool:
+        """Start the launched server at `url` again on its port (after stopping what is left of
+        it) and wait for /health; False for a server tidal did not launch (attached)."""
+        proc = next((p for p in self.processes if p.url == url.rstrip("/") and p.name != "sglang-router"), None)
+        if proc is None:
+            return False
+        log.warning("%s at %s failed: restarting it", proc.name, proc.url)
+        proc.stop()
+        env = dict(self.env)
+        devices = proc.devices
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        proc.start(env)
+        proc.wait_healthy(time.monotonic() + self.startup_timeout, self.startup_timeout, self.headers)
+        self.restarts += 1
+        return True
 
     def close(self) -> None:
         for p in reversed(self.processes):  # the router first: it would report its servers gone
@@ -224,7 +246,8 @@ def launch_sglang(
     base = {**os.environ, **(env or {})}
     api_key = rollout.api_key or None
     tp = max(1, int(cluster.gpus_per_engine))
-    servers = SGLangServers(worker_urls=[])
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    servers = SGLangServers(worker_urls=[], env=base, startup_timeout=cluster.engine_startup_timeout, headers=headers)
     atexit.register(servers.close)  # no orphans if the run ends without closing them
     try:
         for i in range(cluster.engines):
@@ -243,12 +266,12 @@ def launch_sglang(
             devices = engine_devices(cluster, i, base.get("CUDA_VISIBLE_DEVICES"))
             if devices is not None:
                 child_env["CUDA_VISIBLE_DEVICES"] = devices
-            proc = ServerProcess(f"sglang server {i}", f"http://{HOST}:{port}", cmd, Path(log_dir) / f"sglang_{i}.log")
+            name, url = f"sglang server {i}", f"http://{HOST}:{port}"
+            proc = ServerProcess(name, url, cmd, Path(log_dir) / f"sglang_{i}.log", devices=devices)
             servers.processes.append(proc.start(child_env))
             servers.worker_urls.append(proc.url)
         limit = cluster.engine_startup_timeout
         deadline = time.monotonic() + limit
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         for proc in servers.processes:
             proc.wait_healthy(deadline, limit, headers)
         if rollout.launch_router:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from tidal.aio import LoopThread
 from tidal.config import Config
 from tidal.contracts import Engine
 from tidal.data.source import DataSource
@@ -63,6 +64,20 @@ def mask_older_segments(samples: list[Sample]) -> int:
                 s.loss_mask[i] = 0
                 n += 1
     return n
+
+
+def push_cutting_requests(
+    engine: Engine, loop: LoopThread, push: Callable[[], dict[str, float]], timeout: float
+) -> dict[str, float]:
+    """A weight push that cuts the requests in flight (partial rollout): the engine pauses, its
+    requests are aborted (their samples send them again at once, continuing from their tokens;
+    they wait behind the pause), `push()` loads the new weights, and the engine resumes on them."""
+    loop.run(engine.pause(), timeout, "pausing the engine for a weight push")
+    try:
+        loop.run(engine.abort(), timeout, "aborting the engine's requests for a weight push")
+        return push()
+    finally:
+        loop.run(engine.resume(), timeout, "resuming the engine after a weight push")
 
 
 class OverlappedRollout:
@@ -211,12 +226,7 @@ class OverlappedRollout:
         try:
             self._check()
             if self.partial:
-                loop.run(self.engine.pause(), timeout, "pausing the engine for a weight push")
-                try:
-                    loop.run(self.engine.abort(), timeout, "aborting the engine's requests for a weight push")
-                    metrics = push_fn(version)
-                finally:
-                    loop.run(self.engine.resume(), timeout, "resuming the engine after a weight push")
+                metrics = push_cutting_requests(self.engine, loop, lambda: push_fn(version), timeout)
             else:
                 metrics = push_fn(version)
         finally:

@@ -37,6 +37,7 @@ __all__ = ["BackgroundServer", "ServerConfig", "build_app", "serve"]
 log = logging.getLogger("tidal.server")
 
 OPEN_ROUTES = ("/health",)
+WEIGHT_ROUTES = ("/update_weights_from_tensor",)  # chunks of weights: a limit of their own
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-after", "function-plain"}
 
 
@@ -113,8 +114,9 @@ class Guard:
                 response = error_response(401, "authorization: a valid API key is required", "authentication_error")
                 return await response(scope, receive, send)
         size = headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
-            response = error_response(413, f"body: {size} bytes; this server takes at most {cfg.max_body_bytes}")
+        limit = cfg.max_weights_body_bytes if scope["path"] in WEIGHT_ROUTES else cfg.max_body_bytes
+        if size is not None and size.isdigit() and int(size) > limit:
+            response = error_response(413, f"body: {size} bytes; this server takes at most {limit}")
             return await response(scope, receive, send)
         if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, more = b"", True
@@ -124,8 +126,8 @@ class Guard:
                     return None
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
-                if len(body) > cfg.max_body_bytes:
-                    response = error_response(413, f"body: more than {cfg.max_body_bytes} bytes")
+                if len(body) > limit:
+                    response = error_response(413, f"body: more than {limit} bytes")
                     return await response(scope, receive, send)
             replayed = False
 

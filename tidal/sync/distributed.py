@@ -29,12 +29,13 @@ from urllib.parse import urlparse
 
 import torch
 
+from tidal.aio import LoopThread
+from tidal.contracts import Trainer
 from tidal.engine.client import EngineClient, EngineError
 from tidal.net import free_port, node_ip
 from tidal.sync.base import SyncError, check_engine
 from tidal.sync.group import WeightGroup, join_weight_group
 from tidal.sync.remote import _RemoteSync
-from tidal.train.role import Trainer
 
 log = logging.getLogger("tidal")
 
@@ -99,8 +100,9 @@ class DistributedSync(_RemoteSync):
         master_address: str | None = None,
         check: bool = True,
         engines=None,
+        loop: LoopThread | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines)
+        super().__init__(trainer, clients, timeout, check, engines, loop)
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.backend = backend
@@ -128,6 +130,7 @@ class DistributedSync(_RemoteSync):
             "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in named)),
             "sync/tensors": float(len(named)),
             "sync/buckets": float(len(parts)),
+            **self._confirmed(version),
         }
 
     async def _probe(self) -> None:

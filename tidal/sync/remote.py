@@ -74,10 +74,10 @@ class _RemoteSync:
     def _refresh(self) -> bool:
         """Let the rollout role recover engines, then push to those in service (a server the
         router took out stays out until it answers again, and then gets this push's weights).
-        True when the set changed."""
+        True when the set changed or a server came back."""
         if self.engines is None or not hasattr(self.engines, "recover"):
             return False
-        self.engines.recover()
+        recovered = self.engines.recover()  # a server restarted at the same URL is new to us too
         known = {c.base_url: c for c in self.clients}
         for url in self.engines.live_urls():  # a restarted engine listens at a new URL
             if url.rstrip("/") not in known:
@@ -87,7 +87,7 @@ class _RemoteSync:
         active = [known[u.rstrip("/")] for u in self.engines.live_urls()]
         changed = [c.base_url for c in active] != [c.base_url for c in self.active]
         self.active = active
-        return changed
+        return changed or recovered
 
     async def _each(self, fn, what: str) -> None:
         """Run `fn(client)` on every engine at once, each bounded by the timeout; the first failure
@@ -109,11 +109,18 @@ class _RemoteSync:
             self._wants = {}
             await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
 
-    def _confirmed(self, version: int) -> None:
-        """Every engine holds `version`: the rollout's engine reports it from now on."""
-        note = getattr(getattr(self.engines, "engine", None), "note_version", None)
+    def _confirmed(self, version: int) -> dict[str, float]:
+        """Every engine holds `version`: the rollout's engine reports it from now on. Returns the
+        engines' failure counts so far (restarts, requests sent again to another server)."""
+        engine = getattr(self.engines, "engine", None)
+        note = getattr(engine, "note_version", None)
         if note is not None:
             note(version)
+        router = getattr(engine, "router", None)
+        return {
+            "engines/restarts": float(getattr(self.engines, "restarts", 0)),
+            "engines/resent_requests": float(getattr(router, "resent", 0)),
+        }
 
     def close(self) -> None:
         if self._own_loop:
@@ -166,11 +173,12 @@ class HttpSync(_RemoteSync):
             await self._each(load, "loading the weights")
 
         self._run(main())
-        self._confirmed(version)
+        counts = self._confirmed(version)
         self._sent = crcs
         return {
             "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in send)),
             "sync/tensors": float(len(send)),
+            **counts,
         }
 
 
@@ -212,12 +220,12 @@ class DiskSync(_RemoteSync):
             await self._each(load, f"loading {folder}")
 
         self._run(main())
-        self._confirmed(version)
+        counts = self._confirmed(version)
         if self._last is not None and self._last != folder:
             shutil.rmtree(self._last, ignore_errors=True)
         self._last = folder
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        return {"sync/bytes": float(size), "sync/tensors": float(len(named))}
+        return {"sync/bytes": float(size), "sync/tensors": float(len(named)), **counts}
 
     def close(self) -> None:
         if self._last is not None:
