@@ -187,7 +187,7 @@ def test_async_engine_generates_on_one_background_thread(tokenizer):
     async def main() -> None:
         engine = AsyncEngine(core)
         try:
-            outs = await asyncio.gather(*(engine.generate([1, i], greedy(3 + i), f"r{i}") for i in range(4)))
+            outs = await asyncio.gather(*(engine.generate([1, i], greedy(3 + i), request_id=f"r{i}") for i in range(4)))
             assert engine.load() == 0
             assert engine.stats()["running"] == 0
         finally:
@@ -270,7 +270,7 @@ def test_async_engine_cancel_aborts_and_close_fails_pending(tokenizer):
 
     async def main() -> None:
         engine = AsyncEngine(core)
-        task = asyncio.ensure_future(engine.generate([1], greedy(9_000), "c"))
+        task = asyncio.ensure_future(engine.generate([1], greedy(9_000), request_id="c"))
         await wait_until(lambda: "c" in core.reqs)
         task.cancel()
         await wait_until(lambda: "c" not in core.reqs)  # aborted in the core
