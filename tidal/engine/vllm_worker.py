@@ -1,0 +1,73 @@
+"""Methods tidal adds to vLLM's worker (vLLM's `worker_extension_cls`), reached through
+`collective_rpc("tidal_...")`.
+
+They run inside vLLM's worker, next to its model runner, which is the only place new weights can
+go on CPU: vLLM repacks each linear weight into a kernel-specific form held by the layer and
+leaves the parameter empty, so copying into parameters changes nothing. `reload_weights` runs
+vLLM's own loading and repacking again.
+
+This module imports nothing from vLLM at import time: vLLM imports it by name in its worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def _asleep(*_args, **_kwargs):
+    raise RuntimeError("the vLLM engine is asleep: its weights were freed; load weights after wake()")
+
+
+class TidalWorkerExtension:
+    """Mixed into vLLM's worker class; `self` is the worker (`self.model_runner` is vLLM's)."""
+
+    def tidal_load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-named tensors through vLLM's in-place reload (loads and repacks)."""
+        self.model_runner.reload_weights(weights_iterator=iter(named))
+        self._tidal_weights_freed = False
+
+    def tidal_free_memory(self) -> dict:
+        """Free the KV cache and the weights in place, keeping every tensor object (so vLLM's
+        references stay valid) with zero bytes behind it; `tidal_restore_memory` allocates the
+        bytes again (their contents undefined until the next weight load). For platforms where
+        vLLM's own sleep mode does nothing (CPU). Returns the bytes freed."""
+        freed = {"kv_cache_bytes": 0, "weight_bytes": 0}
+        self._tidal_storages = getattr(self, "_tidal_storages", [])
+        seen: set[int] = set()
+
+        def release(t: torch.Tensor, key: str) -> None:
+            s = t.untyped_storage()
+            n = s.nbytes()
+            if n == 0 or s.data_ptr() in seen:
+                return
+            seen.add(s.data_ptr())
+            s.resize_(0)
+            self._tidal_storages.append((s, n))
+            freed[key] += n
+
+        for t in self.model_runner.kv_caches:
+            for part in t if isinstance(t, list | tuple) else [t]:
+                release(part, "kv_cache_bytes")
+        model = self.model_runner.get_model()
+        # Parameters only: buffers (rotary tables, ...) are computed at start-up and no weight
+        # load would refill them.
+        for p in model.parameters():
+            release(p, "weight_bytes")
+        # A repacked linear weight lives in the layer's `cpu_linear` closure (CPU builds); the
+        # next weight load repacks and replaces it.
+        for m in model.modules():
+            if callable(getattr(m, "cpu_linear", None)):
+                m.cpu_linear = _asleep
+        self._tidal_weights_freed = True
+        return freed
+
+    def tidal_restore_memory(self) -> int:
+        """Allocate what `tidal_free_memory` freed again; returns the bytes allocated."""
+        total = 0
+        for s, n in getattr(self, "_tidal_storages", []):
+            s.resize_(n)
+            total += n
+        self._tidal_storages = []
+        return total
