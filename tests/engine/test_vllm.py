@@ -64,9 +64,12 @@ def original(ref):
 
 @pytest.fixture(scope="module")
 def shared_core(model_dir):
-    from tidal.engine.vllm_core import VLLMCore
+    """Built as the rollout builds it (`make_engine`, `rollout.engine: vllm`)."""
+    from tidal.config import RolloutConfig
+    from tidal.engine.factory import make_engine
 
-    core = VLLMCore(model_dir, make_tokenizer(), dtype="float32", kv_cache_tokens=4096, max_num_seqs=32)
+    cfg = RolloutConfig(engine="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
+    core = make_engine(cfg, model_dir, make_tokenizer())
     yield core
     core.close()
 
@@ -390,3 +393,68 @@ def test_async_engine_concurrent_requests_pause_resume_and_abort(core, ref):
         asyncio.run(scenario())
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------ where it is built
+def test_the_rollout_factory_sizes_the_kv_cache_and_allows_one_core_per_process(shared_core, model_dir):
+    from tidal.engine.vllm_core import VLLMCore
+
+    assert type(shared_core) is VLLMCore
+    # 4000 tokens round up to whole 128-token blocks; the model's context (512) is the shorter
+    assert shared_core.kv_cache_tokens == 4096 and shared_core.max_model_len == 512
+    with pytest.raises(RuntimeError, match="a vLLM engine is already running in this process; close"):
+        VLLMCore(model_dir, make_tokenizer(), dtype="float32")
+    with pytest.raises(ValueError, match="vLLM engine kv_cache_tokens must be an int >= 1, got 0"):
+        VLLMCore(model_dir, kv_cache_tokens=0)
+    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
+        VLLMCore(model_dir / "nothing")
+
+
+def test_a_core_serves_inside_a_ray_actor(ray_session, shared_core, model_dir, tmp_path):
+    ray = ray_session
+    other = tiny(seed=3)
+    other.save_pretrained(tmp_path)
+
+    class Engine:  # defined here so Ray ships it by value to the actor process
+        def __init__(self, path, kv_cache_tokens):
+            from transformers import AutoTokenizer
+
+            from tidal.engine.async_engine import AsyncEngine
+            from tidal.engine.vllm_core import VLLMCore
+
+            self.core = VLLMCore(
+                path, AutoTokenizer.from_pretrained(path), dtype="float32", kv_cache_tokens=kv_cache_tokens
+            )
+            self.engine = AsyncEngine(self.core)
+
+        def sizes(self):
+            return self.core.kv_cache_tokens, self.core.max_model_len
+
+        def generate(self, prompts, seeds, n=10):
+            async def go():
+                return await asyncio.gather(
+                    *(
+                        self.engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=s))
+                        for p, s in zip(prompts, seeds, strict=True)
+                    )
+                )
+
+            return [(o.token_ids, o.log_probs, o.weight_version, o.finish_reason) for o in asyncio.run(go())]
+
+        def load(self, path, version):
+            asyncio.run(self.engine.update_weights_from_disk(path, version))
+            return self.engine.weight_version
+
+    # a KV cache smaller than the model's context: 300 tokens -> 3 blocks, and the context with them
+    actor = ray.remote(num_cpus=1)(Engine).remote(str(model_dir), 300)
+    assert ray.get(actor.sizes.remote(), timeout=300) == (384, 384)
+    seeds = list(range(len(PROMPTS)))
+    remote = ray.get(actor.generate.remote(PROMPTS, seeds), timeout=120)
+    local = run(shared_core, PROMPTS, [SamplingParams(temperature=1.0, max_new_tokens=10, seed=s) for s in seeds])
+    assert [r[0] for r in remote] == [o.token_ids for o in local]  # seeds repeat across processes
+    [longest] = ray.get(actor.generate.remote([[1] * 380], [0], 50), timeout=120)
+    assert len(longest[0]) == 4 and longest[3] == "length"
+    assert ray.get(actor.load.remote(str(tmp_path), 6), timeout=120) == 6
+    moved = ray.get(actor.generate.remote(PROMPTS, seeds), timeout=120)
+    assert all(r[2] == 6 for r in moved) and [r[0] for r in moved] != [r[0] for r in remote]
+    ray.kill(actor)

@@ -38,8 +38,9 @@ def make_engine(
     cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
 ) -> Engine:
     """`rollout.engine: tidal` (the default), `hf` (transformers forward, for architectures the
-    tidal engine does not run) or `remote` (HTTP servers at `rollout.engine_urls`). The tidal
-    engine's KV cache is sized by `kv_cache_tokens`."""
+    tidal engine does not run), `vllm` (vLLM in this process: a `VLLMCore`, the step-based core
+    for `AsyncEngine`) or `remote` (HTTP servers at `rollout.engine_urls`). The tidal and vLLM
+    engines' KV caches are sized by `kv_cache_tokens`."""
     if cfg.engine == "remote":
         import os
 
@@ -47,6 +48,13 @@ def make_engine(
 
         key = cfg.api_key or os.environ.get("TIDAL_API_KEY") or None
         return RemoteEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
+    if cfg.engine == "vllm":
+        # the core only: the caller wraps it in tidal.engine.async_engine.AsyncEngine
+        from tidal.engine.vllm_core import VLLMCore
+
+        opts = engine_options(cfg, max_prompt_length, prompts)
+        del opts["block_size"]  # vLLM's own (128 tokens on CPU, 16 on GPU)
+        return VLLMCore(model_dir, tokenizer, **opts)
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 

@@ -25,10 +25,12 @@ which is what tidal's RL losses need. Where vLLM's sampler differs from `tidal.e
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,9 @@ INSTALL_HINT = (
 # vLLM's CPU blocks are 128 tokens, its GPU blocks 16: a multiple of both is a whole number of blocks
 KV_ROUNDING = 128
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# vLLM's in-process engine sets up process-wide distributed state that shutting any engine down
+# (close(), or garbage collection) tears down under the others: one live core per process.
+_live: weakref.WeakSet = weakref.WeakSet()
 
 
 def _import_vllm():
@@ -147,7 +152,8 @@ class VLLMCore:
     run. `engine_args` passes any other `vllm.engine.arg_utils.EngineArgs` field.
 
     Weight version -1 means "no usable weights" (after `wake()`, or after a load vLLM failed
-    half-way); requests are refused until the next successful load.
+    half-way); requests are refused until the next successful load. One core per process at a
+    time: `close()` it before building another.
     """
 
     def __init__(
@@ -190,6 +196,7 @@ class VLLMCore:
         with torch.device("meta"):
             self._meta = AutoModelForCausalLM.from_config(self.config)
         kv_tokens = -(-kv_cache_tokens // KV_ROUNDING) * KV_ROUNDING
+        # vLLM keeps one block of its pool back (its null block): pay for one more
         context = getattr(self.config, "max_position_embeddings", None) or kv_tokens
         self.max_model_len = max_model_len or min(context, kv_tokens)
         eos = getattr(self.config, "eos_token_id", None)
@@ -197,6 +204,13 @@ class VLLMCore:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
 
+        if _live:
+            gc.collect()  # a core nobody holds any more shuts itself down when collected
+        if _live:
+            raise RuntimeError(
+                "a vLLM engine is already running in this process; close() it first (vLLM's distributed "
+                "state is per process: shutting one engine down breaks any other)"
+            )
         _set_vllm_env()
         args = {
             "model": str(model_dir),
@@ -205,7 +219,7 @@ class VLLMCore:
             "max_model_len": self.max_model_len,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
-            "kv_cache_memory_bytes": kv_tokens * self._kv_bytes_per_token(),
+            "kv_cache_memory_bytes": (kv_tokens + KV_ROUNDING) * self._kv_bytes_per_token(),
             "enforce_eager": enforce_eager,
             "distributed_executor_backend": "uni",
             "logprobs_mode": "processed_logprobs",
@@ -226,10 +240,11 @@ class VLLMCore:
         finally:
             torch.set_num_threads = set_threads
             _set_global_rng_state(rng)
+        _live.add(self)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
         cache = self._engine.vllm_config.cache_config
         self.block_size: int = cache.block_size
-        self.kv_cache_tokens: int = (cache.num_gpu_blocks or 0) * cache.block_size
+        self.kv_cache_tokens: int = ((cache.num_gpu_blocks or 1) - 1) * cache.block_size  # less the null block
 
         self.weight_version = 0
         self.asleep = False
@@ -483,7 +498,9 @@ class VLLMCore:
         }
 
     def close(self) -> None:
-        """Shut vLLM's engine down (its worker and memory); the core cannot be used afterwards."""
+        """Shut vLLM's engine down (its worker, memory and vLLM's process-wide distributed state);
+        the core cannot be used afterwards, and another one can be built in this process."""
         engine, self._engine = getattr(self, "_engine", None), None
+        _live.discard(self)
         if engine is not None:
             engine.engine_core.shutdown()

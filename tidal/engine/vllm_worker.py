@@ -31,8 +31,8 @@ class TidalWorkerExtension:
     def tidal_free_memory(self) -> dict:
         """Free the KV cache and the weights in place, keeping every tensor object (so vLLM's
         references stay valid) with zero bytes behind it; `tidal_restore_memory` allocates the
-        bytes again (their contents undefined until the next weight load). For platforms where
-        vLLM's own sleep mode does nothing (CPU). Returns the bytes freed."""
+        bytes again (zeros: the weights need the next load). For platforms where vLLM's own sleep
+        mode does nothing (CPU). Returns the bytes freed."""
         freed = {"kv_cache_bytes": 0, "weight_bytes": 0}
         self._tidal_storages = getattr(self, "_tidal_storages", [])
         seen: set[int] = set()
@@ -64,10 +64,13 @@ class TidalWorkerExtension:
         return freed
 
     def tidal_restore_memory(self) -> int:
-        """Allocate what `tidal_free_memory` freed again; returns the bytes allocated."""
+        """Allocate what `tidal_free_memory` freed again, zeroed; returns the bytes allocated."""
         total = 0
         for s, n in getattr(self, "_tidal_storages", []):
             s.resize_(n)
+            # Reused memory may hold NaN bit patterns, and attention reads padding slots (vLLM's
+            # null block) that only a zero keeps harmless under the mask.
+            torch.empty(0, dtype=torch.uint8).set_(s, 0, (n,)).zero_()
             total += n
         self._tidal_storages = []
         return total
