@@ -236,6 +236,17 @@ def test_bad_requests_raise_value_errors_naming_the_request(core):
         core.add_request("dup", [1, 2], greedy(n=2))
 
 
+def test_seeded_prompts_over_the_step_token_budget(core):
+    # 10 x 400 prompt tokens cannot be prefilled in one step (at most 2048 tokens): some wait for
+    # later steps, and each seeded sample is still the one it is alone
+    prompts = [[1 + (i * 7 + j) % 300 for j in range(400)] for i in range(10)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=40 + i) for i in range(10)]
+    together = run(core, prompts, params, "t")
+    alone = run(core, prompts[-1:], params[-1:], "a")
+    assert together[-1].token_ids == alone[0].token_ids
+    assert all(len(o.token_ids) == 4 for o in together)
+
+
 def test_a_long_request_stops_at_the_context_length(core):
     o = run(core, [[1] * 500], [greedy(n=100, ignore_eos=True)])[0]
     assert len(o.token_ids) == 12 and o.finish_reason == "length"  # 500 + 12 = max_model_len 512

@@ -109,3 +109,27 @@ def test_greedy_is_token_exact_with_transformers(smollm2):
     for p, o in zip(prompts, outs, strict=True):
         ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16, pad_token_id=2)[0, len(p) :]
         assert o.token_ids == ref.tolist()[: len(o.token_ids)]
+
+
+def test_after_a_weight_update_log_probs_match_the_updated_model(smollm2):
+    """An RL step's update (every parameter moved a little) reaches every layer, including the
+    output projection SmolLM2 ties to its embedding."""
+    import copy
+
+    core, model, prompts = smollm2
+    g = torch.Generator().manual_seed(0)
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+    core.update_weights_from_tensors([(n, p.detach()) for n, p in updated.named_parameters()], version=1)
+    try:
+        params = [SamplingParams(temperature=1.0, max_new_tokens=32, seed=7 + i) for i in range(len(prompts))]
+        gaps = []
+        for p, o in zip(prompts, generate(core, prompts, params), strict=True):
+            assert o.weight_version == 1
+            expect, _ = trainer_log_probs(updated, p, o.token_ids)
+            gaps += [abs(a - b) for a, b in zip(o.log_probs, expect, strict=True)]
+        assert max(gaps) <= 1e-4
+    finally:
+        core.update_weights_from_tensors([(n, p.detach()) for n, p in model.named_parameters()], version=0)

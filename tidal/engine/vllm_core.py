@@ -229,6 +229,13 @@ class VLLMCore:
         self._vllm_sleep = device == "cuda"  # vLLM's sleep mode frees GPU memory; on CPU it is a no-op
         if self._vllm_sleep:
             args["enable_sleep_mode"] = True
+        else:
+            # A step that prefills only part of a prompt samples a token and throws it away, then
+            # rewinds the request's generator by an offset, which only CUDA generators have: a
+            # seeded request crashes the step on CPU ("CPU Generator does not use offset"). Whole
+            # prompts per step avoid it; the step's token budget must then hold the longest one.
+            args["enable_chunked_prefill"] = False
+            args["max_num_batched_tokens"] = max(max_num_batched_tokens, self.max_model_len)
         args.update(engine_args or {})
         # Building the engine changes process-wide state a trainer beside it depends on: vLLM's
         # CPU worker replaces torch.set_num_threads with a no-op, and vLLM seeds the global

@@ -24,8 +24,24 @@ class TidalWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker (`self.model_runner` is vLLM's)."""
 
     def tidal_load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint-named tensors through vLLM's in-place reload (loads and repacks)."""
+        """Load checkpoint-named tensors through vLLM's in-place reload (loads and repacks).
+
+        vLLM repacks only the layers the checkpoint names; an output projection tied to the input
+        embedding is not named, so on CPU it would keep computing logits with its packed copy of
+        the old embedding. Every packed layer the reload left alone is repacked here from its
+        (updated) weight."""
+        model = self.model_runner.get_model()
+        packed = {
+            name: (m, m.cpu_linear) for name, m in model.named_modules() if callable(getattr(m, "cpu_linear", None))
+        }
         self.model_runner.reload_weights(weights_iterator=iter(named))
+        for name, (m, before) in packed.items():
+            if m.cpu_linear is not before:
+                continue  # repacked by the reload
+            weight = getattr(m, "weight", None)
+            if weight is None or weight.numel() == 0:
+                raise RuntimeError(f"{name}: vLLM did not reload this layer and its unpacked weight is gone")
+            m.quant_method.process_weights_after_loading(m)
         self._tidal_weights_freed = False
 
     def tidal_free_memory(self) -> dict:
