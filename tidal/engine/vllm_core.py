@@ -196,7 +196,6 @@ class VLLMCore:
         with torch.device("meta"):
             self._meta = AutoModelForCausalLM.from_config(self.config)
         kv_tokens = -(-kv_cache_tokens // KV_ROUNDING) * KV_ROUNDING
-        # vLLM keeps one block of its pool back (its null block): pay for one more
         context = getattr(self.config, "max_position_embeddings", None) or kv_tokens
         self.max_model_len = max_model_len or min(context, kv_tokens)
         eos = getattr(self.config, "eos_token_id", None)
@@ -219,6 +218,7 @@ class VLLMCore:
             "max_model_len": self.max_model_len,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            # vLLM keeps one block of its pool back (its null block): pay for one more
             "kv_cache_memory_bytes": (kv_tokens + KV_ROUNDING) * self._kv_bytes_per_token(),
             "enforce_eager": enforce_eager,
             "distributed_executor_backend": "uni",
@@ -248,7 +248,9 @@ class VLLMCore:
             torch.set_num_threads = set_threads
             _set_global_rng_state(rng)
         _live.add(self)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _QuietReload) for f in reload_log.filters):
+            reload_log.addFilter(_QuietReload())
         cache = self._engine.vllm_config.cache_config
         self.block_size: int = cache.block_size
         self.kv_cache_tokens: int = ((cache.num_gpu_blocks or 1) - 1) * cache.block_size  # less the null block
