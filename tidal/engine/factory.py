@@ -35,12 +35,22 @@ def engine_options(cfg: RolloutConfig, max_prompt_length: int = 1024, prompts: i
     }
 
 
+def vllm_options(options: dict) -> dict:
+    """`engine_options` for `VLLMCore`: vLLM picks its own block size (128 tokens on CPU, 16 on GPU)."""
+    return {k: v for k, v in options.items() if k != "block_size"}
+
+
 def make_core(
     cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
 ) -> EngineCore:
-    """The step-based core of an in-process engine: `rollout.engine: tidal` (the default; its KV
-    cache sized by `kv_cache_tokens`) or `hf` (transformers forward, for architectures the tidal
-    engine does not run)."""
+    """The step-based core of an in-process engine: `rollout.engine: tidal` (the default), `hf`
+    (transformers forward, for architectures the tidal engine does not run) or `vllm` (vLLM's
+    in-process engine, `VLLMCore`). The tidal and vLLM engines' KV caches are sized by
+    `kv_cache_tokens`."""
+    if cfg.engine == "vllm":
+        from tidal.engine.vllm_core import VLLMCore
+
+        return VLLMCore(model_dir, tokenizer, **vllm_options(engine_options(cfg, max_prompt_length, prompts)))
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 
