@@ -1,6 +1,7 @@
 """One set of tests for every engine behind the contract (tiny model, fp32): tidal's engine in this
-process, SGLang's protocol (`rollout.engine: sglang`, launched servers; here `tidal serve` stands in
-for `sglang.launch_server`) and vLLM (where it is installed). Each builds the run's roles as the
+process, a remote `tidal serve` (`rollout.engine: remote`), SGLang's protocol (`rollout.engine:
+sglang`, launched servers; here `tidal serve` stands in for `sglang.launch_server`) and vLLM (where
+it is installed). Each builds the run's roles as the
 loop does and checks what a trainer relies on: log-probs that match the trainer's, every weight
 push served and checked, partial rollouts continued on new weights, sleep/wake, and an engine
 killed mid-rollout recovered."""
@@ -27,7 +28,18 @@ from tidal.sync.base import SyncError
 
 STANDIN = Path(__file__).parent / "engine" / "sglang_standin"
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")
-KINDS = ["tidal", "sglang", pytest.param("vllm", marks=[needs_vllm, pytest.mark.vllm])]
+KINDS = ["tidal", "remote", "sglang", pytest.param("vllm", marks=[needs_vllm, pytest.mark.vllm])]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama with 32-dimensional heads (vLLM's CPU attention has no 16) + the byte tokenizer."""
+    from conftest import make_model
+
+    path = tmp_path_factory.mktemp("tiny_model_h32")
+    make_model(num_attention_heads=2, num_key_value_heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture
@@ -37,15 +49,30 @@ def build(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(STANDIN), os.environ.get("PYTHONPATH")) if p))
 
     def make(kind: str, **over):
+        if kind == "remote":  # a server of the user's: tidal serve on the same model, in this process
+            from tidal.engine.async_engine import AsyncEngine
+            from tidal.engine.llm_engine import LLMEngine
+            from tidal.server import BackgroundServer, build_app
+
+            tokenizer = load_tokenizer(tiny_model_dir)
+            core = LLMEngine(tiny_model_dir, tokenizer, dtype="float32", kv_cache_tokens=8192)
+            served = AsyncEngine(core)
+            server = BackgroundServer(build_app(served, "tiny")).start()
+            servers.append((server, served))
+            over = {"rollout.engine_urls": [server.url], **over}
         cfg = loop_config(tiny_model_dir, tmp_path / kind, **{"rollout.engine": kind, **over})
         tok = load_tokenizer(tiny_model_dir)
         roles = build_roles(cfg, Path(tiny_model_dir), tok, None)
         made.append(roles)
         return cfg, tok, roles
 
+    servers = []
     yield make
     for roles in made:
         roles.close()
+    for server, served in servers:
+        server.stop()
+        served.close()
 
 
 def records(tok, n=2):
@@ -112,7 +139,9 @@ def decoded_tokens(roles) -> int:
     engine = roles.engines.engine
     core = getattr(engine, "core", None)
     if core is not None:
-        return int(core.stats().get("decode_tokens", 0))
+        stats = core.stats()  # tidal's engine counts decode tokens, vLLM's core every generated token
+        return int(stats.get("decode_tokens", stats.get("generated_tokens", 0)))
+
     async def infos():
         return await asyncio.gather(*(c.get_server_info() for c in engine.control.clients))
 
@@ -197,3 +226,47 @@ def test_a_launched_sglang_server_killed_mid_rollout_is_restarted(build):
     assert loop.run(engine.get_weight_versions(), 30) == [1, 1]
     again = manager.generate(records(tok, 4), step=0)
     assert {s.weight_version for s in again} == {1}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_overlapped_loop_trains_on_every_engine(tiny_model_dir, tmp_path, monkeypatch, kind):
+    """`overlap.mode: full` with partial rollouts, three steps: every trained token at most one
+    version old, each sample's tokens sampled by the versions it records."""
+    import tidal.loop
+
+    seen = []
+    real = tidal.loop.compute_advantages
+
+    def spy(a_cfg, samples, *args, **kw):
+        seen.append([list(s.token_versions) for s in samples])
+        return real(a_cfg, samples, *args, **kw)
+
+    monkeypatch.setattr(tidal.loop, "compute_advantages", spy)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(STANDIN), os.environ.get("PYTHONPATH")) if p))
+    over = {
+        "rollout.engine": kind,
+        "train.num_steps": 3,
+        "overlap.mode": "full",
+        "overlap.max_staleness": 1,
+        "algo.is_correction": "truncate",
+    }
+    server = None
+    if kind == "remote":
+        from tidal.engine.async_engine import AsyncEngine
+        from tidal.engine.llm_engine import LLMEngine
+        from tidal.server import BackgroundServer, build_app
+
+        served = AsyncEngine(LLMEngine(tiny_model_dir, load_tokenizer(tiny_model_dir), dtype="float32"))
+        server = BackgroundServer(build_app(served, "tiny")).start()
+        over["rollout.engine_urls"] = [server.url]
+    try:
+        history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
+    finally:
+        if server is not None:
+            server.stop()
+            served.close()
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for step, versions in enumerate(seen):
+        ages = [step - v for vs in versions for v in vs if v >= 0]
+        assert ages and min(ages) >= 0 and max(ages) <= 1
+        assert history[step]["staleness/max"] == max(ages)

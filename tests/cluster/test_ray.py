@@ -3,6 +3,7 @@ colocated, against the in-process default; and weight syncs that fail end the ru
 naming the engine and the transport, within the timeout, leaving no Ray workers behind."""
 
 import asyncio
+import importlib.util
 import os
 import signal
 import threading
@@ -143,20 +144,42 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
     assert no_workers_left()
 
 
-@pytest.mark.parametrize("policy", ["restart", "drop"])
+@pytest.fixture(scope="module")
+def h32_model_dir(tmp_path_factory, tokenizer):
+    """The tiny Llama with 32-dimensional heads (vLLM's CPU attention has no 16)."""
+    from conftest import make_model
+
+    path = tmp_path_factory.mktemp("tiny_model_h32")
+    make_model(num_attention_heads=2, num_key_value_heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,policy", [("tidal", "restart"), ("tidal", "drop"), pytest.param("vllm", "restart", marks=VLLM_MARKS)]
+)
 def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
-    ray_session, tiny_model_dir, tmp_path, policy
+    ray_session, tiny_model_dir, h32_model_dir, tmp_path, kind, policy
 ):
     """The engine process dies holding requests: they are sent again to the other engine (every
     sample comes back once, the one a healthy run samples), and before the next rollout the
-    engine is restarted in its place and given the current weights (or dropped)."""
+    engine is restarted in its place and given the current weights (or dropped). The same for
+    tidal's engine and vLLM in the engine actors."""
     import ray
 
     from tidal.engine.sampling import SamplingParams
 
     prompts = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4 + [[100, 7]] * 4
     params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=50 + i) for i in range(len(prompts))]
-    roles = engine_roles(tiny_model_dir, tmp_path, timeout=60, **{"cluster.engine_failure": policy})
+    model_dir = h32_model_dir if kind == "vllm" else tiny_model_dir
+    over = {"cluster.engine_failure": policy, "rollout.engine": kind}
+    roles = engine_roles(model_dir, tmp_path, timeout=120, **over)
     try:
         roles.sync.push(1)
         engine, router, loop = roles.engines.engine, roles.engines.engine.router, roles.engines.loop

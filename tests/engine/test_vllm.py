@@ -64,12 +64,12 @@ def original(ref):
 
 @pytest.fixture(scope="module")
 def shared_core(model_dir):
-    """Built as the rollout builds it (`make_engine`, `rollout.engine: vllm`)."""
+    """Built as the rollout builds it (`make_core`, `rollout.engine: vllm`)."""
     from tidal.config import RolloutConfig
-    from tidal.engine.factory import make_engine
+    from tidal.engine.factory import make_core
 
     cfg = RolloutConfig(engine="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
-    core = make_engine(cfg, model_dir, make_tokenizer())
+    core = make_core(cfg, model_dir, make_tokenizer())
     yield core
     core.close()
 
@@ -403,7 +403,7 @@ def test_async_engine_concurrent_requests_pause_resume_and_abort(core, ref):
     try:
         asyncio.run(scenario())
     finally:
-        engine.close()
+        engine.close(close_core=False)  # the module's shared core lives on
 
 
 # ------------------------------------------------------------------ where it is built

@@ -254,15 +254,16 @@ class AsyncEngine:
 
         return self.call(load, timeout, f"loading weight version {version}")
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; queued commands and unfinished requests fail with EngineClosed."""
+    def close(self, timeout: float = 10.0, close_core: bool = True) -> None:
+        """Stop the engine thread; queued commands and unfinished requests fail with EngineClosed.
+        Then the core is closed too when it can be (`close_core`): vLLM's holds process-wide state."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             close = getattr(self.core, "close", None)
-            if close is not None and not self._thread.is_alive():  # vLLM: its process-wide state goes with it
+            if close_core and close is not None and not self._thread.is_alive():
                 close()
 
     async def aclose(self) -> None:
