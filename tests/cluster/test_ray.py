@@ -130,7 +130,7 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
         t0 = time.monotonic()
         with pytest.raises(SyncError, match=r"over broadcast: the broadcast timed out after 5 s") as err:
             roles.sync.push(2)
-        assert 5 <= time.monotonic() - t0 < 15
+        assert 5 <= time.monotonic() - t0 < 60  # the timeout, then the teardown; generous for a loaded machine
         # the silent engine is the one named; the others were waiting on it
         assert str(err.value).startswith(f"weight sync to engine {roles.engines.urls[0]} (engine 0) over broadcast")
         assert "waiting with it: trainer rank 0" in str(err.value)
