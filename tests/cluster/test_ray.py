@@ -20,8 +20,22 @@ def config(model_dir, out_dir, **over):
     return loop_config(model_dir, out_dir, **{"train.num_steps": 2, "rollout.rollout_batch_size": 2, **over})
 
 
+def _ours(pid: int) -> bool:
+    """Whether `pid` descends from this test process (its Ray's workers do): other test runs on a
+    shared machine have Ray workers of the same classes."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
 def workers() -> list[str]:
-    """Command lines of this machine's Ray actor processes of tidal's classes."""
+    """Command lines of this test run's Ray actor processes of tidal's classes."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -29,7 +43,7 @@ def workers() -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "TrainerRank" in cmd or "EngineServer" in cmd:
+            if ("TrainerRank" in cmd or "EngineServer" in cmd) and _ours(int(pid)):
                 out.append(cmd)
     return out
 
