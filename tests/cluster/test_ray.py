@@ -22,8 +22,22 @@ def config(model_dir, out_dir, **over):
     return loop_config(model_dir, out_dir, **{"train.num_steps": 2, "rollout.rollout_batch_size": 2, **over})
 
 
+def _ours(pid: int) -> bool:
+    """Whether `pid` descends from this test process (its Ray's workers do): other test runs on a
+    shared machine have Ray workers of the same classes."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
 def workers() -> list[str]:
-    """Command lines of this machine's Ray actor processes of tidal's classes."""
+    """Command lines of this test run's Ray actor processes of tidal's classes."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -31,7 +45,7 @@ def workers() -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "TrainerRank" in cmd or "EngineServer" in cmd:
+            if ("TrainerRank" in cmd or "EngineServer" in cmd) and _ours(int(pid)):
                 out.append(cmd)
     return out
 
@@ -133,7 +147,7 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
         t0 = time.monotonic()
         with pytest.raises(SyncError, match=r"over broadcast: the broadcast timed out after 5 s") as err:
             roles.sync.push(2)
-        assert 5 <= time.monotonic() - t0 < 15
+        assert 5 <= time.monotonic() - t0 < 60  # the timeout, then the teardown; generous for a loaded machine
         # the silent engine is the one named; the others were waiting on it
         assert str(err.value).startswith(f"weight sync to engine {roles.engines.urls[0]} (engine 0) over broadcast")
         assert "waiting with it: trainer rank 0" in str(err.value)

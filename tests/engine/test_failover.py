@@ -104,7 +104,8 @@ def test_a_server_shut_down_mid_rollout_has_its_requests_sent_to_the_other(two, 
 
 
 def test_a_silent_server_is_a_bounded_wait(two, reference):
-    engine = HttpEngine([s.url for s in two], timeout=2.0)
+    engine = HttpEngine([s.url for s in two], timeout=60)  # the live server's requests: room for load
+    engine.router.clients[1].timeout = 2.0  # the silent one's
     run(engine, engine.router.clients[1].pause)  # paused for good: it never answers
     t0 = time.monotonic()
     outs = _rollout_while(engine, 1, lambda: None)
@@ -138,5 +139,5 @@ def test_control_calls_wait_the_control_timeout_not_the_request_timeout():
             t0 = time.monotonic()
             with pytest.raises(EngineError, match=rf"^{url}/{endpoint}: timed out after 0.5 s$"):
                 run(engine, call)
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 60  # generous for a loaded machine, far below the 600 s request timeout
         assert run(engine, engine.check_health) == {0: f"{url}/health: timed out after 0.5 s"}

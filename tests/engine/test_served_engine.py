@@ -96,8 +96,12 @@ def test_abort_pause_and_continue_over_http(served):
     short = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     t = threading.Thread(target=post, args=("short", short))
     t.start()
+    deadline = time.monotonic() + 30
+    while served.core.stats()["waiting"] == 0:  # the request has reached the engine...
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.005)
     time.sleep(0.3)
-    assert served.core.stats()["steps"] == steps and t.is_alive()  # held while paused
+    assert served.core.stats()["steps"] == steps and t.is_alive()  # ...and is held while paused
     assert httpx.post(f"{url}/continue_generation").status_code == 200
     t.join(30)
     assert results["short"]["output_ids"] == hf_greedy(make_model(), PROMPTS[0], 6)

@@ -81,6 +81,8 @@ def test_python_tool_reports_errors_with_the_traceback_tail():
 def test_python_tool_limits():
     tool = make_python_tool(SandboxConfig(timeout=1.0, memory_mb=256))
     assert asyncio.run(tool("while True: pass")) == "error: timed out after 1 s"
+    # this one must reach the memory limit before its timeout, even on a loaded machine
+    tool = make_python_tool(SandboxConfig(timeout=30, memory_mb=256))
     out = asyncio.run(tool("x = bytearray(1 << 30)")).splitlines()
     assert (out[0], out[-1]) == ("error: memory limit of 256 MB exceeded", "MemoryError")
     tool = make_python_tool(SandboxConfig(max_output_bytes=100))

@@ -18,15 +18,19 @@ STDIO_TESTS = [
     {"input": "10 -4\n", "output": "6"},
     {"input": "0 0\n", "output": "0\n"},
 ]
-FAST = SandboxConfig(timeout=1.0, memory_mb=512)
+# A generous timeout: a correct program must finish within it even on a loaded machine. The one
+# test that needs a timeout to fire uses LOOP's: 5 s, short to keep it quick, long enough for its two
+# passing programs to finish within it under load.
+SANDBOX = SandboxConfig(timeout=30, memory_mb=512)
+LOOP = SandboxConfig(timeout=5, memory_mb=512)
 
 
 def _answer(program: str) -> str:
     return f"Here is my solution.\n```python\n{program}\n```\nDone."
 
 
-def _score(response: str, label, **kw) -> dict:
-    return asyncio.run(make_code_reward(FAST, **kw)(Sample(index=0, response=response, label=label)))
+def _score(response: str, label, cfg: SandboxConfig = SANDBOX, **kw) -> dict:
+    return asyncio.run(make_code_reward(cfg, **kw)(Sample(index=0, response=response, label=label)))
 
 
 def test_extract_code_takes_the_last_complete_python_block():
@@ -81,8 +85,8 @@ def test_crashing_program():
 
 def test_infinite_loop_times_out_and_the_other_tests_still_count():
     program = "a, b = map(int, input().split())\nwhile a == 0: pass\nprint(a + b)"
-    r = _score(_answer(program), STDIO_TESTS)
-    assert r == {"score": 2 / 3, "passed": 2, "total": 3, "error": "test 3: timed out after 1 s"}
+    r = _score(_answer(program), STDIO_TESTS, LOOP)
+    assert r == {"score": 2 / 3, "passed": 2, "total": 3, "error": "test 3: timed out after 5 s"}
 
 
 def test_assert_style_tests():

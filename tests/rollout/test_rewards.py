@@ -237,7 +237,7 @@ def test_timeout_marks_failed(user_module):
     samples = [_sample("a", "slow"), _sample("b", "fast")]
     start = time.monotonic()
     failures = asyncio.run(score_samples(samples, get_reward_fn(f"{user_module}:slow_reward"), timeout=0.2))
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 10  # generous: the slow reward would take 30 s
     assert failures == 1
     assert samples[0].status == Status.FAILED and samples[0].reward == 0.0
     assert samples[0].metadata["error"].startswith("TimeoutError:")

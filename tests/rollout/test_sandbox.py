@@ -104,7 +104,8 @@ def test_infinite_loop_is_stopped(backend):
     t0 = time.monotonic()
     r = run_code("while True: pass", argv=_argv(marker), timeout=1.0, backend=backend)
     assert (r.status, r.reason) == ("timeout", "timed out after 1 s")
-    assert 1.0 <= r.wall_time < 4.0 and time.monotonic() - t0 < 5.0
+    # the upper bounds only say it was stopped (not run for ever); generous for a loaded machine
+    assert 1.0 <= r.wall_time < 30.0 and time.monotonic() - t0 < 60.0
     _assert_clean(r, marker)
 
 
@@ -112,7 +113,7 @@ def test_sleeping_program_is_stopped_by_the_wall_clock(backend):
     # No CPU used, so only the wall-clock deadline can end it.
     r = run_code("import time; time.sleep(600)", timeout=0.5, backend=backend)
     assert (r.status, r.reason) == ("timeout", "timed out after 0.5 s")
-    assert r.wall_time < 3.0
+    assert 0.5 <= r.wall_time < 30.0  # stopped at its deadline, not after 600 s; generous under load
 
 
 def test_memory_hog_is_refused(backend):
@@ -289,14 +290,16 @@ def test_the_rollout_goes_on():
         "import os\nwhile True: os.fork()": {"error", "timeout"},
         "while True: print('x' * 100)": "output_limit",
     }
+    # 2 s where a timeout is an expected outcome; 30 s where the program must reach its own limit
+    # first, which a loaded machine may take more than 2 s to start and do
+    timeouts = {code: 2 if "timeout" in want else 30 for code, want in bad.items()}
 
     async def main():
         jobs = []
         for backend in BACKENDS:
             for code in bad:
-                jobs.append(
-                    arun_code(code, argv=_argv(marker), timeout=2, memory_mb=256, max_processes=8, backend=backend)
-                )
+                limits = {"timeout": timeouts[code], "memory_mb": 256, "max_processes": 8}
+                jobs.append(arun_code(code, argv=_argv(marker), backend=backend, **limits))
             for k in range(3):
                 jobs.append(arun_code(f"print(sum(range({k} * 1000)))", backend=backend))
         return await asyncio.gather(*jobs)
@@ -332,10 +335,9 @@ def test_cancelling_the_caller_kills_the_sandbox(backend, tmp_path):
                 tmp_root=str(tmp_path),
             )
         )
-        for _ in range(500):  # until both processes run
+        deadline = time.monotonic() + 60
+        while len(_processes_with(marker)) < 2 and time.monotonic() < deadline:  # until both processes run
             await asyncio.sleep(0.01)
-            if len(_processes_with(marker)) >= 2:
-                break
         assert len(_processes_with(marker)) >= 2
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
