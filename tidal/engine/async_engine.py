@@ -176,6 +176,14 @@ class AsyncEngine:
         """Abort one request (None = all); their `generate` calls resolve with the partial outputs."""
         return await self._call(lambda: self._abort(request_id))
 
+    def abort_nowait(self, request_ids: Iterable[str]) -> cf.Future:
+        """Queue the abort of these requests and return at once (a future of their outputs).
+
+        For places that cannot await: the `finally` of a streamed response whose client went
+        away runs in a cancelled task, where an awaited abort is cancelled before it is sent."""
+        rids = list(request_ids)
+        return self._submit(lambda: [out for rid in rids for out in self._abort(rid)])
+
     # ------------------------------------------------------------------ control
     async def pause(self) -> None:
         """Stop stepping after the current step; requests wait and nothing is lost."""

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tidal.config import ServerConfig
@@ -215,4 +215,23 @@ class Runner:
                 yield i, [], [], [], fut.result()
         finally:
             if left:
-                await asyncio.gather(*(self.engine.abort(rid) for rid in rids), return_exceptions=True)
+                # Not awaited: when the client goes away this generator is cancelled, and an await
+                # in a cancelled task is itself cancelled before the abort reaches the engine.
+                self.engine.abort_nowait(rids)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of the engine requests `rids`. However the response ends (the client
+    went away, the server stops), the requests still running are aborted as it ends, whatever
+    state its generator was left in (suspended at a `yield`, it would only be closed when
+    garbage-collected)."""
+
+    def __init__(self, events: AsyncIterator[str], engine: AsyncEngine, rids: Sequence[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.engine, self.rids = engine, list(rids)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine.abort_nowait(self.rids)  # no-op for the finished ones

@@ -24,7 +24,6 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tidal.config import ServerConfig
@@ -32,6 +31,7 @@ from tidal.engine.async_engine import AsyncEngine
 from tidal.server.common import (
     BadRequest,
     Body,
+    EventStream,
     Runner,
     TextStream,
     check_budget,
@@ -303,7 +303,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
                     yield sse(obj([], usage=usage(prompts, outs)))
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return EventStream(events(), engine, rids)
         outs = await runner.run(request, all_prompts, params, rids)
         choices = [
             choice(
@@ -382,7 +382,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
                     yield chunk([], usage=usage([prompt], outs))
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return EventStream(events(), engine, rids)
         outs = await runner.run(request, prompts, params, rids)
         choices = []
         for i, o in enumerate(outs):

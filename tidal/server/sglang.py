@@ -34,7 +34,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from tidal.config import ServerConfig
@@ -44,6 +44,7 @@ from tidal.server.common import (
     ApiError,
     BadRequest,
     Body,
+    EventStream,
     Runner,
     check_budget,
     encode,
@@ -299,7 +300,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         else:
             rids = list(body.rid) if isinstance(body.rid, list) else [body.rid]
         if body.stream:
-            return StreamingResponse(_stream(body, prompts, params, sps, rids), media_type="text/event-stream")
+            return EventStream(_stream(body, prompts, params, sps, rids), engine, rids)
         outs = await runner.run(request, prompts, params, rids)
         results = [result(o, body, sp) for o, sp in zip(outs, sps, strict=True)]
         return results if batched else results[0]
