@@ -97,3 +97,50 @@ def test_a_stream_the_client_leaves_is_aborted(route):
         assert all(n < MAX_NEW for _, n in s.core.ended), s.core.ended
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- /generate n
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+def generate(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def test_generate_honours_n_as_sglang_does(served):
+    """`sampling_params.n` was silently ignored: one sample came back for n = 3."""
+    sp = {"max_new_tokens": 6, "seed": 7, "n": 3}
+    r = generate(served.url, {"input_ids": [5, 9, 33], "sampling_params": sp, "rid": "x"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 3
+    assert [o["meta_info"]["id"] for o in out] == ["x_0", "x_1", "x_2"]
+    # sample j is the request with seed 7 + j: reproducible, and the samples differ
+    for j, o in enumerate(out):
+        one = generate(served.url, {"input_ids": [5, 9, 33], "sampling_params": {"max_new_tokens": 6, "seed": 7 + j}})
+        assert one.json()["output_ids"] == o["output_ids"]
+    assert len({tuple(o["output_ids"]) for o in out}) > 1
+    # a batch: n samples of each prompt, prompt-major
+    batch = generate(served.url, {"input_ids": [[5, 9, 33], [40, 41]], "sampling_params": {**sp, "n": 2}}).json()
+    assert len(batch) == 4
+    assert [o["output_ids"] for o in batch[:2]] == [o["output_ids"] for o in out[:2]]
+    alone = generate(served.url, {"input_ids": [40, 41], "sampling_params": {"max_new_tokens": 6, "seed": 7}}).json()
+    assert batch[2]["output_ids"] == alone["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("sampling_params", "message"),
+    [
+        ({"n": 0}, "sampling_params.n: must be between 1 and 16 on this server, got 0"),
+        ({"n": 17}, "sampling_params.n: must be between 1 and 16 on this server, got 17"),
+        ([{"n": 1}, {"n": 2}], "sampling_params.n: must be the same for every prompt, got [1, 2]"),
+    ],
+)
+def test_generate_refuses_a_bad_n_naming_the_field(served, sampling_params, message):
+    r = generate(served.url, {"input_ids": [[5, 9], [33]], "sampling_params": sampling_params})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+    assert r.json()["error"]["param"] == "sampling_params.n"

@@ -2,7 +2,9 @@
 control routes a trainer drives (health, abort, pause/continue, weight updates, memory).
 
     POST /generate                   input_ids | text, sampling_params, return_logprob, top_logprobs_num,
-                                     logprob_start_len (-1 only), return_text_in_logprobs, rid, stream
+                                     logprob_start_len (-1 only), return_text_in_logprobs, rid, stream;
+                                     sampling_params.n > 1 answers a list of n samples per prompt
+                                     (prompt-major, rids `{rid}_{j}`, seeds seed + j)
     GET  /health                     200 while the engine runs, else 503 (never behind the API key)
     GET  /health_generate            200 once the engine produces a token (or is busy producing them), else 503
     GET  /get_model_info             {"model_path", "tokenizer_path", "is_generation", "max_model_len", "dtype",
@@ -40,6 +42,7 @@ from pydantic import Field
 from tidal.config import ServerConfig
 from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.client import decode_tensors
+from tidal.engine.sampling import SamplingParams
 from tidal.server.common import (
     ApiError,
     BadRequest,
@@ -73,6 +76,7 @@ class SamplingParamsBody(Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    n: int = 1  # samples of each prompt; with n > 1 the answer is a list, prompt-major
 
 
 class GenerateBody(Body):
@@ -156,9 +160,12 @@ def _refused(e: ApiError) -> JSONResponse:
     return error_response(e.status, str(e), e.kind, e.param, extra={"success": False, "message": str(e)})
 
 
-def _params(sp: SamplingParamsBody, top: int, prefix: str):
+def _params(sp: SamplingParamsBody, top: int, prefix: str, sample: int = 0) -> SamplingParams:
+    """The engine's sampling parameters for sample `sample` of a prompt: a seeded request's
+    sample j uses seed + j, so n samples differ and each is reproducible."""
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise BadRequest(f"{prefix}seed: give seed or sampling_seed, not two different values")
+    seed = sp.seed if sp.seed is not None else sp.sampling_seed
     return sampling_params(
         prefix,
         temperature=sp.temperature,
@@ -168,13 +175,67 @@ def _params(sp: SamplingParamsBody, top: int, prefix: str):
         max_new_tokens=sp.max_new_tokens,
         stop=sp.stop,
         stop_token_ids=sp.stop_token_ids,
-        seed=sp.seed if sp.seed is not None else sp.sampling_seed,
+        seed=None if seed is None else seed + sample,
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         ignore_eos=sp.ignore_eos,
         top_logprobs=top,
     )
+
+
+def _check_generate(body: GenerateBody) -> None:
+    """BadRequest for a `/generate` body's fields that need no tokenizer or engine to judge."""
+    body.warn_unknown("/generate")
+    for sp in body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params]:
+        sp.warn_unknown("/generate sampling_params")
+    if body.logprob_start_len != -1:
+        raise BadRequest(
+            "logprob_start_len: only -1 (no prompt log-probs) is supported; the engine does not score prompts"
+        )
+    if not 0 <= body.top_logprobs_num <= 20:
+        raise BadRequest(f"top_logprobs_num: must be in [0, 20], got {body.top_logprobs_num}")
+    if (body.input_ids is None) == (body.text is None):
+        raise BadRequest("input_ids: give exactly one of input_ids and text")
+
+
+def _samples(
+    body: GenerateBody, prompts: list[list[int]], batched: bool, cfg: ServerConfig
+) -> tuple[list[list[int]], list[SamplingParams], list[SamplingParamsBody], list[str]]:
+    """(prompt, engine parameters, body parameters, rid) of every sample a `/generate` request
+    asks for: `sampling_params.n` samples of each prompt, prompt-major (SGLang's order). A given
+    rid names a prompt's only sample, or its samples `{rid}_0` ... `{rid}_{n-1}`."""
+    if not prompts or any(not p for p in prompts):
+        raise BadRequest("input_ids: empty prompt")
+    count = len(prompts)
+    if count > cfg.max_batch:
+        raise BadRequest(f"input_ids: {count} prompts; this server takes at most {cfg.max_batch} per request")
+    many = isinstance(body.sampling_params, list)
+    sps = body.sampling_params if many else [body.sampling_params] * count
+    if len(sps) != count:
+        raise BadRequest(f"sampling_params: {len(sps)} given for {count} prompts")
+    n = sps[0].n
+    if any(sp.n != n for sp in sps):
+        raise BadRequest(f"sampling_params.n: must be the same for every prompt, got {sorted({sp.n for sp in sps})}")
+    if not 1 <= n <= cfg.max_n:
+        raise BadRequest(f"sampling_params.n: must be between 1 and {cfg.max_n} on this server, got {n}")
+    if body.rid is None:
+        names = [uuid.uuid4().hex for _ in range(count)]
+    elif isinstance(body.rid, list) != batched or (batched and len(body.rid) != count):
+        raise BadRequest(f"rid: give one rid per prompt ({count}) as {'a list' if batched else 'a string'}")
+    else:
+        names = list(body.rid) if isinstance(body.rid, list) else [body.rid]
+    top = body.top_logprobs_num if body.return_logprob else 0
+    out: tuple[list, list, list, list] = ([], [], [], [])
+    for i, (prompt, sp, name) in enumerate(zip(prompts, sps, names, strict=True)):
+        prefix = f"sampling_params[{i}]." if many else "sampling_params."
+        for j in range(n):
+            out[0].append(prompt)
+            out[1].append(_params(sp, top, prefix, j))
+            out[2].append(sp)
+            out[3].append(name if n == 1 else f"{name}_{j}" if body.rid is not None else uuid.uuid4().hex)
+    check_budget(cfg, out[0], out[1])
+    return out
 
 
 def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
@@ -261,17 +322,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
 
     @api.post("/generate")
     async def generate(body: GenerateBody, request: Request) -> Any:
-        body.warn_unknown("/generate")
-        for sp in body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params]:
-            sp.warn_unknown("/generate sampling_params")
-        if body.logprob_start_len != -1:
-            raise BadRequest(
-                "logprob_start_len: only -1 (no prompt log-probs) is supported; the engine does not score prompts"
-            )
-        if not 0 <= body.top_logprobs_num <= 20:
-            raise BadRequest(f"top_logprobs_num: must be in [0, 20], got {body.top_logprobs_num}")
-        if (body.input_ids is None) == (body.text is None):
-            raise BadRequest("input_ids: give exactly one of input_ids and text")
+        _check_generate(body)
         if body.text is not None:
             batched = isinstance(body.text, list)
             prompts = await encode(tok, body.text if batched else [body.text], "text")
@@ -279,26 +330,8 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
             ids = body.input_ids or []
             batched = bool(ids) and isinstance(ids[0], list)
             prompts = [list(p) for p in ids] if batched else [list(ids)]  # type: ignore[arg-type]
-        if not prompts or any(not p for p in prompts):
-            raise BadRequest("input_ids: empty prompt")
-        n = len(prompts)
-        if n > cfg.max_batch:
-            raise BadRequest(f"input_ids: {n} prompts; this server takes at most {cfg.max_batch} per request")
-        sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * n
-        if len(sps) != n:
-            raise BadRequest(f"sampling_params: {len(sps)} given for {n} prompts")
-        top = body.top_logprobs_num if body.return_logprob else 0
-        many = isinstance(body.sampling_params, list)
-        params = [
-            _params(sp, top, f"sampling_params[{i}]." if many else "sampling_params.") for i, sp in enumerate(sps)
-        ]
-        check_budget(cfg, prompts, params)
-        if body.rid is None:
-            rids = [uuid.uuid4().hex for _ in range(n)]
-        elif isinstance(body.rid, list) != batched or (batched and len(body.rid) != n):
-            raise BadRequest(f"rid: give one rid per prompt ({n}) as {'a list' if batched else 'a string'}")
-        else:
-            rids = list(body.rid) if isinstance(body.rid, list) else [body.rid]
+        prompts, params, sps, rids = _samples(body, prompts, batched, cfg)
+        batched = batched or len(prompts) > 1  # n > 1 answers a list too, as SGLang does
         if body.stream:
             return EventStream(_stream(body, prompts, params, sps, rids), engine, rids)
         outs = await runner.run(request, prompts, params, rids)
