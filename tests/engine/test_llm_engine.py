@@ -367,6 +367,8 @@ def test_bad_requests_are_rejected_and_the_engine_still_serves():
         engine.add_request("v", [1, 320], greedy())
     with pytest.raises(ValueError, match=r"request v: prompt token ids must be ints in \[0, 320\)"):
         engine.add_request("v", [1, -1], greedy())
+    with pytest.raises(ValueError, match=r"request b: logit_bias token id 320 is outside the vocabulary \[0, 320\)"):
+        engine.add_request("b", [1, 2], greedy(logit_bias={5: 1.0, 320: 1.0}))
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got -1"):
         engine.add_request("n", [1, 2], greedy(-1))
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):

@@ -99,7 +99,7 @@ def test_a_stream_the_client_leaves_is_aborted(route):
         s.close()
 
 
-# ---------------------------------------------------------------------- /generate n
+# ---------------------------------------------------------------------- /generate n, logit_bias
 @pytest.fixture
 def served():
     s = Served()
@@ -144,3 +144,18 @@ def test_generate_refuses_a_bad_n_naming_the_field(served, sampling_params, mess
     r = generate(served.url, {"input_ids": [[5, 9], [33]], "sampling_params": sampling_params})
     assert r.status_code == 400 and r.json()["error"]["message"] == message
     assert r.json()["error"]["param"] == "sampling_params.n"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("token", [259, 10**9])
+def test_logit_bias_outside_the_vocabulary_is_refused(served, route, token):
+    """A bias on an id the model has no logit for did nothing, silently."""
+    body = {"prompt": "abc"} if route == "/v1/completions" else {"messages": USER}
+    r = httpx.post(f"{served.url}{route}", json={**body, "max_tokens": 2, "logit_bias": {str(token): 5}}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        f"logit_bias: token id {token} is outside the vocabulary; this model's ids are 0 to 258"
+    )
+    assert r.json()["error"]["param"] == "logit_bias"
+    ok = httpx.post(f"{served.url}{route}", json={**body, "max_tokens": 2, "logit_bias": {"258": 5}}, timeout=120)
+    assert ok.status_code == 200, ok.text

@@ -51,6 +51,15 @@ def _resolve(fut: cf.Future, result: Any = None, exc: BaseException | None = Non
         pass
 
 
+def _vocab_size(core: Any) -> int | None:
+    """The number of token ids the core's model scores (its logits' width), when it says."""
+    size = getattr(core, "vocab_size", None)
+    for holder in (getattr(core, "model", None), core):
+        if size is None:
+            size = getattr(getattr(holder, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
 class AsyncEngine:
     """Runs a core engine on a background thread; meets `tidal.contracts.Engine`, and every
     coroutine is safe from any event loop.
@@ -69,6 +78,7 @@ class AsyncEngine:
         model = getattr(core, "model", None)
         if self.dtype is None and model is not None:
             self.dtype = next(model.parameters()).dtype
+        self.vocab_size: int | None = _vocab_size(core)
         self._weight_version: int = core.weight_version
         self._stats_interval_s = stats_interval_s
         self._stats: dict = {}

@@ -115,6 +115,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"request {rid}: prompt token ids must be ints in [0, {vocab})")
+        outside = sorted(k for k in params.logit_bias if not 0 <= k < vocab)
+        if outside:  # a bias on no token would silently do nothing
+            raise ValueError(f"request {rid}: logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {rid}: the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}, "

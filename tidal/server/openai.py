@@ -90,13 +90,20 @@ class ChatBody(OpenAIBody):
     response_format: dict[str, Any] | None = None
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float]:
+    """`logit_bias` with int keys; BadRequest for a key that is not a token id of the model (a
+    bias on no token would silently do nothing)."""
     out = {}
     for k, v in (bias or {}).items():
         try:
-            out[int(k)] = float(v)
+            token = int(k)
+            out[token] = float(v)
         except ValueError:
             raise BadRequest(f"logit_bias: keys must be token ids, got {k!r}") from None
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise BadRequest(
+                f"logit_bias: token id {k} is outside the vocabulary; this model's ids are 0 to {vocab_size - 1}"
+            )
     return out
 
 
@@ -212,7 +219,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
 
     def params_for(body: OpenAIBody, prompts, max_tokens, field, top: int):
         """n samples per prompt, prompt-major order."""
-        bias = _logit_bias(body.logit_bias)
+        bias = _logit_bias(body.logit_bias, engine.vocab_size)
         all_prompts, params = [], []
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
