@@ -5,12 +5,14 @@ tokenizer) as such a client would, and waits on conditions, never on timing."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from conftest import make_model, make_tokenizer
 
 from tidal.config import ServerConfig
@@ -159,3 +161,70 @@ def test_logit_bias_outside_the_vocabulary_is_refused(served, route, token):
     assert r.json()["error"]["param"] == "logit_bias"
     ok = httpx.post(f"{served.url}{route}", json={**body, "max_tokens": 2, "logit_bias": {"258": 5}}, timeout=120)
     assert ok.status_code == 200, ok.text
+
+
+# ---------------------------------------------------------------------- non-finite weights
+def greedy_ids(url: str) -> list[int]:
+    body = {"input_ids": [5, 9, 33], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    return generate(url, body).json()["output_ids"]
+
+
+def served_weights(url: str) -> dict:
+    return httpx.get(f"{url}/get_weight_version", params={"checksum": "true"}, timeout=120).json()
+
+
+def test_non_finite_weights_are_refused_and_the_served_weights_kept(served, tmp_path):
+    """All-NaN weights from disk were loaded and served garbage; so were infinities by tensor."""
+    from safetensors.torch import save_file
+
+    from tidal.engine.client import encode_tensors
+
+    before, weights = greedy_ids(served.url), served_weights(served.url)
+    state = {k: v.detach().clone() for k, v in make_model(vocab_size=259, seed=1).state_dict().items()}
+    state.pop("lm_head.weight")  # tied to the embedding
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, nan / "model.safetensors")
+    r = httpx.post(f"{served.url}/update_weights_from_disk", json={"model_path": str(nan), "weight_version": 3})
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    message = r.json()["error"]["message"]
+    # every value is NaN: the count is the tensor's size
+    found = re.fullmatch(
+        rf"model_path: cannot load {re.escape(str(nan))}: update_weights: (\S+) holds (\d+) NaN or infinite "
+        r"value\(s\) of (\d+); weights must be finite",
+        message,
+    )
+    assert found and found[1] in state and int(found[2]) == int(found[3]) == state[found[1]].numel(), message
+
+    one_inf = dict(state)
+    one_inf["model.norm.weight"] = state["model.norm.weight"].clone()
+    one_inf["model.norm.weight"][7] = float("inf")
+    (blob,) = encode_tensors(one_inf.items())
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": blob, "weight_version": 4}, timeout=120)
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert r.json()["error"]["message"] == (
+        "tensors: update_weights: model.norm.weight holds 1 NaN or infinite value(s) of 64; weights must be finite"
+    )
+    # a chunk staged for a later update is checked as it arrives
+    (chunk,) = encode_tensors([("model.norm.weight", one_inf["model.norm.weight"])])
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": chunk, "stage": True}, timeout=120)
+    assert r.status_code == 400 and "model.norm.weight holds 1 NaN or infinite value(s)" in r.text
+
+    assert served_weights(served.url) == weights  # same version, same bytes
+    assert greedy_ids(served.url) == before
+    # the same weights, finite, load
+    (blob,) = encode_tensors(state.items())
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": blob, "weight_version": 5}, timeout=120)
+    assert r.status_code == 200 and served_weights(served.url)["weight_version"] == 5
+
+
+def test_non_finite_counts_exactly_even_when_a_finite_sum_overflows():
+    from tidal.engine.weights import non_finite
+
+    t = torch.randn(300, 200)
+    assert non_finite(t) == 0
+    t[3, 4], t[5, 6], t[7, 8] = float("nan"), float("inf"), float("-inf")
+    assert non_finite(t) == 3 and non_finite(t.T) == 3 and non_finite(t.to(torch.bfloat16)) == 3
+    assert non_finite(torch.full((10,), 3e38)) == 0  # its float32 sum overflows; every value is finite
+    assert non_finite(torch.full((10,), 6e4, dtype=torch.float16)) == 0
+    assert non_finite(torch.arange(5)) == 0
