@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.max_body_bytes,
         help=f"largest request body (default: {defaults.max_body_bytes})",
     )
+    s.add_argument(
+        "--max-tokenising-bytes",
+        type=int,
+        default=defaults.max_tokenising_bytes,
+        help=f"request text tokenised at once, server-wide; 503 beyond (default: {defaults.max_tokenising_bytes})",
+    )
     return p
 
 
@@ -143,7 +149,11 @@ def _serve(args) -> int:
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     config = ServerConfig.from_env(
-        args.api_key, max_n=args.max_n, max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes
+        args.api_key,
+        max_n=args.max_n,
+        max_request_tokens=args.max_request_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_tokenising_bytes=args.max_tokenising_bytes,
     )
     serve(ensure_model(args.model), args.host, args.port, config=config, **options)
     return 0

@@ -473,8 +473,10 @@ class ServerConfig:
 
     A request may ask for at most `max_n` samples per prompt, `max_batch` prompts, and
     `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
-    `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). The defaults
-    protect a laptop."""
+    `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). At most
+    `max_tokenising_bytes` of request text is tokenised at once, server-wide (tokenising takes
+    150-250 bytes of memory a byte of text); a request that would go over is answered 503. The
+    defaults protect a laptop."""
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
@@ -483,6 +485,7 @@ class ServerConfig:
     max_n: int = 16
     max_batch: int = 256
     max_request_tokens: int = 262_144
+    max_tokenising_bytes: int = 8 * 2**20
 
     @classmethod
     def from_env(cls, api_key: str | None = None, **kw: Any) -> ServerConfig:

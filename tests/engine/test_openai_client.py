@@ -292,7 +292,8 @@ def test_health_answers_while_a_huge_text_is_tokenised():
     """Tokenising runs off the event loop: /health answers while a request's text is being encoded.
     The tokenizer is held inside `encode` until /health has answered, so nothing depends on timing:
     had the encoding run on the event loop, /health could not answer and its request would time out."""
-    s = Served(ServerConfig(max_request_tokens=10**8), max_model_len=512)
+    # a context long enough that the 1 MB text is not refused unread (no token spells more than 13 bytes)
+    s = Served(ServerConfig(max_request_tokens=10**8), max_model_len=100_000)
     inside, release = threading.Event(), threading.Event()
     encode = s.tokenizer.encode
 

@@ -228,3 +228,178 @@ def test_non_finite_counts_exactly_even_when_a_finite_sum_overflows():
     assert non_finite(torch.full((10,), 3e38)) == 0  # its float32 sum overflows; every value is finite
     assert non_finite(torch.full((10,), 6e4, dtype=torch.float16)) == 0
     assert non_finite(torch.arange(5)) == 0
+
+
+# ---------------------------------------------------------------------- huge texts
+TOKEN_BYTES = 13  # the byte tokenizer's longest token: "<|endoftext|>", one token of 13 bytes
+
+
+def test_a_text_too_long_to_fit_is_refused_unread_and_the_bound_is_exact(served):
+    """No token spells more than 13 bytes here, so a text of more than 13 x 511 bytes cannot be a
+    prompt of the 512-token context: refused before tokenising. A text of exactly 13 x 511 bytes
+    may still fit (511 of the 13-byte tokens), so it is tokenised and served."""
+    assert served.engine.max_model_len == 512
+    fits = "<|endoftext|>" * 511
+    body = {"sampling_params": {"max_new_tokens": 1}}
+    r = generate(served.url, {"text": fits, **body})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 511, r.text
+    r = generate(served.url, {"text": fits + "a", **body})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"text: {13 * 511 + 1} bytes; a prompt here is at most 511 tokens (the context less one new token) and no "
+        f"token of this model spells more than 13 bytes, so a text of at most {13 * 511} bytes"
+    )
+    r = generate(served.url, {"text": ["hi", fits + "a"], **body})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"text[1]: {13 * 511 + 1} bytes;")
+
+
+def test_text_tokenised_at_once_is_bounded_server_wide():
+    """While one request's text is being tokenised, another that would take the server over its
+    budget for text tokenised at once is answered 503 (and may retry), not queued; the budget is
+    the server's, not a route's. The first text is held inside the tokenizer, so nothing depends
+    on timing."""
+    cfg = ServerConfig(max_tokenising_bytes=300_000, max_request_tokens=10**8)
+    s = Served(cfg, max_model_len=100_000)
+    inside, release = threading.Event(), threading.Event()
+    encode = s.tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if len(text) >= 200_000:
+            inside.set()
+            release.wait(DEADLINE_S)
+        return encode(text, *args, **kwargs)
+
+    s.tokenizer.encode = held_encode
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(generate, s.url, {"text": "a" * 200_000})
+            assert inside.wait(DEADLINE_S), "the first text never reached the tokenizer"
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "b" * 150_000}, timeout=120)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"] == {
+                "message": "prompt: 150000 bytes to tokenise, but 200000 of this server's 300000 bytes for "
+                "tokenising at once are in use; retry shortly",
+                "type": "server_busy",
+                "param": "prompt",
+                "code": 503,
+            }
+            small = generate(s.url, {"text": "c" * 1000, "sampling_params": {"max_new_tokens": 1}})
+            assert small.status_code == 200, small.text  # within what is left
+            assert not first.done()
+            release.set()
+            assert first.result().status_code == 400  # 200,000 tokens: more than the context
+        # the budget is free again once the first request is done
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "b" * 150_000}, timeout=120)
+        assert r.status_code == 400 and "the prompt is 150000 tokens" in r.text
+        r = generate(s.url, {"text": "d" * 300_001})  # more than the whole budget: never
+        assert r.status_code == 413 and r.json()["error"]["message"] == (
+            "text: 300001 bytes; this server tokenises at most 300000 bytes at once"
+        )
+    finally:
+        release.set()
+        s.close()
+
+
+class ServeProcess:
+    """`tidal serve` in a subprocess on 127.0.0.1, its address space capped (so a regression fails
+    the test instead of exhausting the machine), and its peak RSS readable."""
+
+    def __init__(self, model_dir, *options: str, headroom_gb: float = 4.0) -> None:
+        import resource
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "tidal.cli", "serve", str(model_dir), "--port", str(port), "--dtype", "float32"]
+        self.proc = subprocess.Popen([*cmd, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_for(self._healthy, "tidal serve answers /health")
+        cap = self.status("VmSize") + int(headroom_gb * 2**30)
+        resource.prlimit(self.proc.pid, resource.RLIMIT_AS, (cap, cap))
+        assert generate(self.url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS: what follows is measured from here
+        self.base = self.status("VmHWM")
+
+    def _healthy(self) -> bool:
+        assert self.proc.poll() is None, f"tidal serve exited: {self.proc.stderr.read().decode()[-3000:]}"
+        try:
+            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def status(self, key: str) -> int:
+        """A /proc/PID/status size in bytes (VmSize, VmRSS, VmHWM: the peak RSS)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            line = next(x for x in f if x.startswith(key + ":"))
+        return int(line.split()[1]) * 1024
+
+    def peak_growth(self) -> int:
+        assert self.proc.poll() is None, f"tidal serve died: {self.proc.stderr.read().decode()[-3000:]}"
+        return self.status("VmHWM") - self.base
+
+    def post_concurrently(self, route: str, body: dict, clients: int) -> list[httpx.Response]:
+        import json
+
+        payload = json.dumps(body).encode()
+
+        def post(_: int) -> httpx.Response:
+            headers = {"content-type": "application/json"}
+            return httpx.post(self.url + route, content=payload, headers=headers, timeout=DEADLINE_S)
+
+        with ThreadPoolExecutor(clients) as pool:
+            return list(pool.map(post, range(clients)))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def big_bodies(size: int) -> dict[str, tuple[str, dict]]:
+    """route -> (the field named in a refusal, a body whose one text is `size` bytes)."""
+    text = "ab" * (size // 2)
+    return {
+        "/generate": ("text", {"text": text}),
+        "/v1/completions": ("prompt", {"prompt": text}),
+        "/v1/chat/completions": ("messages", {"messages": [{"role": "user", "content": text}]}),
+    }
+
+
+def test_the_probe_huge_texts_are_refused_unread_and_memory_stays_flat(tiny_model_dir):
+    """The probe: six 7.8 MB texts at once (under the 8 MiB body limit) took the server from
+    0.4 to 8.1 GB RSS while tokenised whole, then refused. Now each is refused before tokenising;
+    the server's peak RSS grows by the bodies only (66 MB measured; 512 MB allowed)."""
+    s = ServeProcess(tiny_model_dir)
+    try:
+        for route, (field, body) in big_bodies(7_800_000).items():
+            for r in s.post_concurrently(route, body, 6 if route == "/generate" else 3):
+                assert r.status_code == 400, r.text[:300]
+                message = r.json()["error"]["message"]
+                assert re.match(rf"{field}: 78000\d\d bytes; a prompt here is at most 511 tokens", message), message
+            assert s.peak_growth() < 512 * 2**20, f"{route}: peak RSS grew {s.peak_growth() / 2**20:.0f} MB"
+    finally:
+        s.close()
+
+
+def test_texts_that_may_fit_are_tokenised_within_the_budget(tiny_model_dir):
+    """Texts the size check cannot refuse (a context of 4M tokens) are tokenised at most 2.1 MB at
+    a time: four 2 MB texts at once grow the peak RSS by one encoding (~0.5 GB measured, 1.2 GB
+    allowed; unbounded, six such texts took 2.3-2.7 GB and kept 1.8 GB)."""
+    options = ["--max-model-len", "4000000", "--max-request-tokens", "100000000", "--max-tokenising-bytes", "2100000"]
+    s = ServeProcess(tiny_model_dir, *options)
+    try:
+        field, body = big_bodies(2_000_000)["/generate"]
+        for r in s.post_concurrently("/generate", body, 4):
+            assert r.status_code in (400, 503), r.text[:300]
+            message = r.json()["error"]["message"]
+            if r.status_code == 503:  # another text held the budget
+                assert message.startswith(f"{field}: 2000000 bytes to tokenise, but 2000000 of this server's"), message
+            else:  # tokenised, then too long for the KV cache
+                assert "tokens cannot fit in the KV cache" in message, message
+        assert s.peak_growth() < 1.2 * 2**30, f"peak RSS grew {s.peak_growth() / 2**20:.0f} MB"
+        # and the tokenizer's scratch went back to the OS
+        assert s.status("VmRSS") - s.base < 1.2 * 2**30
+    finally:
+        s.close()

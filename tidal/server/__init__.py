@@ -6,10 +6,13 @@ OpenAI's (`tidal.server.openai`) over one `AsyncEngine`.
   `Authorization: Bearer <key>` (or `X-API-Key`); a server bound to a non-loopback address
   without one warns loudly at start.
 - **Limits** (`ServerConfig`): bodies over `max_body_bytes` are refused before they are read
-  whole; `n`, prompts per request and tokens per request are capped. Tokenising runs on a worker
+  whole; `n`, prompts per request and tokens per request are capped. A text too long to fit the
+  token limits is refused before it is tokenised, and at most `max_tokenising_bytes` of text is
+  tokenised at once (503 beyond: `tidal.server.common.Texts`). Tokenising runs on a worker
   thread, so `/health` and other requests are never blocked by one client's text: `/health`
   answers within a few milliseconds whatever runs, and a new request joins the running batch at
   the next engine step.
+- **Streams** whose client goes away are aborted in the engine at once (`EventStream`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tidal.config import API_KEY_ENV, ServerConfig
 from tidal.engine.async_engine import AsyncEngine
 from tidal.server import openai, sglang
-from tidal.server.common import ApiError, error_response
+from tidal.server.common import RETRY_AFTER_S, ApiError, Busy, Texts, error_response
 
 __all__ = ["BackgroundServer", "ServerConfig", "build_app", "serve"]
 
@@ -72,7 +75,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _on_api_error(_: Request, exc: ApiError):
-        return error_response(exc.status, str(exc), exc.kind, exc.param)
+        response = error_response(exc.status, str(exc), exc.kind, exc.param)
+        if isinstance(exc, Busy):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
@@ -89,8 +95,9 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     cfg = config or ServerConfig()
     app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    app.include_router(sglang.router(engine, model_name, cfg))
-    app.include_router(openai.router(engine, model_name, cfg))
+    texts = Texts(engine.tokenizer, engine.max_model_len, cfg)  # one budget for text being tokenised
+    app.include_router(sglang.router(engine, model_name, cfg, texts))
+    app.include_router(openai.router(engine, model_name, cfg, texts))
     app.add_middleware(Guard, cfg=cfg)
     return app
 

@@ -11,6 +11,7 @@ Every error, whatever the route, is
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -42,6 +43,16 @@ class BadRequest(ApiError):
         super().__init__(message, 400, "invalid_request_error", param)
 
 
+class Busy(ApiError):
+    """503: the server cannot take this request now; the client may retry after `RETRY_AFTER_S`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, 503, "server_busy", param)
+
+
+RETRY_AFTER_S = 1
+
+
 def error_response(
     status: int, message: str, kind: str | None = None, param: str | None = None, extra: dict | None = None
 ) -> JSONResponse:
@@ -68,24 +79,128 @@ class Body(BaseModel):
                 log.warning("%s: ignoring unknown field %r", route, name)
 
 
-def check_text(text: str, field: str) -> None:
-    """BadRequest unless `text` is valid Unicode (a lone surrogate cannot be tokenised)."""
+def check_text(text: str, field: str) -> int:
+    """The size of `text` in UTF-8 bytes; BadRequest unless it is valid Unicode (a lone surrogate
+    cannot be tokenised)."""
+    if text.isascii():
+        return len(text)
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
         raise BadRequest(
             f"{field}: invalid character at position {e.start} (a lone surrogate); send valid UTF-8"
         ) from None
 
 
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most bytes any one token of `tokenizer`'s vocabulary (added tokens included) spells:
+    the UTF-8 size of its longest vocabulary string, which is never less than the text the token
+    stands for (byte-level BPE writes a byte as one or two bytes; SentencePiece's `▁` and `<0x..>`
+    are longer than the byte they stand for). None when the tokenizer does not list its vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # not a transformers tokenizer: no size check, the in-flight budget still holds
+        return None
+    return max((len(str(t).encode("utf-8", "surrogatepass")) for t in vocab), default=None)
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap memory freed since to the OS (glibc's `malloc_trim`; elsewhere nothing).
+    A tokenizer's scratch for a big text, 150-250 bytes a byte of text, otherwise stays with the
+    process after the request (the probe saw 3.8 GB kept after six refused requests)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+TRIM_AFTER_BYTES = 1 << 20  # texts this large leave enough scratch behind to be worth a trim
+
+
 async def encode(tokenizer: Any, texts: Sequence[str], field: str) -> list[list[int]]:
     """Token ids of `texts` (no special tokens added), tokenised on a worker thread so a huge text
-    never blocks the event loop (and `/health`)."""
+    never blocks the event loop. No limits: `tidal serve` tokenises through `Texts`."""
     if tokenizer is None:
         raise BadRequest(f"{field}: this engine has no tokenizer; send token ids")
     for i, t in enumerate(texts):
         check_text(t, field if len(texts) == 1 else f"{field}[{i}]")
     return await asyncio.to_thread(lambda: [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts])
+
+
+class Texts:
+    """Tokenises request texts on worker threads (so a huge text never blocks the event loop and
+    `/health`) within two limits, both judged before any encoding is built (an encoding takes
+    150-250 bytes of memory per byte of text, so an 8 MB body would take 1-2 GB):
+
+    - size: no token spells more than `token_bytes` bytes (`longest_token_bytes`), so a text of
+      more than `token_bytes × (max_model_len - 1)` bytes has more tokens than a prompt may, and
+      texts of more than `token_bytes × max_request_tokens` bytes in all more than a request may:
+      both are refused (400) unread.
+    - in flight: at most `max_tokenising_bytes` of text is tokenised at once, server-wide; a
+      request that would go over is refused (503, with Retry-After) rather than queued, so bodies
+      waiting to be tokenised do not pile up either.
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int, cfg: ServerConfig) -> None:
+        self.tokenizer, self.max_model_len, self.cfg = tokenizer, max_model_len, cfg
+        self.token_bytes = longest_token_bytes(tokenizer) if tokenizer is not None else None
+        self.in_flight = 0  # bytes being tokenised; touched only on the event loop
+
+    async def encode(self, texts: Sequence[str], field: str) -> list[list[int]]:
+        """Token ids of `texts` (no special tokens added)."""
+        if self.tokenizer is None:
+            raise BadRequest(f"{field}: this engine has no tokenizer; send token ids")
+        names = [field if len(texts) == 1 else f"{field}[{i}]" for i in range(len(texts))]
+        sizes = [check_text(t, name) for t, name in zip(texts, names, strict=True)]
+        self._check_sizes(sizes, names, field)
+        total = sum(sizes)
+        self._reserve(total, field)
+        try:
+            return await asyncio.to_thread(self._encode_all, texts, total)
+        finally:
+            self.in_flight -= total
+
+    def _check_sizes(self, sizes: list[int], names: list[str], field: str) -> None:
+        if self.token_bytes is None:
+            return
+        per_prompt = self.token_bytes * (self.max_model_len - 1)
+        for size, name in zip(sizes, names, strict=True):
+            if size > per_prompt:
+                raise BadRequest(
+                    f"{name}: {size} bytes; a prompt here is at most {self.max_model_len - 1} tokens (the context "
+                    f"less one new token) and no token of this model spells more than {self.token_bytes} bytes, so "
+                    f"a text of at most {per_prompt} bytes"
+                )
+        per_request = self.token_bytes * self.cfg.max_request_tokens
+        if sum(sizes) > per_request:
+            raise BadRequest(
+                f"{field}: {sum(sizes)} bytes in all; this server takes at most {self.cfg.max_request_tokens} tokens "
+                f"per request and no token of this model spells more than {self.token_bytes} bytes, so texts of at "
+                f"most {per_request} bytes"
+            )
+
+    def _reserve(self, size: int, field: str) -> None:
+        budget = self.cfg.max_tokenising_bytes
+        if size > budget:
+            raise ApiError(f"{field}: {size} bytes; this server tokenises at most {budget} bytes at once", 413)
+        if self.in_flight + size > budget:
+            raise Busy(
+                f"{field}: {size} bytes to tokenise, but {self.in_flight} of this server's {budget} bytes for "
+                "tokenising at once are in use; retry shortly"
+            )
+        self.in_flight += size
+
+    def _encode_all(self, texts: Sequence[str], total: int) -> list[list[int]]:
+        try:
+            return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        finally:
+            if total >= TRIM_AFTER_BYTES:
+                _release_freed_memory()
 
 
 def check_budget(cfg: ServerConfig, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> None:

@@ -33,6 +33,7 @@ from tidal.server.common import (
     Body,
     EventStream,
     Runner,
+    Texts,
     TextStream,
     check_budget,
     encode,
@@ -148,10 +149,10 @@ def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None) -> list[int]:
+async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None, texts: Texts | None = None) -> list[int]:
     """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
     rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
-    tokenised as one text."""
+    tokenised as one text (within `texts`' limits when given: `tidal serve`'s)."""
     if tok is None:
         raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
     raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
@@ -163,6 +164,8 @@ async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None) -
         text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:
         raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+    if texts is not None:  # `tidal serve`'s limits on text to tokenise
+        return (await texts.encode([text], "messages"))[0]
     return (await encode(tok, [text], "messages"))[0]
 
 
@@ -204,9 +207,12 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
+def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts | None = None) -> APIRouter:
+    """OpenAI's routes over `engine`; `texts` tokenises (shared with the other routes, so its
+    limit on text being tokenised at once holds server-wide)."""
     api = APIRouter()
     runner = Runner(engine)
+    texts = texts or Texts(engine.tokenizer, engine.max_model_len, cfg)
     tok = engine.tokenizer
 
     def piece(t: int) -> str:
@@ -260,9 +266,9 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
             raise BadRequest(f"logprobs: must be in [0, 20], got {body.logprobs}")
         p = body.prompt
         if isinstance(p, str):
-            prompts = await encode(tok, [p], "prompt")
+            prompts = await texts.encode([p], "prompt")
         elif p and all(isinstance(x, str) for x in p):
-            prompts = await encode(tok, p, "prompt")  # type: ignore[arg-type]
+            prompts = await texts.encode(p, "prompt")  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         else:
@@ -326,7 +332,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         checked(body, "/v1/chat/completions")
         check_chat(body)
         top = body.top_logprobs or 0
-        prompt = await chat_prompt(tok, body)
+        prompt = await chat_prompt(tok, body, texts=texts)
         prompts, params = params_for(body, [prompt], *chat_max_tokens(body), top)
         stops = stops_of(body)
         use_tools = uses_tools(body)

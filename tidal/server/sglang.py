@@ -49,8 +49,8 @@ from tidal.server.common import (
     Body,
     EventStream,
     Runner,
+    Texts,
     check_budget,
-    encode,
     error_response,
     sampling_params,
     trim_stop,
@@ -238,9 +238,12 @@ def _samples(
     return out
 
 
-def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter:
+def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts | None = None) -> APIRouter:
+    """SGLang's routes over `engine`; `texts` tokenises (shared with the other routes, so its
+    limit on text being tokenised at once holds server-wide)."""
     api = APIRouter()
     runner = Runner(engine)
+    texts = texts or Texts(engine.tokenizer, engine.max_model_len, cfg)
     receiver = WeightReceiver(engine)
     tok = engine.tokenizer
 
@@ -325,7 +328,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> APIRouter
         _check_generate(body)
         if body.text is not None:
             batched = isinstance(body.text, list)
-            prompts = await encode(tok, body.text if batched else [body.text], "text")
+            prompts = await texts.encode(body.text if batched else [body.text], "text")
         else:
             ids = body.input_ids or []
             batched = bool(ids) and isinstance(ids[0], list)
