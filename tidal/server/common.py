@@ -11,6 +11,7 @@ Every error, whatever the route, is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -160,10 +161,20 @@ class Texts:
         self._check_sizes(sizes, names, field)
         total = sum(sizes)
         self._reserve(total, field)
-        try:
-            return await asyncio.to_thread(self._encode_all, texts, total)
-        finally:
-            self.in_flight -= total
+        loop = asyncio.get_running_loop()
+
+        def encode_all() -> list[list[int]]:
+            try:
+                return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+            finally:
+                # Freed when the tokenising ends, not when its awaiter does: a request cancelled
+                # meanwhile leaves its thread working, and holding the memory, to the end.
+                if total >= TRIM_AFTER_BYTES:
+                    _release_freed_memory()
+                with contextlib.suppress(RuntimeError):  # the loop closed (the server stopped)
+                    loop.call_soon_threadsafe(self._release, total)
+
+        return await asyncio.to_thread(encode_all)
 
     def _check_sizes(self, sizes: list[int], names: list[str], field: str) -> None:
         if self.token_bytes is None:
@@ -195,12 +206,8 @@ class Texts:
             )
         self.in_flight += size
 
-    def _encode_all(self, texts: Sequence[str], total: int) -> list[list[int]]:
-        try:
-            return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-        finally:
-            if total >= TRIM_AFTER_BYTES:
-                _release_freed_memory()
+    def _release(self, size: int) -> None:
+        self.in_flight -= size
 
 
 def check_budget(cfg: ServerConfig, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> None:
