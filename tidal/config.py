@@ -236,6 +236,11 @@ class TrainConfig:
         "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    offload_optimizer: bool = _opt(
+        False,
+        "keep AdamW's moments in host memory between optimizer steps (on a GPU: 8 bytes per parameter freed "
+        "for rollout and activations, at one copy each way per step); no effect on the CPU",
+    )
     logits_chunk_tokens: int = _opt(
         1024,
         "compute the output projection and log-softmax this many response tokens at a time, so a micro-batch's "

@@ -52,8 +52,12 @@ class TrainedModel:
         self.device = torch.device(device)
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
         self.master = module.float().to(self.device).train()
-        if cfg.gradient_checkpointing and hasattr(self.master, "gradient_checkpointing_enable"):
-            self.master.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
+            enable = getattr(self.master, "activation_checkpointing_enable", None) or getattr(
+                self.master, "gradient_checkpointing_enable", None
+            )
+            if enable is not None:
+                enable()
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device)
