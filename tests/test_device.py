@@ -123,3 +123,22 @@ def test_bind_device_takes_the_first_visible_gpu_or_the_local_rank(monkeypatch):
     assert hardware.bind_device("cuda") == torch.device("cuda", 1)
     assert chosen == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert hardware.bind_device("cpu") == torch.device("cpu") and len(chosen) == 2
+
+
+@pytest.mark.parametrize(
+    ("cluster", "expected"),
+    [
+        ({}, (0.0, 0.0)),
+        ({"gpus_per_trainer": 1, "gpus_per_engine": 1}, (1, 1)),
+        ({"colocate": True}, (0.0, 0.0)),
+        ({"colocate": True, "gpus_per_trainer": 1}, (0.5, 0.5)),
+        ({"colocate": True, "gpus_per_trainer": 2, "gpus_per_engine": 1}, (1.0, 1.0)),
+    ],
+)
+def test_colocated_trainer_and_engine_ask_for_a_share_of_the_same_gpus(cluster, expected):
+    """Ray hides every GPU from an actor that asked for none: a colocated engine asking for 0 could
+    not see the GPU its trainer rank frees for it."""
+    from tidal.cluster.ray_setup import actor_gpus
+    from tidal.config import ClusterConfig
+
+    assert actor_gpus(ClusterConfig(**cluster)) == expected

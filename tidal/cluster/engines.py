@@ -134,11 +134,13 @@ class EngineGroup:
     def _start(self, bundle: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from tidal.cluster.ray_setup import actor_gpus
+
         c = self.cluster
         # colocated: the bundle is the trainer rank's; the engine takes turns with it
         return self.remote.options(
             num_cpus=0 if c.colocate else c.cpus_per_engine,
-            num_gpus=0 if c.colocate else c.gpus_per_engine,
+            num_gpus=actor_gpus(c)[1],
             max_concurrency=4,  # HTTP thread + weight receive + control calls
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
         ).remote(

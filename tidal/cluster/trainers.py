@@ -189,6 +189,7 @@ class TrainerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from tidal.cluster.ray_setup import actor_gpus
         from tidal.net import free_port, node_ip
 
         self.timeout = cluster.sync_timeout
@@ -198,7 +199,7 @@ class TrainerGroup:
         self.ranks = [
             remote.options(
                 num_cpus=cluster.cpus_per_trainer,
-                num_gpus=cluster.gpus_per_trainer,
+                num_gpus=actor_gpus(cluster)[0],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[r]),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cluster.cpus_per_trainer)))}},
             ).remote(
