@@ -92,7 +92,8 @@ def test_no_module_names_a_device_outside_hardware():
 
 
 @pytest.mark.parametrize(
-    ("device", "backend", "autocast"), [("cpu", "gloo", "cpu"), ("cuda", "nccl", "cuda"), ("cuda:1", "nccl", "cuda")]
+    ("device", "backend", "autocast"),
+    [("cpu", "gloo", "cpu"), ("cuda", "cpu:gloo,cuda:nccl", "cuda"), ("cuda:1", "cpu:gloo,cuda:nccl", "cuda")],
 )
 def test_backend_and_autocast_follow_the_device(device, backend, autocast):
     assert hardware.dist_backend(device) == backend
@@ -142,3 +143,27 @@ def test_colocated_trainer_and_engine_ask_for_a_share_of_the_same_gpus(cluster, 
     from tidal.config import ClusterConfig
 
     assert actor_gpus(ClusterConfig(**cluster)) == expected
+
+
+def test_the_run_records_the_device_and_resolves_the_dtypes_for_it(monkeypatch):
+    """With CUDA faked present, `auto` resolves to it, config.json's record says why, and the
+    dtypes are chosen for the GPU (bf16 where it supports it), not for the CPU."""
+    from tidal.config import Config
+    from tidal.loop import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Faked GPU")
+    cfg, record = resolve_precision(Config())
+    assert cfg.cluster.device == "cuda"
+    assert record["cluster.device"] == {
+        "requested": "auto",
+        "device": "cuda",
+        "reason": "auto: torch sees 1 CUDA device(s)",
+    }
+    assert (cfg.train.dtype, cfg.rollout.dtype) == ("bfloat16", "bfloat16")
+    assert "Faked GPU computes bf16" in record["train.dtype"]["reason"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg, record = resolve_precision(Config())
+    assert cfg.cluster.device == "cpu" and record["cluster.device"]["reason"] == "auto: torch sees no CUDA device"

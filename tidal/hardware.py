@@ -112,9 +112,10 @@ def is_cuda(device: str | torch.device) -> bool:
 
 
 def dist_backend(device: str | torch.device) -> str:
-    """The torch.distributed backend for ranks computing on `device`: NCCL moves CUDA tensors,
-    gloo CPU ones."""
-    return "nccl" if is_cuda(device) else "gloo"
+    """The torch.distributed backend of trainer ranks computing on `device`: gloo for CPU tensors;
+    on CUDA, NCCL for CUDA tensors with gloo beside it for any CPU tensor a collective meets
+    (checkpoint state gathered to the host)."""
+    return "cpu:gloo,cuda:nccl" if is_cuda(device) else "gloo"
 
 
 def autocast_type(device: str | torch.device) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.weights import weights_checksum
-from tidal.hardware import CPU, dist_backend
+from tidal.hardware import CPU, is_cuda
 from tidal.sync.base import SyncError, check_engine
 
 BUCKET_BYTES = 64 * 2**20
@@ -29,7 +29,7 @@ def join_group(init_method: str, rank: int, world: int, timeout_s: float, device
     """A process group of `world` ranks over a TCP store at `init_method` (tcp://host:port; rank 0
     hosts it) for tensors on `device`; blocks until every rank has joined, at most `timeout_s`."""
     url = urlparse(init_method)
-    if dist_backend(device) == "nccl":
+    if is_cuda(device):
         from tidal.sync.group import join_weight_group
 
         # torch's group helper builds NCCL groups; the store's port names the group apart from
