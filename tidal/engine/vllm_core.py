@@ -189,6 +189,7 @@ class VLLMCore:
         self._delta = kinds.DELTA
 
         device = resolve_device("auto", "vLLM engine").device  # vLLM's own platform choice
+        self.device = torch.device(device)  # where weights sent to it by broadcast arrive
         self.dtype: torch.dtype = weights_dtype(dtype, "engine dtype", device)
         self.model_dir = model_dir
         self.tokenizer = tokenizer
