@@ -156,6 +156,7 @@ ESTIMATORS = (
 POLICY_LOSSES = ("auto", "ppo", "gspo", "cispo")
 AGGREGATE_MODES = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 TRAIN_DTYPES = ("auto", "bfloat16", "autocast", "float32")
+DEVICES = ("auto", "cpu", "cuda")  # cluster.device; resolved by tidal.hardware.resolve_device
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float32")
 
 
@@ -235,6 +236,11 @@ class TrainConfig:
         "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    offload_optimizer: bool = _opt(
+        False,
+        "keep AdamW's moments in host memory between optimizer steps (on a GPU: 8 bytes per parameter freed "
+        "for rollout and activations, at one copy each way per step); no effect on the CPU",
+    )
     logits_chunk_tokens: int = _opt(
         1024,
         "compute the output projection and log-softmax this many response tokens at a time, so a micro-batch's "
@@ -261,6 +267,11 @@ class ClusterConfig:
         False, "engines share the trainers' resources and free their KV cache and weights while the trainers train"
     )
     cpus_per_trainer: float = _opt(1.0, "CPUs reserved (and torch threads) per trainer rank on Ray")
+    device: str = _opt(
+        "auto",
+        "auto | cpu | cuda: where the trainers and tidal's engine compute (auto: cuda where torch sees a GPU, else "
+        "cpu; on Ray each rank and engine resolves it on its own node); process groups follow it (NCCL / gloo)",
+    )
     gpus_per_trainer: float = _opt(0.0, "GPUs per trainer rank on Ray (0 = CPU, gloo)")
     cpus_per_engine: float = _opt(1.0, "CPUs reserved (and torch threads) per engine on Ray")
     gpus_per_engine: float = _opt(
@@ -674,6 +685,7 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) ->
 
 
 def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, need) -> None:
+    need(c.device in DEVICES, f"cluster.device: one of {', '.join(DEVICES)}, got {c.device!r}")
     need(c.trainers >= 1, f"cluster.trainers: must be >= 1, got {c.trainers}")
     need(c.engines >= 1, f"cluster.engines: must be >= 1, got {c.engines}")
     for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):

@@ -204,6 +204,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     Returns `{"model": folder, "datasets": {name: metrics}}`."""
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.engine.factory import make_engine
+    from tidal.hardware import resolve_device
 
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
@@ -217,7 +218,8 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     )
     prompts = min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded))
     max_prompt = max(s.data.max_prompt_length for s in sets)
-    engine = make_engine(sizing, model_dir, tokenizer, max_prompt, prompts=prompts)
+    device = resolve_device(cfg.cluster.device).device
+    engine = make_engine(sizing, model_dir, tokenizer, max_prompt, prompts=prompts, device=device)
     results = {}
     with LoopThread("tidal-eval") as loop:
         try:

@@ -1,10 +1,16 @@
-"""What the machine computes fast, and the precision tidal picks from it.
+"""What the machine computes on and computes fast: the device and the precision tidal picks.
+
+Every device choice is made here and nowhere else: `resolve_device` turns `cluster.device`
+(`auto`: CUDA where torch sees a GPU, else the CPU) into the device each process computes on, and
+`dist_backend` / `autocast_type` / `bind_device` follow from it, so the CPU and the GPU run the
+same code with a different device.
 
 bf16 pays only where the hardware computes it natively: a CUDA GPU with bf16, or a CPU with
 AVX512-BF16 or AMX (as oneDNN reports it). A CPU with AVX2 only emulates bf16 matmuls, about 60×
 slower than fp32 (measured: 0.9 against 53 GFLOP/s on one core), so `auto` there means fp32.
 
     choice = resolve_dtype("auto", "rollout.dtype")   # DtypeChoice("float32", "...AVX2...")
+    device = resolve_device("auto", "cluster.device")  # DeviceChoice("cpu", "auto: torch sees no CUDA device")
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from tidal.config import DEVICES
 
 log = logging.getLogger("tidal")
 
@@ -64,6 +72,67 @@ class DtypeChoice:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+CPU = "cpu"  # the host: where tokenizers, samples and checkpoints live whatever the compute device
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device a `cluster.device` setting resolved to in this process, and why."""
+
+    device: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(requested: str, field: str = "cluster.device") -> DeviceChoice:
+    """The device this process computes on: `auto` is `cuda` where `torch.cuda.is_available()`,
+    else `cpu`; `cuda` without a CUDA device is an error naming `field`. On Ray every rank and
+    engine resolves it on its own node (`bind_device` then picks the GPU Ray gave it)."""
+    if requested not in DEVICES:
+        raise ValueError(f"{field}: one of {', '.join(DEVICES)}, got {requested!r}")
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        if has_cuda:
+            return DeviceChoice("cuda", f"auto: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return DeviceChoice("cpu", "auto: torch sees no CUDA device")
+    if requested == "cuda" and not has_cuda:
+        raise ValueError(
+            f"{field}: cuda, but torch {torch.__version__} sees no CUDA device "
+            f"(torch.version.cuda={torch.version.cuda}); use auto or cpu"
+        )
+    return DeviceChoice(requested, "set explicitly")
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def dist_backend(device: str | torch.device) -> str:
+    """The torch.distributed backend of trainer ranks computing on `device`: gloo for CPU tensors;
+    on CUDA, NCCL for CUDA tensors with gloo beside it for any CPU tensor a collective meets
+    (checkpoint state gathered to the host)."""
+    return "cpu:gloo,cuda:nccl" if is_cuda(device) else "gloo"
+
+
+def autocast_type(device: str | torch.device) -> str:
+    """The `device_type` of `torch.autocast` for tensors on `device`."""
+    return torch.device(device).type
+
+
+def bind_device(device: str) -> torch.device:
+    """The concrete device of this process: on CUDA its local GPU, made current. Ray sets
+    `CUDA_VISIBLE_DEVICES` to the GPUs of an actor's bundle, so an actor's GPU is the first one it
+    sees; a process started by torchrun takes `LOCAL_RANK`."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def bf16_native(device: str = "cpu") -> tuple[bool, str]:
@@ -135,3 +204,51 @@ def weights_dtype(requested: str, field: str, device: str = "cpu") -> torch.dtyp
     if requested == "auto":
         log.info("%s: %s (%s)", field, choice.dtype, choice.reason)
     return TORCH_DTYPES[choice.dtype]
+
+
+def memory_metrics(device: str | torch.device) -> dict[str, float]:
+    """The device's peak allocated memory since the last call and what its allocator holds, in GiB,
+    for a step's metrics (`memory/*`); empty on the CPU, whose memory torch does not account."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    out = {
+        "memory/max_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+        "memory/reserved_gib": torch.cuda.memory_reserved(dev) / 2**30,
+    }
+    torch.cuda.reset_peak_memory_stats(dev)
+    return out
+
+
+def release_cached(device: str | torch.device) -> None:
+    """Give the allocator's cached blocks back to the device (after freeing the KV cache and
+    weights for the trainers); the CPU allocator returns freed memory by itself."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def on_host(fn):
+    """Run `fn` with the host as torch's default device: it builds tensors from Python lists
+    (batches, index plans) that then reach the compute device in one copy (`to_device`). Everything
+    else makes its tensors on the device of the tensors it computes with."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.device(CPU):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def to_device(value, device: str | torch.device):
+    """`value` on `device`: a tensor, a dict or list of them, or an object with a `to(device)`
+    method (a packed layout); anything else unchanged. Host-to-GPU copies do not block."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    if callable(getattr(value, "to", None)):
+        return value.to(device)
+    return value

@@ -33,7 +33,7 @@ from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
 from tidal.eval import Evaluator
-from tidal.hardware import cpu_info, resolve_dtype
+from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
@@ -49,15 +49,26 @@ log = logging.getLogger("tidal")
 
 
 def resolve_precision(cfg: Config) -> tuple[Config, dict]:
-    """`cfg` with `rollout.dtype` and `train.dtype` resolved from the hardware (`auto`: bf16 only
-    where it is native), and a record of each choice, its reason and the CPU, for config.json.
-    On Ray each worker resolves `auto` on its own machine, so `cfg` keeps it."""
+    """`cfg` with `cluster.device` resolved (`auto`: cuda where torch sees a GPU) and then
+    `rollout.dtype` and `train.dtype` for that device (`auto`: bf16 only where it is native), and
+    a record of each choice, its reason and the CPU, for config.json. On Ray each worker resolves
+    `auto` on its own machine, so `cfg` keeps it."""
     record: dict = {"machine": cpu_info()}
+    requested = cfg.cluster.device
+    if cfg.uses_ray and requested == "auto":
+        record["cluster.device"] = {"requested": requested, "device": "auto", "reason": "resolved by each Ray worker"}
+        device = resolve_device(requested).device  # this node's, for the dtypes resolved here
+    else:
+        choice = resolve_device(requested)
+        log.info("cluster.device: %s (%s)", choice.device, choice.reason)
+        record["cluster.device"] = {"requested": requested, **choice.to_dict()}
+        device = choice.device
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device=device))
     groups = {}
     for group, name in (("rollout", "dtype"), ("train", "dtype")):
         field_name = f"{group}.{name}"
         requested = getattr(getattr(cfg, group), name)
-        choice = resolve_dtype(requested, field_name)
+        choice = resolve_dtype(requested, field_name, device)
         if cfg.uses_ray and requested == "auto":
             record[field_name] = {"requested": requested, "dtype": "auto", "reason": "resolved by each Ray worker"}
             continue
@@ -130,6 +141,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                 else:
                     metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
                 metrics["time/step"] = time.perf_counter() - t0
+                if not cfg.uses_ray:  # the trainer and engine of this process (CUDA only)
+                    metrics.update(memory_metrics(cfg.cluster.device))
                 if not sft and evaluator.due(step + 1):  # the weights this step produced
                     metrics.update(evaluator.run(step + 1, overlapped))
                 logger.log(step + 1, metrics)

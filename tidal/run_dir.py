@@ -9,7 +9,8 @@
   run is paced, watched or placed is allowed and logged:
 
       train.num_steps, train.save_interval, train.keep_checkpoints, train.num_threads,
-      train.gradient_checkpointing, train.logits_chunk_tokens (same math, less memory),
+      train.gradient_checkpointing, train.offload_optimizer, train.logits_chunk_tokens (same math,
+      less memory), cluster.device,
       rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key,
       rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
       cluster.sync_dir, cluster.cpus_per_trainer, cluster.cpus_per_engine,
@@ -48,7 +49,9 @@ HARMLESS_FIELDS = frozenset(
         "train.keep_checkpoints",
         "train.num_threads",
         "train.gradient_checkpointing",
+        "train.offload_optimizer",
         "train.logits_chunk_tokens",
+        "cluster.device",
         "rollout.request_timeout",
         "rollout.reward_timeout",
         "rollout.engine_urls",

@@ -16,6 +16,7 @@ from pathlib import Path
 from tidal.aio import LoopThread
 from tidal.config import RAY_ENGINES, Config
 from tidal.contracts import Engine, Engines, Trainer, WeightSync
+from tidal.hardware import resolve_device
 
 log = logging.getLogger("tidal")
 
@@ -148,13 +149,14 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
     roles = Roles(trainer=None, critic=None, engines=None, sync=None, colocate=c.colocate)
     placed = None  # (placement group, engine bundles) on Ray
     try:
-        critic = Critic(model_dir, t, a, pad_id) if a.advantage == "ppo" and not sft else None
+        device = resolve_device(c.device).device  # this process's (Ray workers resolve their own)
+        critic = Critic(model_dir, t, a, pad_id, device) if a.advantage == "ppo" and not sft else None
         roles.critic = critic
         if not cfg.uses_ray:
             from tidal.train.actor import Actor
 
             roles.trainer = Actor(
-                start_from, t, a, r.temperature, pad_id, reference=model_dir, max_response_len=max_len
+                start_from, t, a, r.temperature, pad_id, reference=model_dir, max_response_len=max_len, device=device
             )
         else:
             from tidal.cluster.ray_setup import placement, start_ray
@@ -216,7 +218,8 @@ def build_engines(cfg: Config, model_dir: Path, tokenizer, placed=None) -> Engin
 
         group, bundles = placed
         return EngineGroup(c, r, str(model_dir), engine_options(r, cfg.data.max_prompt_length), group, bundles)
-    return LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length))
+    device = resolve_device(c.device).device
+    return LocalEngines(make_engine(r, model_dir, tokenizer, cfg.data.max_prompt_length, device=device))
 
 
 def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:

@@ -17,6 +17,7 @@ import torch
 
 from tidal.aio import LoopThread
 from tidal.config import ClusterConfig, RolloutConfig
+from tidal.hardware import CPU, bind_device, resolve_device
 
 log = logging.getLogger("tidal")
 
@@ -36,7 +37,9 @@ class EngineServer:
     """One engine (a Ray actor): a core (tidal's `LLMEngine`, or vLLM's) on its thread behind
     `AsyncEngine`, the HTTP app on a port of this node."""
 
-    def __init__(self, model: str, engine_kwargs: dict, threads: int, api_key: str, kind: str = "tidal") -> None:
+    def __init__(
+        self, model: str, engine_kwargs: dict, threads: int, api_key: str, kind: str = "tidal", device: str = "auto"
+    ) -> None:
         from transformers import AutoTokenizer
 
         from tidal.config import ServerConfig
@@ -46,7 +49,12 @@ class EngineServer:
 
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)
+        if kind != "vllm":  # vLLM places itself; tidal's engine takes the GPU Ray gave this actor
+            choice = resolve_device(device)
+            log.info("engine actor %d: cluster.device %s (%s)", os.getpid(), choice.device, choice.reason)
+            engine_kwargs = {**engine_kwargs, "device": str(bind_device(choice.device))}
         self.core = _core(kind, model, tokenizer, engine_kwargs)
+        self.device = getattr(self.core, "device", CPU)
         self.engine = AsyncEngine(self.core)
         host = node_ip()
         # reachable from the network: only the run that started it knows the key
@@ -67,7 +75,7 @@ class EngineServer:
     def join_weight_group(self, init_method: str, rank: int, world: int, timeout_s: float) -> bool:
         from tidal.sync.broadcast import join_group
 
-        self.weight_group = join_group(init_method, rank, world, timeout_s)
+        self.weight_group = join_group(init_method, rank, world, timeout_s, self.device)
         return True
 
     def receive_weights(self, meta: list[tuple[str, tuple[int, ...]]], version: int, bucket_bytes: int) -> tuple:
@@ -75,7 +83,7 @@ class EngineServer:
         two engine steps; returns (version, checksum) as the engine reports them."""
         from tidal.sync.broadcast import receive_weights
 
-        named = receive_weights(self.weight_group, meta, self.engine.dtype, bucket_bytes)
+        named = receive_weights(self.weight_group, meta, self.engine.dtype, bucket_bytes, self.device)
         return self.engine.load_weights(named, version)
 
     def close(self) -> None:
@@ -126,14 +134,18 @@ class EngineGroup:
     def _start(self, bundle: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from tidal.cluster.ray_setup import actor_gpus
+
         c = self.cluster
         # colocated: the bundle is the trainer rank's; the engine takes turns with it
         return self.remote.options(
             num_cpus=0 if c.colocate else c.cpus_per_engine,
-            num_gpus=0 if c.colocate else c.gpus_per_engine,
+            num_gpus=actor_gpus(c)[1],
             max_concurrency=4,  # HTTP thread + weight receive + control calls
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
-        ).remote(self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key, self.rollout.engine)
+        ).remote(
+            self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key, self.rollout.engine, c.device
+        )
 
     def _wait_started(self, actors: list, which: list[int]) -> list[str]:
         """The URLs of just-started actors once each answers /health: the start-up grace period,

@@ -42,6 +42,16 @@ def start_ray(cfg: ClusterConfig) -> bool:
     return True
 
 
+def actor_gpus(cfg: ClusterConfig) -> tuple[float, float]:
+    """GPUs a trainer rank and an engine actor ask Ray for. Colocated, they share their bundle's
+    GPUs half and half: Ray shows an actor only the GPUs it asked for (none when it asked for 0), so
+    both must ask for a share to see the same device."""
+    if not cfg.colocate:
+        return cfg.gpus_per_trainer, cfg.gpus_per_engine
+    share = max(cfg.gpus_per_trainer, cfg.gpus_per_engine) / 2
+    return share, share
+
+
 def placement(cfg: ClusterConfig):
     """A placement group for the run, ready; returns (group, trainer bundle indices, engine bundle
     indices). Raises TimeoutError naming the resources when Ray cannot place it in 120 s."""

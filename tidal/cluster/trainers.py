@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tidal.config import AlgoConfig, ClusterConfig, TrainConfig
+from tidal.hardware import CPU, bind_device, dist_backend, resolve_device
 from tidal.train.update import Sums
 from tidal.types import Sample
 
@@ -61,6 +62,7 @@ class TrainerRank:
         max_response_len: int,
         threads: int,
         timeout_s: float,
+        device: str = "auto",
     ) -> None:
         import torch.distributed as dist
 
@@ -68,17 +70,22 @@ class TrainerRank:
 
         torch.set_num_threads(max(1, threads))
         self.rank, self.world = rank, world
+        # resolved on this rank's node: the GPU Ray gave the actor, or the CPU
+        choice = resolve_device(device)
+        self.device = bind_device(choice.device)
+        log.info("trainer rank %d: cluster.device %s (%s)", rank, self.device, choice.reason)
         if world > 1:
-            # the trainer computes on the CPU today, so the group is gloo (NCCL needs CUDA tensors)
             dist.init_process_group(
-                "gloo",
+                dist_backend(self.device),
                 init_method=init_method,
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
         shard = (lambda trained: trained.shard()) if world > 1 else None
-        self.actor = Actor(model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard)
+        self.actor = Actor(
+            model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard, device=self.device
+        )
         self.actor.rank = rank
         if world > 1:
             self.actor.most_micro_batches = self._most
@@ -87,7 +94,7 @@ class TrainerRank:
     def _most(self, n: int) -> int:
         import torch.distributed as dist
 
-        t = torch.tensor([n])
+        t = torch.tensor([n], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
@@ -119,7 +126,7 @@ class TrainerRank:
             for _ in named:
                 pass
             return None
-        return {n: t.to(dtype) if dtype is not None else t for n, t in named}
+        return {n: t.to(CPU, dtype or t.dtype) for n, t in named}  # to the driver, over Ray
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of each weight, in `named_weights` order."""
@@ -141,7 +148,7 @@ class TrainerRank:
     def join_weight_group(self, init_method: str, world: int, timeout_s: float) -> bool:
         from tidal.sync.broadcast import join_group
 
-        self.weight_group = join_group(init_method, 0, world, timeout_s)
+        self.weight_group = join_group(init_method, 0, world, timeout_s, self.device)
         return True
 
     def broadcast_weights(self, dtype: torch.dtype, bucket_bytes: int) -> str | None:
@@ -182,6 +189,7 @@ class TrainerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from tidal.cluster.ray_setup import actor_gpus
         from tidal.net import free_port, node_ip
 
         self.timeout = cluster.sync_timeout
@@ -191,7 +199,7 @@ class TrainerGroup:
         self.ranks = [
             remote.options(
                 num_cpus=cluster.cpus_per_trainer,
-                num_gpus=cluster.gpus_per_trainer,
+                num_gpus=actor_gpus(cluster)[0],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[r]),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cluster.cpus_per_trainer)))}},
             ).remote(
@@ -207,6 +215,7 @@ class TrainerGroup:
                 max_response_len,
                 int(cluster.cpus_per_trainer),
                 cluster.sync_timeout,
+                cluster.device,
             )
             for r in range(world)
         ]

@@ -33,6 +33,7 @@ from safetensors.torch import save as st_save
 
 from tidal.contracts import GenerationOutput
 from tidal.engine.sampling import SamplingParams
+from tidal.hardware import CPU
 
 __all__ = [
     "EngineClient",
@@ -72,7 +73,7 @@ def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int =
             yield base64.b64encode(st_save(chunk)).decode("ascii")
             chunk, size = {}, 0
         # A private contiguous CPU copy: safetensors refuses views and tensors sharing storage.
-        chunk[name] = t.detach().to("cpu", copy=True).contiguous()
+        chunk[name] = t.detach().to(CPU, copy=True).contiguous()
         size += n
     if chunk:
         yield base64.b64encode(st_save(chunk)).decode("ascii")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tidal.config import RolloutConfig
 from tidal.contracts import Engine, EngineCore
+from tidal.hardware import CPU
 
 MAX_AUTO_KV_TOKENS = 32768
 BLOCK_SIZE = 16
@@ -41,12 +42,18 @@ def vllm_options(options: dict) -> dict:
 
 
 def make_core(
-    cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
+    cfg: RolloutConfig,
+    model_dir: str | Path,
+    tokenizer,
+    max_prompt_length: int = 1024,
+    prompts: int | None = None,
+    device: str = CPU,
 ) -> EngineCore:
     """The step-based core of an in-process engine: `rollout.engine: tidal` (the default), `hf`
     (transformers forward, for architectures the tidal engine does not run) or `vllm` (vLLM's
     in-process engine, `VLLMCore`). The tidal and vLLM engines' KV caches are sized by
-    `kv_cache_tokens`."""
+    `kv_cache_tokens`. `device` (resolved: `tidal.hardware.resolve_device`) places the tidal and
+    hf engines; vLLM places itself."""
     if cfg.engine == "vllm":
         from tidal.engine.vllm_core import VLLMCore
 
@@ -54,14 +61,19 @@ def make_core(
     if cfg.engine == "hf":
         from tidal.engine.hf_engine import HFEngine
 
-        return HFEngine(model_dir, tokenizer, dtype=cfg.dtype)
+        return HFEngine(model_dir, tokenizer, dtype=cfg.dtype, device=device)
     from tidal.engine.llm_engine import LLMEngine
 
-    return LLMEngine(model_dir, tokenizer, **engine_options(cfg, max_prompt_length, prompts))
+    return LLMEngine(model_dir, tokenizer, **engine_options(cfg, max_prompt_length, prompts), device=device)
 
 
 def make_engine(
-    cfg: RolloutConfig, model_dir: str | Path, tokenizer, max_prompt_length: int = 1024, prompts: int | None = None
+    cfg: RolloutConfig,
+    model_dir: str | Path,
+    tokenizer,
+    max_prompt_length: int = 1024,
+    prompts: int | None = None,
+    device: str = CPU,
 ) -> Engine:
     """`rollout.engine: remote`: the HTTP servers at `rollout.engine_urls`; otherwise `make_core`'s
     core on a thread of its own (`AsyncEngine`)."""
@@ -74,4 +86,4 @@ def make_engine(
         return HttpEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
     from tidal.engine.async_engine import AsyncEngine
 
-    return AsyncEngine(make_core(cfg, model_dir, tokenizer, max_prompt_length, prompts))
+    return AsyncEngine(make_core(cfg, model_dir, tokenizer, max_prompt_length, prompts, device))

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
 from tidal.engine.weights import load_named_tensors, model_checksum, read_safetensors_dir
-from tidal.hardware import weights_dtype
+from tidal.hardware import CPU, weights_dtype
 
 
 class HFEngine:
@@ -31,7 +31,7 @@ class HFEngine:
         model: str | Path | torch.nn.Module,
         tokenizer=None,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = CPU,
         max_context: int | None = None,
     ) -> None:
         if isinstance(model, torch.nn.Module):

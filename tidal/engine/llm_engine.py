@@ -37,7 +37,7 @@ from tidal.engine.weights import (
     model_checksum,
     read_safetensors_dir,
 )
-from tidal.hardware import TORCH_DTYPES, weights_dtype
+from tidal.hardware import CPU, TORCH_DTYPES, release_cached, weights_dtype
 
 
 @dataclass
@@ -48,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences decoding at once
     max_num_batched_tokens: int = 2048  # tokens per forward pass (decode tokens + prefill tokens)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    device: str = CPU  # where the weights, the KV cache and the step's tensors live (resolved by the caller)
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -76,18 +77,19 @@ class LLMEngine:
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
         self.cfg = cfg.validate()
-        dtype = weights_dtype(cfg.dtype, "engine dtype")
+        self.device = torch.device(cfg.device)
+        dtype = weights_dtype(cfg.dtype, "engine dtype", self.device.type)
         if isinstance(model, torch.nn.Module):
             self.model = model.to(dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
         eos = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -196,10 +198,11 @@ class LLMEngine:
         decodes = sum(1 for s in seqs if s.output_ids and s.num_new == 1 and s.num_cached)
         logits = self.runner.forward(seqs)
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
-        temp = torch.tensor([s.params.temperature for s in seqs])
-        top_p = torch.tensor([s.params.top_p for s in seqs])
-        top_k = torch.tensor([s.params.top_k for s in seqs])
-        min_p = torch.tensor([s.params.min_p for s in seqs])
+        dev = self.device
+        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
         tok, lp = sample_tokens(logits, temp, top_p, top_k, [s.generator for s in seqs], min_p=min_p)
         want_top = max(s.params.top_logprobs for s in seqs)
         tops = top_logprobs(logits, temp, want_top) if want_top else None
@@ -269,8 +272,9 @@ class LLMEngine:
             raise RuntimeError("engine.sleep: requests are still running; abort or finish them first")
         self._shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.runner.release()
+        release_cached(self.device)
         self.blocks.reset_prefix_cache()
         self.asleep = True
 
@@ -280,7 +284,7 @@ class LLMEngine:
             return
         params = dict(self.model.named_parameters())
         for n, (shape, dtype) in self._shapes.items():
-            params[n].data = torch.empty(shape, dtype=dtype)
+            params[n].data = torch.empty(shape, dtype=dtype, device=self.device)
         self.runner.allocate()
         self.asleep = False
         self.weight_version = -1  # no weights until the next update

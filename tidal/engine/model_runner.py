@@ -13,13 +13,14 @@ Qwen3, SmolLM): `model.model.layers[i].self_attn.{q,k,v,o}_proj`, optional q/k n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.engine.sequence import Sequence
+from tidal.hardware import CPU, on_host, to_device
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -42,9 +43,14 @@ class BatchPlan:
     single_mask: Tensor  # [Bd, 1, 1, C] True where the slot is part of the context
     multi: list[tuple[int, int, Tensor, int]]  # (flat start, end, context slots, cached) per prefill
 
+    def to(self, device: torch.device) -> BatchPlan:
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name != "multi"}
+        multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
+        return BatchPlan(**moved, multi=multi)
+
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise ValueError(
@@ -55,6 +61,7 @@ class ModelRunner:
             if cfg.model_type == "mistral":
                 raise ValueError("sliding-window attention is not supported by the tidal engine")
         self.model = model
+        self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layers = model.model.layers
@@ -65,15 +72,15 @@ class ModelRunner:
         self.cache_dtype = next(model.parameters()).dtype
         self.cache_shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.allocate()
-        self._offsets = torch.arange(block_size)
+        self._offsets = torch.arange(block_size, device=CPU)
 
     def allocate(self) -> None:
         """The KV cache (pages are only resident once a block is written)."""
-        self.k_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype)
-        self.v_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype)
+        self.k_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.device)
+        self.v_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.device)
 
     def release(self) -> None:
-        self.k_cache = self.v_cache = torch.empty(0, dtype=self.cache_dtype)
+        self.k_cache = self.v_cache = torch.empty(0, dtype=self.cache_dtype, device=self.device)
 
     def kv_bytes(self) -> int:
         n = 1
@@ -81,12 +88,18 @@ class ModelRunner:
             n *= d
         return n * self.cache_dtype.itemsize * 2
 
+    @on_host
     def _context_slots(self, seq: Sequence, end: int) -> Tensor:
         """Cache slots of positions 0..end-1 of `seq` (block b holds slots b*bs .. b*bs+bs-1)."""
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return (table[:, None] * self.block_size + self._offsets).view(-1)[:end]
 
     def plan(self, seqs: list[Sequence]) -> BatchPlan:
+        """The step's index tensors, built on the host and copied to the device at once."""
+        return self._host_plan(seqs).to(self.device)
+
+    @on_host
+    def _host_plan(self, seqs: list[Sequence]) -> BatchPlan:
         ids, pos, slots, last = [], [], [], []
         single_tok, single_ctx, multi = [], [], []
         flat = 0
@@ -145,8 +158,8 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
                 # query i sits at position cached + i and sees keys 0..cached + i
-                qpos = torch.arange(cached, cached + end - start)[:, None]
-                mask = torch.arange(len(ctx))[None, :] <= qpos
+                qpos = torch.arange(cached, cached + end - start, device=q.device)[:, None]
+                mask = torch.arange(len(ctx), device=q.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out

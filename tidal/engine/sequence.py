@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.engine.sampling import SamplingParams
+from tidal.hardware import CPU
 
 
 class SeqStatus(enum.Enum):
@@ -40,7 +41,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator(device=CPU).manual_seed(self.params.seed)
 
     @property
     def tokens(self) -> list[int]:

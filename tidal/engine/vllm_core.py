@@ -41,6 +41,7 @@ import torch
 from tidal.engine.llm_engine import RequestOutput
 from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import WeightsError, check_named_tensors, read_safetensors_dir, weights_checksum
+from tidal.hardware import is_cuda, resolve_device
 
 __all__ = ["VLLMCore", "vllm_available"]
 
@@ -187,7 +188,8 @@ class VLLMCore:
         EngineArgs, VLLMEngine, self._VLLMSamplingParams, kinds = _import_vllm()
         self._delta = kinds.DELTA
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device("auto", "vLLM engine").device  # vLLM's own platform choice
+        self.device = torch.device(device)  # where weights sent to it by broadcast arrive
         self.dtype: torch.dtype = weights_dtype(dtype, "engine dtype", device)
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -226,7 +228,7 @@ class VLLMCore:
             "worker_extension_cls": "tidal.engine.vllm_worker.TidalWorkerExtension",
             "disable_log_stats": True,
         }
-        self._vllm_sleep = device == "cuda"  # vLLM's sleep mode frees GPU memory; on CPU it is a no-op
+        self._vllm_sleep = is_cuda(device)  # vLLM's sleep mode frees GPU memory; on CPU it is a no-op
         if self._vllm_sleep:
             args["enable_sleep_mode"] = True
         else:

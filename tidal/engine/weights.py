@@ -96,7 +96,15 @@ def load_named_tensors(
         target = targets[name]
         if target.data_ptr() == tensor.data_ptr() and target.dtype == tensor.dtype:
             continue  # already shared
-        if share and isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype:
+        if (
+            share
+            and isinstance(target, torch.nn.Parameter)
+            and (target.dtype, target.device)
+            == (
+                tensor.dtype,
+                tensor.device,
+            )
+        ):
             target.data = tensor.detach()
         else:
             target.copy_(tensor)

@@ -3,9 +3,9 @@ engine (ranks 1..E); gloo on CPU, NCCL on GPU. Tensors travel in buckets of abou
 each one flat buffer in the engine's dtype; the engines load the whole set at once when the last
 bucket has arrived, and report the version and checksum they hold.
 
-The group is separate from the trainers' FSDP2 group (a `ProcessGroupGloo` over its own TCP
-store), so engines never join the trainers' collectives. Trainers and engines compute on the CPU
-today, so the group is gloo.
+The group is separate from the trainers' FSDP2 group (a process group over its own TCP store),
+so engines never join the trainers' collectives. Its backend follows the device the ranks and
+engines compute on (`tidal.hardware.dist_backend`): gloo for CPU tensors, NCCL for CUDA ones.
 """
 
 from __future__ import annotations
@@ -19,15 +19,23 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.weights import weights_checksum
+from tidal.hardware import CPU, is_cuda
 from tidal.sync.base import SyncError, check_engine
 
 BUCKET_BYTES = 64 * 2**20
 
 
-def join_group(init_method: str, rank: int, world: int, timeout_s: float):
+def join_group(init_method: str, rank: int, world: int, timeout_s: float, device: str | torch.device = CPU):
     """A process group of `world` ranks over a TCP store at `init_method` (tcp://host:port; rank 0
-    hosts it); blocks until every rank has joined, at most `timeout_s`."""
+    hosts it) for tensors on `device`; blocks until every rank has joined, at most `timeout_s`."""
     url = urlparse(init_method)
+    if is_cuda(device):
+        from tidal.sync.group import join_weight_group
+
+        # torch's group helper builds NCCL groups; the store's port names the group apart from
+        # the one it replaces after an engine restart
+        name = f"tidal_broadcast_{url.port}"
+        return join_weight_group(url.hostname, url.port, rank, world, name, "nccl", 2 * timeout_s + 30).pg
     store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
     # gloo's own deadline is later than the sync's, so a stuck peer is found (and named) by the
     # caller's deadline rather than by a bare gloo error on whoever waited for it
@@ -60,13 +68,18 @@ def send_weights(group, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes:
 
 
 def receive_weights(
-    group, meta: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES
+    group,
+    meta: Sequence[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    bucket_bytes: int = BUCKET_BYTES,
+    device: str | torch.device = CPU,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Ranks 1..E: receive the broadcast described by `meta` (names and shapes, in order)."""
+    """Ranks 1..E: receive the broadcast described by `meta` (names and shapes, in order) into
+    tensors on `device`."""
     out: list[tuple[str, torch.Tensor]] = []
     for idx in _buckets(meta, dtype.itemsize, bucket_bytes):
         sizes = [torch.Size(meta[i][1]).numel() for i in idx]
-        flat = torch.empty(sum(sizes), dtype=dtype)
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         group.broadcast(flat, 0).wait()
         for i, part in zip(idx, flat.split(sizes), strict=True):
             out.append((meta[i][0], part.view(meta[i][1])))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tidal.algo import log_probs_and_entropy, log_probs_from_logits
 from tidal.config import AlgoConfig, TrainConfig
+from tidal.hardware import CPU, to_device
 from tidal.train.estimate import response_mask
 from tidal.train.logits import token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
@@ -43,13 +44,18 @@ class Actor:
         reference: str | Path | None = None,
         max_response_len: int = 1,
         shard: Callable[[TrainedModel], None] | None = None,
+        device: str | torch.device = CPU,
     ) -> None:
+        """`device`: where the models, optimizer state and batches live (resolved by the caller:
+        `tidal.hardware.resolve_device`). Samples, advantages and the log-probs returned stay on
+        the host; each micro-batch is copied to `device`."""
         self.cfg, self.algo = train, algo
         # log-probs must come from the distribution the engine sampled from (temperature applied);
         # greedy rollouts (temperature 0) are scored at temperature 1, as the engine reports them
         self.temperature = temperature if temperature > 0 else 1.0
         module = model if isinstance(model, torch.nn.Module) else load_causal_lm(model)
-        self.trained = TrainedModel(module, train, pad_id)
+        self.trained = TrainedModel(module, train, pad_id, device=device)
+        self.device = self.trained.device
         ref = None
         if algo.kl_coef > 0:  # `reference` is the initial model when `model` is a resumed checkpoint
             ref = copy.deepcopy(self.trained.master) if reference is None else load_frozen(reference)
@@ -109,7 +115,7 @@ class Actor:
         if model is None:
             raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
         width = max(max(s.response_length for s in samples), 1)
-        out = torch.zeros(len(samples), width)
+        out = torch.zeros(len(samples), width, device=self.device)
         head = model.get_output_embeddings()
         mine = self.share(list(range(len(samples)))) if self.share is not None else list(range(len(samples)))
         plan = [[mine[p] for p in pos] for pos in self.fwd.plan([samples[i] for i in mine])] if mine else []
@@ -132,7 +138,7 @@ class Actor:
             if k < len(plan):
                 out[idx, : valid.shape[1]] = to_grid(logp, valid)
         self.trained.reshard()
-        return self.all_sum(out) if self.all_sum is not None else out
+        return (self.all_sum(out) if self.all_sum is not None else out).to(CPU)
 
     # ---------------------------------------------------------------- training
     def train_step(
@@ -176,6 +182,7 @@ class Actor:
         if obj.kl_loss and ref_log_probs is None:
             ref_log_probs = self.compute_log_probs(samples, "reference")
         active = obj.contributes(mask_all, advantages).tolist() if self.cfg.skip_zero_advantage else None
+        advantages, old, ref_log_probs = to_device((advantages, old, ref_log_probs), self.device)
         tokens = [0.0]
 
         def micro_loss(batch: dict[str, Tensor], idx: list[int], norm: dict[str, float], sums: Sums) -> Tensor:
@@ -208,7 +215,7 @@ class Actor:
             self._any_rank if self.all_sum is not None else None,
         )
         if active is not None and self.rank == 0:  # the skipped tokens' policy loss is exactly 0
-            skipped_tokens = float(mask_all.sum() - mask_all[torch.tensor(active, dtype=torch.bool)].sum())
+            skipped_tokens = float(mask_all.sum() - mask_all[torch.tensor(active, dtype=torch.bool, device=CPU)].sum())
             sums.add("loss/sft" if obj.name == "sft" else "loss/pg", 0.0, skipped_tokens)
         return sums, {
             "actor/tokens": tokens[0],
@@ -220,7 +227,7 @@ class Actor:
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every FSDP2 rank when `flag` is true on one (a sum over the ranks)."""
-        return bool(self.all_sum(torch.tensor([float(flag)])) > 0)
+        return bool(self.all_sum(torch.tensor([float(flag)], device=self.device)) > 0)
 
     # ---------------------------------------------------------------- weights / state
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,6 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tidal.hardware import CPU, on_host
+
 NAME = "tidal_packed"
 
 
@@ -41,6 +43,9 @@ class PackedLayout:
     length: int
     to_padded: Tensor
     to_packed: Tensor
+
+    def to(self, device: str | torch.device) -> PackedLayout:
+        return PackedLayout(self.batch, self.length, self.to_padded.to(device), self.to_packed.to(device))
 
 
 def packed_layout(position_ids: Tensor) -> PackedLayout:
@@ -63,6 +68,7 @@ def packed_layout(position_ids: Tensor) -> PackedLayout:
     return PackedLayout(batch, length, to_padded, to_packed)
 
 
+@on_host
 def shared_prefix_layout(rows: list[list[int]], owned: list[list[int]], row_length: int) -> PackedLayout:
     """The layout of a row in which samples share stored tokens (a group's prompt, stored once).
 
@@ -112,8 +118,8 @@ def packed_attention(
     lay = tidal_layout
     q, k, v = (_to_padded(x, lay) for x in (query, key, value))
     gqa = q.shape[1] != k.shape[1]
-    if q.device.type == "cpu":  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
-        with torch.autocast("cpu", enabled=False):
+    if q.device.type == CPU:  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
+        with torch.autocast(CPU, enabled=False):
             out = F.scaled_dot_product_attention(
                 q.float(), k.float(), v.float(), dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
             )

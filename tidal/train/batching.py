@@ -6,11 +6,13 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from tidal.hardware import on_host
 from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import packed_layout, shared_prefix_layout
 from tidal.types import Sample
 
 
+@on_host
 def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad samples into a batch.
 
@@ -28,6 +30,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
 
 
+@on_host
 def response_fields(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The per-response-token tensors both layouts share: `prompt_lengths` [B] and
     `response_ids`, `loss_mask`, `rollout_log_probs` [B, R], right-padded (R >= 1), and
@@ -84,6 +87,7 @@ def micro_batches(n: int, size: int) -> list[slice]:
 PACKING_ATTN_IMPLEMENTATIONS = frozenset({"sdpa", "eager", PACKED_ATTENTION})
 
 
+@on_host
 def collate_packed(samples: Sequence[Sample], pad_id: int = 0, share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row with no padding.
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from tidal.algo import aggregate, value_loss
 from tidal.config import AlgoConfig, TrainConfig
+from tidal.hardware import CPU, to_device
 from tidal.train.estimate import response_mask
 from tidal.train.model import TrainedModel, load_causal_lm
 from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
@@ -45,9 +46,11 @@ class ValueModel(torch.nn.Module):
 class Critic:
     """Value model, its AdamW optimizer, and the value-clipped loss of `tidal.algo.value_loss`."""
 
-    def __init__(self, model: str | Path, train: TrainConfig, algo: AlgoConfig, pad_id: int = 0) -> None:
+    def __init__(
+        self, model: str | Path, train: TrainConfig, algo: AlgoConfig, pad_id: int = 0, device: str = CPU
+    ) -> None:
         self.cfg, self.algo = train, algo
-        self.trained = TrainedModel(ValueModel(load_causal_lm(model)), train, pad_id)
+        self.trained = TrainedModel(ValueModel(load_causal_lm(model)), train, pad_id, device=device)
         self.opt = Optimizer(self.trained.master, algo.critic_lr, train)
 
     @property
@@ -64,16 +67,17 @@ class Critic:
     def values(self, samples: Sequence[Sample]) -> Tensor:
         """[N, R] value of the state before each response token, zero-padded."""
         width = max(max(s.response_length for s in samples), 1)
-        out = torch.zeros(len(samples), width)
+        out = torch.zeros(len(samples), width, device=self.trained.device)
         self.trained.compute.eval()
         for idx in self.trained.fwd.plan(samples):
             v = self._values(self.trained.fwd.collate([samples[i] for i in idx]))
             for j, i in enumerate(idx):
                 out[i, : samples[i].response_length] = v[j, : samples[i].response_length]
-        return out
+        return out.to(CPU)
 
     def train_step(self, samples: Sequence[Sample], returns: Tensor, old_values: Tensor) -> dict[str, float]:
         """One value update per `global_batch_size` samples: token-mean of the clipped value loss."""
+        returns, old_values = to_device((returns, old_values), self.trained.device)
 
         def micro_loss(batch: dict[str, Tensor], idx: list[int], norm: dict[str, float], sums: Sums) -> Tensor:
             mask = batch["loss_mask"]

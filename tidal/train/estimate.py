@@ -23,6 +23,7 @@ from tidal.algo import (
     token_level_rewards,
 )
 from tidal.config import AlgoConfig
+from tidal.hardware import on_host
 from tidal.types import Sample
 from tidal.utils import load_object
 
@@ -30,6 +31,7 @@ from tidal.utils import load_object
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "cispo", "rloo")
 
 
+@on_host
 def pad_rows(rows: Sequence[Sequence[float]] | Sequence[Tensor], width: int | None = None) -> Tensor:
     """Right-pad 1-D rows with zeros into a float32 [N, width] tensor."""
     width = max((len(r) for r in rows), default=0) if width is None else width
@@ -50,6 +52,7 @@ def load_estimator(name: str) -> Callable:
     return load_object(name, callable_required=True)
 
 
+@on_host
 def compute_advantages(
     algo: AlgoConfig,
     samples: Sequence[Sample],

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from tidal.config import TrainConfig
+from tidal.hardware import CPU, to_device
 from tidal.train.attention import use_packed_attention
 from tidal.train.batching import (
     collate,
@@ -24,9 +25,12 @@ class Forward:
     """Cuts a batch into micro-batches and runs a model up to the hidden states that predict
     each response token (packed into one row when the model supports it, else right-padded)."""
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, pad_id: int = 0) -> None:
+    def __init__(
+        self, cfg: TrainConfig, model: torch.nn.Module, pad_id: int = 0, device: str | torch.device = CPU
+    ) -> None:
         self.cfg = cfg
         self.pad_id = pad_id
+        self.device = torch.device(device)
         self.packing = cfg.packing and supports_packing(model)
         # the row's samples attended as a padded batch: exact, and 2-3x faster on CPU; it also lets
         # a group's samples share one copy of their prompt in the row
@@ -46,9 +50,10 @@ class Forward:
         return [list(range(len(samples)))[sl] for sl in micro_batches(len(samples), self.cfg.micro_batch_size)]
 
     def collate(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        """The micro-batch's tensors, built on the host and copied to the model's device."""
         if self.packing:
-            return collate_packed(samples, self.pad_id, self.share_prompts)
-        return collate(samples, self.pad_id)
+            return to_device(collate_packed(samples, self.pad_id, self.share_prompts), self.device)
+        return to_device(collate(samples, self.pad_id), self.device)
 
     def hidden(self, base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, R, H] hidden states at the positions that predict response tokens."""

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from tidal.config import TrainConfig
-from tidal.hardware import resolve_dtype
+from tidal.hardware import CPU, autocast_type, resolve_dtype
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
 from tidal.train.precision import Bf16Compute, to_bf16_params
@@ -40,15 +40,27 @@ class TrainedModel:
 
     `shard(mesh)` makes this a trainer rank's FSDP2 shard of the model (see `tidal.cluster`)."""
 
-    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, pad_id: int = 0, dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        cfg: TrainConfig,
+        pad_id: int = 0,
+        dtype: str | None = None,
+        device: str | torch.device = CPU,
+    ) -> None:
         self.cfg = cfg
-        self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype").dtype
-        self.master = module.float().train()
-        if cfg.gradient_checkpointing and hasattr(self.master, "gradient_checkpointing_enable"):
-            self.master.gradient_checkpointing_enable()
+        self.device = torch.device(device)
+        self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
+        self.master = module.float().to(self.device).train()
+        if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
+            enable = getattr(self.master, "activation_checkpointing_enable", None) or getattr(
+                self.master, "gradient_checkpointing_enable", None
+            )
+            if enable is not None:
+                enable()
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
-        self.fwd = Forward(cfg, self.compute, pad_id)
+        self.fwd = Forward(cfg, self.compute, pad_id, self.device)
         self.sharded = False
         self.loss_scale = 1.0
 
@@ -62,7 +74,7 @@ class TrainedModel:
         if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
             self.mixed = None
             self.compute = self.master
-            self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id)
+            self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device)
         bf16 = self.dtype == "bfloat16"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         layers = getattr(getattr(self.master, "base_model", self.master), "layers", [])
@@ -92,7 +104,7 @@ class TrainedModel:
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen model computed like this one (precision, attention), so that a reference or
         teacher equal to the policy gives exactly the policy's log-probs (KL exactly 0)."""
-        model = model.eval().requires_grad_(False)
+        model = model.to(self.device).eval().requires_grad_(False)
         if self.fwd.packing:
             use_packed_attention(model)
         return to_bf16_params(model) if self.dtype == "bfloat16" else model
@@ -100,7 +112,7 @@ class TrainedModel:
     def autocast(self):
         if self.dtype != "autocast":
             return contextlib.nullcontext()
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type=autocast_type(self.device), dtype=torch.bfloat16)
 
     @contextlib.contextmanager
     def one_cast_per_update(self):
@@ -112,7 +124,8 @@ class TrainedModel:
         if self.dtype != "autocast":
             yield
             return
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
+        kind = autocast_type(self.device)
+        with torch.autocast(kind, dtype=torch.bfloat16), torch.autocast(kind, enabled=False):
             yield
 
     def after_step(self) -> None:
@@ -148,7 +161,7 @@ class TrainedModel:
             )
             return out.logits[0], valid
         r = batch["response_ids"].shape[1]
-        pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r)[None, :]
+        pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
         out = self.master(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos

@@ -16,8 +16,11 @@ import torch
 from torch import Tensor
 
 from tidal.config import TrainConfig
+from tidal.hardware import CPU, is_cuda
 from tidal.train.model import TrainedModel
 from tidal.types import RunStopped, Sample
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter state
 
 log = logging.getLogger("tidal")
 
@@ -71,6 +74,8 @@ class Optimizer:
             fused=not distributed,
             foreach=distributed or None,
         )
+        self.offload = cfg.offload_optimizer
+        self.device = self.params[0].device if self.params else torch.device(CPU)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -114,9 +119,28 @@ class Optimizer:
                 )
             return math.nan
         self.bad_steps = 0
+        if self.offload:
+            self.move_state(self.device)
         self.optimizer.step()
+        if self.offload:
+            self.move_state(CPU)
         self.scheduler.step()
         return norm
+
+    def move_state(self, device: str | torch.device) -> None:
+        """Move AdamW's moments to `device`: the host between steps with `train.offload_optimizer`,
+        the parameters' device for the step itself (the step counts stay where AdamW keeps them).
+        Host copies are pinned on CUDA machines so the copies do not block."""
+        dev = torch.device(device)
+        pin = dev.type == CPU and is_cuda(self.device)
+        for state in self.optimizer.state.values():
+            for k in MOMENTS:
+                v = state.get(k)
+                if v is None or v.device == dev:
+                    continue
+                moved = torch.empty_like(v, device=dev, pin_memory=pin)
+                moved.copy_(v, non_blocking=pin or is_cuda(dev))
+                state[k] = moved
 
     @property
     def lr(self) -> float:

@@ -1,0 +1,47 @@
+"""The memory options GPU users turn on change where things live, never the step."""
+
+import pytest
+import torch
+from conftest import make_model, make_samples
+
+from tidal.config import AlgoConfig, TrainConfig
+from tidal.train.actor import Actor
+from tidal.train.update import MOMENTS
+
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+
+
+def two_steps(**train) -> tuple[Actor, list[dict]]:
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, lr=1e-3, dtype="float32", packing=False, **train)
+    actor = Actor(make_model(seed=0), cfg, AlgoConfig(), temperature=0.8)
+    samples = make_samples()
+    return actor, [actor.train_step(samples, ADV), actor.train_step(samples, -ADV)]
+
+
+@pytest.mark.parametrize("option", [{"gradient_checkpointing": True}, {"offload_optimizer": True}])
+def test_a_memory_option_takes_exactly_the_same_steps(option):
+    base, base_m = two_steps()
+    got, got_m = two_steps(**option)
+    for a, b in zip(base_m, got_m, strict=True):
+        assert a["loss/pg"] == pytest.approx(b["loss/pg"], rel=1e-6, abs=1e-9)
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)
+    for p, q in zip(base.params, got.params, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=0)
+    if option.get("gradient_checkpointing"):
+        flag = "is_activation_checkpointing"
+        flag = flag if hasattr(got.model, flag) else "is_gradient_checkpointing"
+        assert getattr(got.model, flag) and not getattr(base.model, flag)
+
+
+def test_offloaded_moments_move_to_the_device_given_and_back():
+    """The mover takes every AdamW moment to the device asked for (here `meta`, a device a CPU has
+    besides its own) and leaves the step counts where AdamW keeps them."""
+    actor, _ = two_steps(offload_optimizer=True)
+    opt = actor.opt
+    states = list(opt.optimizer.state.values())
+    assert len(states) == len(actor.params)
+    steps = [s["step"].device for s in states]
+    opt.move_state("meta")
+    assert all(s[k].device.type == "meta" for s in states for k in MOMENTS if k in s)
+    assert all("exp_avg" in s and "exp_avg_sq" in s for s in states)
+    assert [s["step"].device for s in states] == steps
