@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(cfg, args)
     from tidal.log import setup_logging
     from tidal.loop import train
-    from tidal.types import RunStopped
+    from tidal.types import InputError, RunStopped
 
     setup_logging()
     try:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # the run folder or the reward's output do not fit the config
         print(f"tidal train: {e}", file=sys.stderr)
         return 2
-    except RunStopped as e:
+    except (RunStopped, InputError) as e:  # a bad data file or checkpoint names itself; no traceback
         print(f"tidal train: {e}", file=sys.stderr)
         return 1
     return 0
@@ -230,11 +230,16 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(cfg, args) -> int:
     from tidal.eval import evaluate, results_table
     from tidal.log import setup_logging
+    from tidal.types import InputError
     from tidal.utils import atomic_write_json
 
     setup_logging()
     given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-    result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    try:
+        result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    except InputError as e:  # an eval set's file names itself and its line; no traceback
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 1
     print(results_table(result["datasets"]))
     if args.out:
         atomic_write_json(args.out, result)

@@ -20,7 +20,9 @@
   later, until someone puts them on the list above) is an error naming each field with its old and
   new value, unless the caller passes `allow_config_change` (`tidal train --allow-config-change`).
   A field missing from an older `config.json` counts as its default. A resume whose checkpoint is
-  already at `train.num_steps` is an error too: it would train nothing.
+  already at `train.num_steps` is an error too: it would train nothing, and so is a checkpoint
+  whose `trainer_state.pt` holds anything but tensors and plain data (it is never unpickled as
+  arbitrary Python, `tidal.train.checkpoint.read_trainer_state`).
 
 `start_run_dir` then writes `config.json` and clears what an interrupted checkpoint save left;
 the loop calls it only once the model, tokenizer and data have loaded.
@@ -35,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config import Config, ConfigError
-from tidal.train.checkpoint import latest_checkpoint, remove_stale_saves
+from tidal.train.checkpoint import (
+    TRAINER_STATE_FILE,
+    latest_checkpoint,
+    read_state,
+    read_trainer_state,
+    remove_stale_saves,
+)
 from tidal.utils import atomic_write_json
 
 log = logging.getLogger("tidal")
@@ -111,7 +119,8 @@ def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) 
     """Validate `cfg.train.output_dir` for a new run or a resume; write nothing.
 
     Returns the checkpoint to resume from, or None to start at step 0.
-    Raises RunDirError naming the folder or the changed fields and the ways out."""
+    Raises RunDirError naming the folder or the changed fields and the ways out, CheckpointError
+    naming the checkpoint file that cannot be loaded safely."""
     out = Path(cfg.train.output_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"train.output_dir: {out} is a file, expected a folder for the run")
@@ -137,7 +146,10 @@ def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) 
     if ckpt is None:
         log.warning("resume: no complete checkpoint in %s, starting from step 0", out / "checkpoints")
         return None
-    step = json.loads((ckpt / "state.json").read_text())["step"]
+    step = read_state(ckpt)["step"]
+    # refuse an unsafe or damaged trainer state now, before engines start and anything is written
+    # (mapped, not read: the real load comes later, after the model is built)
+    read_trainer_state(ckpt / TRAINER_STATE_FILE, mmap=True)
     if step >= cfg.train.num_steps:
         raise RunDirError(
             f"train.num_steps: the newest checkpoint {ckpt} is at step {step}, so num_steps "
