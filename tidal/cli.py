@@ -7,7 +7,7 @@ import difflib
 import sys
 import textwrap
 
-from tidal.config import ConfigError, ServerConfig, add_config_arguments, build_config
+from tidal.config import SECRET_FIELDS, ConfigError, ServerConfig, add_config_arguments, build_config
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -204,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         values.update({f"rollout.{k}": v for k, v in given.items() if v is not None})
         values.update({"eval.datasets": args.dataset} if args.dataset else {})
         values.update({"eval.pass_k": args.k} if args.k else {})
+    for name in sorted(SECRET_FIELDS & values.keys()):  # it works, but others can read it
+        print(
+            f"tidal {args.command}: note: --{name} on a command line is visible to other users of this machine (ps) "
+            f"and stays in shell history; `tidal {args.command} --help` names the file or environment variable "
+            "that can give it instead",
+            file=sys.stderr,
+        )
     try:
         cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:

@@ -10,7 +10,7 @@
 
       train.num_steps, train.save_interval, train.keep_checkpoints, train.num_threads,
       train.gradient_checkpointing, train.logits_chunk_tokens (same math, less memory),
-      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key,
+      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key(_file),
       rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
       cluster.sync_dir, cluster.cpus_per_trainer, cluster.cpus_per_engine,
       and every field of the `log` and `eval` groups.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.config import Config, ConfigError
+from tidal.config import Config, ConfigError, redact
 from tidal.train.checkpoint import (
     TRAINER_STATE_FILE,
     latest_checkpoint,
@@ -61,6 +61,7 @@ HARMLESS_FIELDS = frozenset(
         "rollout.reward_timeout",
         "rollout.engine_urls",
         "rollout.api_key",
+        "rollout.api_key_file",
         "rollout.max_num_seqs",
         "rollout.kv_cache_tokens",
         "cluster.address",
@@ -104,8 +105,11 @@ def _flatten(cfg: dict) -> dict[str, Any]:
 
 def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> list[ConfigChange]:
     """The fields whose value differs between two `Config.to_dict()`s, in `current`'s order.
-    A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`."""
-    old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or Config().to_dict())
+    A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`.
+    Secret fields are compared masked (`redact`), so no key reaches the log, even one an older
+    tidal wrote into config.json."""
+    old, new = _flatten(redact(saved)), _flatten(redact(current))
+    base = _flatten(defaults or Config().to_dict())
     missing = object()
     changes = []
     for name, value in new.items():
