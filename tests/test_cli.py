@@ -187,3 +187,13 @@ def test_a_run_that_stops_itself_exits_1_with_its_reason(fake_loop, monkeypatch,
     assert capsys.readouterr().err == (
         "tidal train: 16 of 16 samples failed (100%), more than rollout.max_failed_ratio 0.5; ...\n"
     )
+
+
+def test_a_key_on_the_command_line_is_taken_verbatim_and_the_user_warned(fake_loop, capsys):
+    # read as YAML, 0123 would be the number 123 and `null` no key at all
+    for key in ("0123", "null", "1e5"):
+        assert main(["train", f"--rollout.api_key={key}"]) == 0
+        assert fake_loop[-1][0].rollout.api_key == key
+        err = capsys.readouterr().err
+        assert "note: --rollout.api_key on a command line is visible to other users of this machine (ps)" in err
+        assert key not in err

@@ -7,7 +7,10 @@ import dataclasses
 import pytest
 
 from tidal.config import (
+    API_KEY_ENV,
     GROUPS,
+    REDACTED,
+    SECRET_FIELDS,
     AlgoConfig,
     ClusterConfig,
     Config,
@@ -23,6 +26,7 @@ from tidal.config import (
     build_config,
     load_yaml,
     parse_value,
+    redact,
     validate,
 )
 
@@ -96,6 +100,60 @@ def test_to_dict_has_every_group_and_field():
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
+
+
+# --- secrets ----------------------------------------------------------------------------------------
+
+KEY = "sk-tidal-test-0123456789"
+
+
+def test_secret_fields_are_declared_in_one_place_and_masked_wherever_config_is_shown():
+    assert SECRET_FIELDS == {"rollout.api_key"}  # a new secret field: declare it with _opt(..., secret=True)
+    cfg = build_config(None, {"rollout.api_key": KEY})
+    assert cfg.rollout.api_key == KEY  # the live value, for the engine client
+    assert cfg.to_dict()["rollout"]["api_key"] == REDACTED  # config.json, the report, wandb
+    assert KEY not in repr(cfg) and KEY not in str(cfg.rollout)  # logs, tracebacks
+    assert KEY not in str(cfg.to_dict())
+    assert Config().to_dict()["rollout"]["api_key"] is None  # unset stays visibly unset
+    # a config.json an older tidal wrote with the key in it is masked when read back
+    assert redact({"rollout": {"api_key": KEY, "seed": 1}, "train": {}}) == {
+        "rollout": {"api_key": REDACTED, "seed": 1},
+        "train": {},
+    }
+
+
+def test_the_api_key_comes_from_the_option_else_a_file_else_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    key_file = write(tmp_path, KEY + "\n", "key.txt")
+    assert build_config(None, {}).rollout.api_key == "from-env"
+    from_file = build_config(None, {"rollout.api_key_file": str(key_file)})
+    assert from_file.rollout.api_key == KEY
+    assert from_file.to_dict()["rollout"]["api_key_file"] == str(key_file)  # the path, never the key
+    assert from_file.to_dict()["rollout"]["api_key"] == REDACTED
+    given = {"rollout.api_key": "explicit", "rollout.api_key_file": str(key_file)}
+    assert build_config(None, given).rollout.api_key == "explicit"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert build_config(None, {}).rollout.api_key is None
+
+
+def test_a_bad_key_file_is_named_and_its_content_never_shown(tmp_path):
+    empty = write(tmp_path, "\n", "empty.txt")
+    with pytest.raises(ConfigError, match=rf"^rollout.api_key_file: {empty} is empty; its first line must be"):
+        build_config(None, {"rollout.api_key_file": str(empty)})
+    with pytest.raises(ConfigError, match=r"^rollout.api_key_file: cannot read .*nope.txt \(No such file"):
+        build_config(None, {"rollout.api_key_file": str(tmp_path / "nope.txt")})
+    binary = tmp_path / "key.bin"
+    binary.write_bytes(b"\xffsecret\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text$"):
+        build_config(None, {"rollout.api_key_file": str(binary)})
+
+
+def test_a_secret_of_the_wrong_type_is_refused_without_quoting_it(tmp_path):
+    path = write(tmp_path, "rollout:\n  api_key: 8675309\n")
+    with pytest.raises(ConfigError) as err:
+        build_config(str(path), {})
+    assert str(err.value) == f"{path}: rollout.api_key: expected str or null, got a value of type int"
+    assert "8675309" not in str(err.value)
 
 
 # --- YAML loading -----------------------------------------------------------------------------------

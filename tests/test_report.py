@@ -129,6 +129,16 @@ def test_cli_writes_the_page_and_names_a_wrong_folder(tmp_path, capsys):
     )
 
 
+def test_a_key_in_config_json_never_reaches_the_page(tmp_path):
+    """A run an older tidal wrote holds the key in its config.json; the shareable page masks it."""
+    run = _run(tmp_path / "run", steps=2)
+    key = "sk-old-run-0123456789"
+    (run / "config.json").write_text(json.dumps({"train": {"num_steps": 9}, "rollout": {"api_key": key}}))
+    page = build_report(run)
+    assert key not in page
+    assert "&quot;api_key&quot;: &quot;&lt;redacted&gt;&quot;" in page
+
+
 def test_a_run_without_samples_still_reports(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     page = build_report(tmp_path)

@@ -14,6 +14,7 @@ import pytest
 from conftest import loop_config
 
 import tidal.loop
+from tidal.config import REDACTED, Config
 from tidal.run_dir import ConfigChange, RunDirError, config_changes
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
@@ -116,6 +117,16 @@ def test_config_changes_compare_field_by_field():
     assert changes == [ConfigChange("log.console", True, False)]  # a field missing before = its default
     assert changes[0].harmless and not ConfigChange("train.lr", 1, 2).harmless
     assert config_changes({}, {"train": {"new_field": 1}}, defaults={}) == [ConfigChange("train.new_field", None, 1)]
+
+
+def test_a_key_an_older_run_saved_is_compared_masked_and_never_logged():
+    saved = {"rollout": {"api_key": "sk-old-0123456789", "seed": 0}}
+    current = Config().to_dict()
+    changes = [c for c in config_changes(saved, current) if c.field == "rollout.api_key"]
+    assert changes == [ConfigChange("rollout.api_key", REDACTED, None)]  # it was set, now it is not
+    assert "sk-old" not in str(config_changes(saved, current))
+    same = {"rollout": {"api_key": "sk-new-9876543210"}}  # a different key is not a change worth a line
+    assert not [c for c in config_changes(saved, same, defaults=current) if c.field == "rollout.api_key"]
 
 
 KILL_DURING_SAVE = """

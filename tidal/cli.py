@@ -7,7 +7,7 @@ import difflib
 import sys
 import textwrap
 
-from tidal.config import ConfigError, ServerConfig, add_config_arguments, build_config
+from tidal.config import SECRET_FIELDS, ConfigError, ServerConfig, add_config_arguments, build_config
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -214,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         values.update({f"rollout.{k}": v for k, v in given.items() if v is not None})
         values.update({"eval.datasets": args.dataset} if args.dataset else {})
         values.update({"eval.pass_k": args.k} if args.k else {})
+    for name in sorted(SECRET_FIELDS & values.keys()):  # it works, but others can read it
+        print(
+            f"tidal {args.command}: note: --{name} on a command line is visible to other users of this machine (ps) "
+            f"and stays in shell history; `tidal {args.command} --help` names the file or environment variable "
+            "that can give it instead",
+            file=sys.stderr,
+        )
     try:
         cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:
@@ -223,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(cfg, args)
     from tidal.log import setup_logging
     from tidal.loop import train
-    from tidal.types import RunStopped
+    from tidal.types import InputError, RunStopped
 
     setup_logging()
     try:
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # the run folder or the reward's output do not fit the config
         print(f"tidal train: {e}", file=sys.stderr)
         return 2
-    except RunStopped as e:
+    except (RunStopped, InputError) as e:  # a bad data file or checkpoint names itself; no traceback
         print(f"tidal train: {e}", file=sys.stderr)
         return 1
     return 0
@@ -240,11 +247,16 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(cfg, args) -> int:
     from tidal.eval import evaluate, results_table
     from tidal.log import setup_logging
+    from tidal.types import InputError
     from tidal.utils import atomic_write_json
 
     setup_logging()
     given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-    result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    try:
+        result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    except InputError as e:  # an eval set's file names itself and its line; no traceback
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 1
     print(results_table(result["datasets"]))
     if args.out:
         atomic_write_json(args.out, result)

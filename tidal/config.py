@@ -20,10 +20,17 @@ from typing import Any
 import yaml
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
+def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
+    """A config field with its `--help` text. `secret=True` marks a value that must never reach a
+    file, a page or a log: `redact` masks it in every config dict tidal writes or shows
+    (config.json, the report, wandb), the dataclass repr leaves it out (logs, tracebacks), and the
+    command line takes it verbatim (see `SECRET_FIELDS`)."""
+    metadata = {"help": help, "secret": secret}
+    if secret:
+        kw.setdefault("repr", False)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 @dataclass
@@ -92,7 +99,16 @@ class RolloutConfig:
     )
     max_num_seqs: int = _opt(256, "tidal engine: sequences decoded at once")
     request_timeout: float = _opt(300.0, "seconds one generate request to a remote engine may take")
-    api_key: str | None = _opt(None, "remote: the servers' API key (else $TIDAL_API_KEY)")
+    api_key: str | None = _opt(
+        None,
+        "remote, sglang: the servers' API key (else the first line of rollout.api_key_file, else $TIDAL_API_KEY). "
+        "Never written: config.json, the report and wandb show <redacted>. Prefer the file or the variable: a "
+        "command line is visible to other users of the machine (ps) and stays in shell history",
+        secret=True,
+    )
+    api_key_file: str | None = _opt(
+        None, "remote, sglang: a file whose first line is the servers' API key (the path is recorded, never the key)"
+    )
     reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before it is retried or the sample fails")
@@ -464,7 +480,9 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain data, with every secret field masked (`redact`): what config.json,
+        the report and wandb get. The live values stay on the dataclasses."""
+        return redact(dataclasses.asdict(self))
 
     @property
     def uses_ray(self) -> bool:
@@ -473,6 +491,27 @@ class Config:
 
 GROUPS: list[str] = [f.name for f in dataclasses.fields(Config)]
 _GROUP_TYPES = typing.get_type_hints(Config)
+
+# `group.key` of every field declared with `_opt(..., secret=True)`: the one list of what is secret,
+# so a new secret field is masked everywhere by declaring it so
+SECRET_FIELDS: frozenset[str] = frozenset(
+    f"{group}.{f.name}" for group in GROUPS for f in dataclasses.fields(_GROUP_TYPES[group]) if f.metadata.get("secret")
+)
+REDACTED = "<redacted>"
+
+
+def redact(config: dict) -> dict:
+    """A copy of a config dict (`{group: {key: value}}`: `Config.to_dict()`'s shape, or a run's
+    config.json, which an older tidal may have written with a key in it) where each set secret
+    field reads REDACTED; an unset one (None or empty) stays as it is, so one can tell whether a
+    key was given."""
+    out = dict(config)
+    for name in SECRET_FIELDS:
+        group, _, key = name.partition(".")
+        body = out.get(group)
+        if isinstance(body, dict) and body.get(key) not in (None, ""):
+            out[group] = {**body, key: REDACTED}
+    return out
 
 
 API_KEY_ENV = "TIDAL_API_KEY"
@@ -577,7 +616,9 @@ def apply_overrides(cfg: Config, values: dict[str, Any], source: str) -> None:
         try:
             setattr(getattr(cfg, group), key, _coerce(dotted, value, hints[key]))
         except ConfigError as e:
-            errors.append(f"{source}: {e}")
+            # for a secret the message names the type it got, never the value
+            hidden = f"{dotted}: expected {_type_name(hints[key])}, got a value of type {type(value).__name__}"
+            errors.append(f"{source}: {hidden if dotted in SECRET_FIELDS else e}")
     if errors:
         raise ConfigError("\n".join(errors))
 
@@ -620,7 +661,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             grp.add_argument(
                 f"--{group}.{f.name}",
                 dest=f"{group}.{f.name}",
-                type=parse_value,
+                # a key is taken verbatim: read as YAML, `0123` or `1e5` would become a number and
+                # `null` or `true` something else
+                type=str if f.metadata.get("secret") else parse_value,
                 default=argparse.SUPPRESS,
                 metavar=_type_name(_field_types(_GROUP_TYPES[group])[f.name]).upper(),
                 help=f"{f.metadata.get('help', '')} (default: {default!r})",
@@ -628,13 +671,39 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(config_file: str | None, cli_values: dict[str, Any], for_training: bool = True) -> Config:
-    """Defaults, then the YAML file, then command-line overrides; then validate."""
+    """Defaults, then the YAML file, then command-line overrides; then validate, then read the
+    secrets given by file or environment (`read_secrets`)."""
     cfg = Config()
     if config_file:
         apply_overrides(cfg, load_yaml(config_file), str(config_file))
     apply_overrides(cfg, cli_values, "command line")
     validate(cfg, for_training)
+    read_secrets(cfg)
     return cfg
+
+
+def read_secrets(cfg: Config) -> None:
+    """Set `rollout.api_key`, when it is not given, from the first line of `rollout.api_key_file`,
+    else from $TIDAL_API_KEY. Errors name the file, never its content."""
+    import os
+
+    r = cfg.rollout
+    if r.api_key:
+        return
+    if r.api_key_file:
+        path = Path(r.api_key_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ConfigError(f"rollout.api_key_file: cannot read {path} ({e.strerror})") from None
+        except UnicodeDecodeError:  # its message would quote a byte of the key
+            raise ConfigError(f"rollout.api_key_file: {path} is not UTF-8 text") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"rollout.api_key_file: {path} is empty; its first line must be the API key")
+        r.api_key = key
+        return
+    r.api_key = os.environ.get(API_KEY_ENV) or None
 
 
 def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tidal.config import redact
 from tidal.log import read_metrics, reward_table
 from tidal.samples_log import SAMPLES_DIR, read_samples, saved_steps
 
@@ -264,7 +265,8 @@ def build_report(run_dir: str | Path, sample_steps: int = 50) -> str:
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a tidal run folder (train.output_dir)")
     history = read_metrics(run_dir)
     config_file = run_dir / "config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+    # masked again here: a config.json written by an older tidal may still hold a key
+    config = redact(json.loads(config_file.read_text(encoding="utf-8"))) if config_file.exists() else {}
     e = html.escape
 
     panels, missing = panels_for(history)

@@ -11,7 +11,7 @@
       train.num_steps, train.save_interval, train.keep_checkpoints, train.num_threads,
       train.gradient_checkpointing, train.offload_optimizer, train.logits_chunk_tokens (same math,
       less memory), cluster.device,
-      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key,
+      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key(_file),
       rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
       cluster.sync_dir, cluster.cpus_per_trainer, cluster.cpus_per_engine,
       and every field of the `log` and `eval` groups.
@@ -21,7 +21,9 @@
   later, until someone puts them on the list above) is an error naming each field with its old and
   new value, unless the caller passes `allow_config_change` (`tidal train --allow-config-change`).
   A field missing from an older `config.json` counts as its default. A resume whose checkpoint is
-  already at `train.num_steps` is an error too: it would train nothing.
+  already at `train.num_steps` is an error too: it would train nothing, and so is a checkpoint
+  whose `trainer_state.pt` holds anything but tensors and plain data (it is never unpickled as
+  arbitrary Python, `tidal.train.checkpoint.read_trainer_state`).
 
 `start_run_dir` then writes `config.json` and clears what an interrupted checkpoint save left;
 the loop calls it only once the model, tokenizer and data have loaded.
@@ -35,8 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.config import Config, ConfigError
-from tidal.train.checkpoint import latest_checkpoint, remove_stale_saves
+from tidal.config import Config, ConfigError, redact
+from tidal.train.checkpoint import (
+    TRAINER_STATE_FILE,
+    latest_checkpoint,
+    read_state,
+    read_trainer_state,
+    remove_stale_saves,
+)
 from tidal.utils import atomic_write_json
 
 log = logging.getLogger("tidal")
@@ -56,6 +64,7 @@ HARMLESS_FIELDS = frozenset(
         "rollout.reward_timeout",
         "rollout.engine_urls",
         "rollout.api_key",
+        "rollout.api_key_file",
         "rollout.max_num_seqs",
         "rollout.kv_cache_tokens",
         "cluster.address",
@@ -99,8 +108,11 @@ def _flatten(cfg: dict) -> dict[str, Any]:
 
 def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> list[ConfigChange]:
     """The fields whose value differs between two `Config.to_dict()`s, in `current`'s order.
-    A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`."""
-    old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or Config().to_dict())
+    A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`.
+    Secret fields are compared masked (`redact`), so no key reaches the log, even one an older
+    tidal wrote into config.json."""
+    old, new = _flatten(redact(saved)), _flatten(redact(current))
+    base = _flatten(defaults or Config().to_dict())
     missing = object()
     changes = []
     for name, value in new.items():
@@ -114,7 +126,8 @@ def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) 
     """Validate `cfg.train.output_dir` for a new run or a resume; write nothing.
 
     Returns the checkpoint to resume from, or None to start at step 0.
-    Raises RunDirError naming the folder or the changed fields and the ways out."""
+    Raises RunDirError naming the folder or the changed fields and the ways out, CheckpointError
+    naming the checkpoint file that cannot be loaded safely."""
     out = Path(cfg.train.output_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"train.output_dir: {out} is a file, expected a folder for the run")
@@ -140,7 +153,10 @@ def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) 
     if ckpt is None:
         log.warning("resume: no complete checkpoint in %s, starting from step 0", out / "checkpoints")
         return None
-    step = json.loads((ckpt / "state.json").read_text())["step"]
+    step = read_state(ckpt)["step"]
+    # refuse an unsafe or damaged trainer state now, before engines start and anything is written
+    # (mapped, not read: the real load comes later, after the model is built)
+    read_trainer_state(ckpt / TRAINER_STATE_FILE, mmap=True)
     if step >= cfg.train.num_steps:
         raise RunDirError(
             f"train.num_steps: the newest checkpoint {ckpt} is at step {step}, so num_steps "

@@ -19,6 +19,12 @@ class RunStopped(RuntimeError):
     bad optimizer steps in a row); `tidal train` prints it without a traceback and exits 1."""
 
 
+class InputError(ValueError):
+    """A file the run reads (a data file, a checkpoint) is not what it must be; the message names
+    the file (and the line or row where there is one) and what was expected. `tidal train` and
+    `tidal eval` print it without a traceback and exit 1."""
+
+
 @dataclass
 class Sample:
     """One prompt + one sampled response, token-exact.

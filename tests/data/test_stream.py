@@ -128,7 +128,7 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"fake.parquet: not a Parquet file"):
         StreamingSource(fake, tokenizer, 1, OPTIONS)
     path.write_text(json.dumps({"prompt": "x" * 400}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl: no prompts left after dropping 1 over-long ones"):
+    with pytest.raises(ValueError, match=r"bad.jsonl: all 1 prompts are longer than data.max_prompt_length \("):
         StreamingSource(path, tokenizer, 1, OPTIONS).next_batch()
 
 

@@ -1,4 +1,6 @@
 import json
+import os
+import shlex
 
 import pytest
 import torch
@@ -24,6 +26,68 @@ def test_rng_state_is_restored(tmp_path):
     expected = torch.rand(3)
     ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
     assert torch.equal(torch.rand(3), expected)
+
+
+class RunsCode:
+    """Unpickling this runs `touch MARKER`: what a crafted trainer_state.pt did to `--resume`."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 2, make_model().save_pretrained, None, {"optimizer": {}}, {"data": {}})
+    marker = tmp_path / "code_ran"
+    torch.save({"optimizer": {}, "rng": RunsCode(marker)}, path / "trainer_state.pt")
+    for load in (ckpt.load_checkpoint, lambda p: ckpt.read_trainer_state(p / "trainer_state.pt", mmap=True)):
+        with pytest.raises(ckpt.CheckpointError) as err:
+            load(path)
+        message = str(err.value)
+        assert message.startswith(f"{path / 'trainer_state.pt'}: refused to load: it holds Python objects other ")
+        assert "GLOBAL posix.system" in message  # what was refused
+        assert "weights_only=False" not in message  # torch's advice, which is the attack
+        assert not marker.exists()
+
+
+def test_a_damaged_checkpoint_file_is_named(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 2, make_model().save_pretrained, None, {"optimizer": {}}, {"data": {}})
+    state = path / "trainer_state.pt"
+    good = state.read_bytes()
+    state.write_bytes(good[: len(good) // 2])  # cut short, as a full disk or a bad copy leaves it
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state.pt: cannot be read as a checkpoint's trainer state"):
+        ckpt.load_checkpoint(path)
+    state.write_bytes(good)
+    (path / "state.json").write_text('{"data": {}}')
+    with pytest.raises(ckpt.CheckpointError, match=r"state.json: expected a JSON object with an integer 'step'"):
+        ckpt.load_checkpoint(path)
+
+
+def test_the_trainer_state_of_a_real_optimizer_loads_with_the_safe_reader(tmp_path):
+    """AdamW and LambdaLR state (tensors, floats, tuples, None) and both RNG states are plain data,
+    so a checkpoint tidal wrote, old or new, loads under `weights_only=True` and restores exactly."""
+    import random
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    model(torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    opt.step()
+    sched.step()
+    saved = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    path = ckpt.save_checkpoint(tmp_path, 1, model.save_pretrained, None, saved, {"data": {}})
+    expected_python, expected_torch = random.random(), torch.rand(2)
+    trainer_state, _ = ckpt.load_checkpoint(path)
+    assert random.random() == expected_python
+    assert torch.equal(torch.rand(2), expected_torch)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(trainer_state["optimizer"])
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.95)
+    for p in model.parameters():
+        assert torch.equal(opt2.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    assert trainer_state["scheduler"] == sched.state_dict()
 
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

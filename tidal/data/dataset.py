@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.types import InputError
+
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+class DataError(InputError):
+    """A data file, row or env that cannot become prompts or samples. The message names the file
+    and line (or row) and what was expected; `tidal train` prints it without a traceback."""
 
 
 @dataclass
@@ -43,21 +50,23 @@ def parse_json_line(line: str | bytes, path: str | Path, lineno: int) -> dict | 
         try:
             line = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not UTF-8: {err}") from None
+            raise DataError(f"{path}:{lineno}: not UTF-8: {err}") from None
     if not line.strip():
         return None
     try:
         # Without the newline a truncated line is reported at its own column, not "line 2".
         row = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
+        raise DataError(f"{path}:{lineno}: invalid JSON: {err}") from None
     if not isinstance(row, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {_json_type_name(row)}")
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {_json_type_name(row)}")
     return row
 
 
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8") as f:
+    # bytes, decoded line by line in parse_json_line: a bad byte is then named by path:line, where
+    # a text-mode file would raise a UnicodeDecodeError naming neither
+    with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             row = parse_json_line(line, path, lineno)
             if row is not None:
@@ -67,7 +76,10 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
 def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
     # `.json` files in the wild are either one array of objects or JSON Lines under the wrong
     # extension; try the whole document first and fall back to line-by-line parsing.
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 ({err})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
@@ -78,10 +90,10 @@ def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
         yield from _iter_json_lines(path)
         return
     if not isinstance(doc, list):
-        raise ValueError(f"{path}: expected a JSON array of objects or JSON Lines, got {_json_type_name(doc)}")
+        raise DataError(f"{path}: expected a JSON array of objects or JSON Lines, got {_json_type_name(doc)}")
     for number, row in enumerate(doc, start=1):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {_json_type_name(row)}")
+            raise DataError(f"{path}:{number}: expected a JSON object, got {_json_type_name(row)}")
         yield number, row
 
 
@@ -92,7 +104,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
     try:
         parquet = pq.ParquetFile(path)
     except pa.ArrowInvalid as e:  # pyarrow alone says "magic bytes not found" and names no file
-        raise ValueError(
+        raise DataError(
             f"{path}: not a Parquet file ({e}); a .parquet file must hold Parquet, as pandas.DataFrame.to_parquet "
             "or pyarrow.parquet.write_table write it (JSON Lines go in a .jsonl file)"
         ) from None
@@ -121,7 +133,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
         return _iter_json(path)
     if suffix == ".parquet":
         return _iter_parquet(path)
-    raise ValueError(
+    raise DataError(
         f"{path}: unsupported file extension {suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
     )
 
@@ -129,7 +141,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
 def _check_messages(messages: list, where: str) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content'")
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
 
 
 def check_prompt_options(
@@ -138,9 +150,9 @@ def check_prompt_options(
     """Raise ValueError for prompt options that contradict each other (see `build_prompt`)."""
     if system_prompt is not None and not apply_chat_template:
         # Without a template there is no place to put a system message; fail rather than drop it.
-        raise ValueError("system_prompt needs apply_chat_template=True")
+        raise DataError("system_prompt needs apply_chat_template=True")
     if max_prompt_length is not None and max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
+        raise DataError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
 
 
 def build_prompt(
@@ -159,14 +171,14 @@ def build_prompt(
     """One row as a tokenized `PromptRecord` (`index`: its 0-based position in the source), or
     None when it has more than `max_prompt_length` prompt tokens. Errors name `where`."""
     if input_key not in row:
-        raise ValueError(f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)")
+        raise DataError(f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)")
     prompt = row[input_key]
     metadata = row.get(metadata_key)
     # Parquet fills a missing struct with None, so None means "no metadata" rather than an error.
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):
-        raise ValueError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
+        raise DataError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
 
     if isinstance(prompt, str):
         if apply_chat_template:
@@ -178,13 +190,11 @@ def build_prompt(
             text = prompt
     elif isinstance(prompt, list):
         if not apply_chat_template:
-            raise ValueError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
+            raise DataError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
         _check_messages(prompt, where)
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     else:
-        raise ValueError(
-            f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}"
-        )
+        raise DataError(f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}")
 
     # The template already carries any special tokens the model expects; adding a BOS again
     # would make prompts differ from what the engine sees.

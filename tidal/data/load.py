@@ -1,12 +1,13 @@
 """Prompts and SFT samples from the data config: files or built-in envs, over-long ones dropped
-and counted."""
+and counted. A source that leaves nothing to train on is a DataError saying why (an empty file,
+or every row over the length limit)."""
 
 from __future__ import annotations
 
 import logging
 
 from tidal.config import DataConfig
-from tidal.data.dataset import PromptRecord, build_prompts, load_prompts
+from tidal.data.dataset import DataError, PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
 from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
@@ -54,8 +55,20 @@ def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
         cfg.max_prompt_length,
     )
     if not records:
-        raise ValueError(f"data.path {cfg.path}: no prompts left after dropping {dropped} over-long ones")
+        raise DataError(_nothing_left(cfg.path, "prompts", dropped, "data.max_prompt_length", cfg.max_prompt_length))
     return records
+
+
+def _nothing_left(path: str, what: str, dropped: int, limit_field: str, limit: int) -> str:
+    """Why a source gave nothing to train on: it had no rows at all, or every row was too long."""
+    if dropped:
+        return (
+            f"data.path {path}: all {dropped} {what} are longer than {limit_field} ({limit} tokens); "
+            f"raise {limit_field} or shorten them"
+        )
+    if path.startswith("env:"):
+        return f"data.path {path}: the env made no {what}; check data.env_args"
+    return f"data.path {path}: the file is empty: it holds no {what}"
 
 
 def load_sft_data(cfg: DataConfig, tokenizer) -> list[Sample]:
@@ -78,5 +91,5 @@ def load_sft_data(cfg: DataConfig, tokenizer) -> list[Sample]:
         cfg.max_length,
     )
     if not samples:
-        raise ValueError(f"data.path {cfg.path}: no sft samples left after dropping {dropped} over-long ones")
+        raise DataError(_nothing_left(cfg.path, "sft samples", dropped, "data.max_length", cfg.max_length))
     return samples

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tidal.data.dataset import _json_type_name, read_rows
+from tidal.data.dataset import DataError, _json_type_name, read_rows
 from tidal.types import Sample, Status
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -36,9 +36,9 @@ def _render(tokenizer: Any, messages: list[dict], where: str, add_generation_pro
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as err:
-        raise ValueError(f"{where}: the chat template failed on the first {len(messages)} messages: {err}") from err
+        raise DataError(f"{where}: the chat template failed on the first {len(messages)} messages: {err}") from err
     if not isinstance(text, str):
-        raise ValueError(f"{where}: the chat template returned {_json_type_name(text)}, expected a string")
+        raise DataError(f"{where}: the chat template returned {_json_type_name(text)}, expected a string")
     return text
 
 
@@ -56,26 +56,26 @@ def _eos_id(tokenizer: Any) -> int:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is None:
-        raise ValueError("the tokenizer has no eos token, which SFT pairs need to end the response")
+        raise DataError("the tokenizer has no eos token, which SFT pairs need to end the response")
     return int(eos)
 
 
 def _check_messages(messages: Any, key: str, where: str) -> list[dict]:
     if not isinstance(messages, list):
-        raise ValueError(f"{where}: {key!r} must be a list of messages, got {_json_type_name(messages)}")
+        raise DataError(f"{where}: {key!r} must be a list of messages, got {_json_type_name(messages)}")
     if not messages:
-        raise ValueError(f"{where}: {key!r} is an empty list of messages")
+        raise DataError(f"{where}: {key!r} is an empty list of messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: {key!r} message {i} must be an object, got {_json_type_name(m)}")
+            raise DataError(f"{where}: {key!r} message {i} must be an object, got {_json_type_name(m)}")
         for field in ("role", "content"):
             if field not in m:
-                raise ValueError(f"{where}: {key!r} message {i} is missing key {field!r}")
+                raise DataError(f"{where}: {key!r} message {i} is missing key {field!r}")
         role = m["role"]
         if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"{where}: {key!r} message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+            raise DataError(f"{where}: {key!r} message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
-            raise ValueError(
+            raise DataError(
                 f"{where}: {key!r} message {i} 'content' must be a string, got {_json_type_name(m['content'])}"
             )
     return messages
@@ -94,14 +94,14 @@ def _prefix_ids(
     text = _render(tokenizer, messages, where, add_generation_prompt=generation)
     what = f"the first {len(messages)} messages" + (" with the generation prompt" if generation else "")
     if not full_text.startswith(text):
-        raise ValueError(
+        raise DataError(
             f"{where}: the chat template is not prefix-stable: rendering {what} is not a prefix of rendering "
             "the whole chat, so assistant turns cannot be located (use a template that renders earlier turns "
             "the same whatever follows them)"
         )
     ids = _encode(tokenizer, text)
     if full_ids[: len(ids)] != ids:
-        raise ValueError(
+        raise DataError(
             f"{where}: the chat template is not prefix-stable token-wise: the tokens of {what} are not a prefix "
             "of the tokens of the whole chat (the tokenizer merges text across the turn boundary)"
         )
@@ -114,9 +114,9 @@ def _chat_tokens(
     """Tokenize a chat; return its token ids and a 0/1 mask over them marking assistant turns."""
     assistant_turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant_turns:
-        raise ValueError(f"{where}: {key!r} has no assistant message, so there is nothing to train on")
+        raise DataError(f"{where}: {key!r} has no assistant message, so there is nothing to train on")
     if assistant_turns[0] == 0:
-        raise ValueError(f"{where}: {key!r} starts with an assistant message; put a user message before it")
+        raise DataError(f"{where}: {key!r} starts with an assistant message; put a user message before it")
 
     full_text = _render(tokenizer, messages, where, add_generation_prompt=False)
     ids = _encode(tokenizer, full_text)
@@ -126,7 +126,7 @@ def _chat_tokens(
         start = _prefix_ids(tokenizer, full_text, ids, messages[:k], where, generation=True)
         end = _prefix_ids(tokenizer, full_text, ids, messages[: k + 1], where, generation=False)
         if start < previous_end or end < start:
-            raise ValueError(
+            raise DataError(
                 f"{where}: the chat template is not prefix-stable: assistant message {k} does not render after "
                 "the turns before it"
             )
@@ -137,7 +137,7 @@ def _chat_tokens(
             mask[i] = 1
         previous_end = end
     if 1 not in mask:
-        raise ValueError(
+        raise DataError(
             f"{where}: the assistant messages in {key!r} render to no tokens, so there is nothing to train on"
         )
     return ids, mask
@@ -161,9 +161,9 @@ def build_sft_samples(
     `source` names `source:number` in error messages and in each sample's `metadata["source"]`.
     """
     if system_prompt is not None and not apply_chat_template:
-        raise ValueError("system_prompt needs apply_chat_template=True")
+        raise DataError("system_prompt needs apply_chat_template=True")
     if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+        raise DataError(f"max_length must be >= 1, got {max_length}")
     special_ids = _special_ids(tokenizer)
 
     samples: list[Sample] = []
@@ -173,7 +173,7 @@ def build_sft_samples(
         # Parquet fills a column a row lacks with None, so None means "absent" for every key.
         if row.get(messages_key) is not None:
             if not apply_chat_template:
-                raise ValueError(f"{where}: {messages_key!r} is a chat, which needs apply_chat_template=True")
+                raise DataError(f"{where}: {messages_key!r} is a chat, which needs apply_chat_template=True")
             messages = _with_system(_check_messages(row[messages_key], messages_key, where), system_prompt)
             tokens, mask = _chat_tokens(tokenizer, messages, messages_key, where, special_ids)
             first, last = mask.index(1), len(mask) - mask[::-1].index(1)
@@ -182,11 +182,11 @@ def build_sft_samples(
             prompt, response = row.get(prompt_key), row.get(response_key)
             for key, value in ((prompt_key, prompt), (response_key, response)):
                 if value is None:
-                    raise ValueError(
+                    raise DataError(
                         f"{where}: missing key {key!r} (a pair row needs {prompt_key!r} and {response_key!r})"
                     )
             if not isinstance(response, str):
-                raise ValueError(f"{where}: {response_key!r} must be a string, got {_json_type_name(response)}")
+                raise DataError(f"{where}: {response_key!r} must be a string, got {_json_type_name(response)}")
             if isinstance(prompt, str):
                 if apply_chat_template:
                     messages = _with_system([{"role": "user", "content": prompt}], system_prompt)
@@ -195,13 +195,13 @@ def build_sft_samples(
                     prompt_text = prompt
             elif isinstance(prompt, list):
                 if not apply_chat_template:
-                    raise ValueError(
+                    raise DataError(
                         f"{where}: {prompt_key!r} is a list of messages, which needs apply_chat_template=True"
                     )
                 messages = _with_system(_check_messages(prompt, prompt_key, where), system_prompt)
                 prompt_text = _render(tokenizer, messages, where, add_generation_prompt=True)
             else:
-                raise ValueError(
+                raise DataError(
                     f"{where}: {prompt_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}"
                 )
             # The response is appended as tokens, not re-templated: this is what generation produces.
@@ -209,7 +209,7 @@ def build_sft_samples(
             tokens = _encode(tokenizer, prompt_text) + response_ids
             loss_mask = [1] * len(response_ids)
         else:
-            raise ValueError(
+            raise DataError(
                 f"{where}: missing key {messages_key!r} (a chat) or {prompt_key!r} and {response_key!r} (a pair)"
             )
 

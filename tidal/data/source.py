@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tidal.data.dataset import PromptRecord
+from tidal.data.dataset import DataError, PromptRecord
 
 
 class DataSource:
@@ -67,14 +67,14 @@ class DataSource:
         order being resumed. `batch_size` is not restored: the cursor counts records, not batches.
         """
         if state.get("streaming"):
-            raise ValueError("cannot resume an in-memory data source from a checkpoint of a streamed one")
+            raise DataError("cannot resume an in-memory data source from a checkpoint of a streamed one")
         n = int(state["num_records"])
         if n != len(self.records):
             # A different dataset would silently remap every index; refuse rather than mislead.
-            raise ValueError(f"cannot resume data source: checkpoint has {n} records, dataset has {len(self.records)}")
+            raise DataError(f"cannot resume data source: checkpoint has {n} records, dataset has {len(self.records)}")
         position = int(state["position"])
         if not 0 <= position < n:
-            raise ValueError(f"cannot resume data source: position {position} outside 0..{n - 1}")
+            raise DataError(f"cannot resume data source: position {position} outside 0..{n - 1}")
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tidal.data.dataset import PromptRecord, build_prompt, check_prompt_options, parse_json_line
+from tidal.data.dataset import DataError, PromptRecord, build_prompt, check_prompt_options, parse_json_line
 
 log = logging.getLogger("tidal")
 
@@ -56,7 +56,7 @@ class JsonlRows:
                 f.seek(offset)
                 row = parse_json_line(f.readline(), self.path, lineno)
                 if row is None:
-                    raise ValueError(f"{self.path}:{lineno}: the line a checkpoint refers to is now blank")
+                    raise DataError(f"{self.path}:{lineno}: the line a checkpoint refers to is now blank")
                 out.append(row)
         return out
 
@@ -74,7 +74,7 @@ class ParquetRows:
         try:
             self.file = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as e:
-            raise ValueError(f"{path}: not a Parquet file ({e})") from None
+            raise DataError(f"{path}: not a Parquet file ({e})") from None
         meta = self.file.metadata
         self.group_starts = [0]
         for g in range(meta.num_row_groups):
@@ -129,7 +129,7 @@ class StreamingSource:
             raise FileNotFoundError(f"data file not found: {self.path}")
         suffix = self.path.suffix.lower()
         if suffix not in (".jsonl", ".parquet"):
-            raise ValueError(f"{self.path}: streaming reads .jsonl or .parquet files, got {suffix or '(none)'!r}")
+            raise DataError(f"{self.path}: streaming reads .jsonl or .parquet files, got {suffix or '(none)'!r}")
         if batch_size < 1 or buffer_size < 1:
             raise ValueError(f"batch_size and buffer_size must be >= 1, got {batch_size} and {buffer_size}")
         check_prompt_options(**options)
@@ -151,7 +151,7 @@ class StreamingSource:
         self._rows = self.reader.rows(self.cursor)
         self._fill()
         if not self.buffer:
-            raise ValueError(f"data.path {self.path}: the file has no rows")
+            raise DataError(f"data.path {self.path}: the file is empty: it holds no prompts")
 
     def _fill(self) -> None:
         # without shuffling a one-row buffer hands out the file in order
@@ -179,8 +179,10 @@ class StreamingSource:
                 self.kept += 1
             if not self.buffer:  # roll over now, so `epoch` names the epoch of the next record
                 if not self.kept:
-                    raise ValueError(
-                        f"data.path {self.path}: no prompts left after dropping {self.dropped} over-long ones"
+                    limit = self.options.get("max_prompt_length")
+                    raise DataError(
+                        f"data.path {self.path}: all {self.dropped} prompts are longer than data.max_prompt_length "
+                        f"({limit} tokens); raise data.max_prompt_length or shorten them"
                     )
                 log.info(
                     "data: epoch %d streamed %d prompts, %d dropped as too long", self.epoch, self.kept, self.dropped
@@ -221,10 +223,10 @@ class StreamingSource:
         """Continue exactly where `state_dict` was taken. The checkpoint's seed, shuffle and buffer
         size win over the constructor's, since they define the order being resumed."""
         if not state.get("streaming"):
-            raise ValueError("cannot resume a streamed data source from a checkpoint of an in-memory one")
+            raise DataError("cannot resume a streamed data source from a checkpoint of an in-memory one")
         size = self.path.stat().st_size
         if size != state["file_size"]:
-            raise ValueError(
+            raise DataError(
                 f"cannot resume data source: {self.path} has {size} bytes, the checkpoint's file had "
                 f"{state['file_size']}; the rows it points at may have moved"
             )

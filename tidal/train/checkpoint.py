@@ -6,6 +6,11 @@ checkpoints beyond `keep` are deleted last. So a run killed at any point leaves 
 previous complete checkpoint, and `latest_checkpoint` finds the newest complete one by looking at
 the folders themselves (`latest` is a convenience for people and scripts, never trusted alone).
 Temporary folders a killed save left behind are removed on the next save.
+
+`trainer_state.pt` holds only tensors, numbers, strings, lists, tuples and dicts (optimizer and
+scheduler state, the Python and torch RNG states), so it is read with `torch.load(weights_only=True)`:
+a file holding any other Python object is refused before that object is built, since unpickling it
+could run code (`--resume` on a folder someone else could write to must not be a way in).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -21,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.types import InputError
 from tidal.utils import atomic_directory, atomic_write_json, atomic_write_text, remove_stale_temps
 
 LATEST = "latest"
@@ -29,6 +36,10 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 _STEP_RE = re.compile(r"step_(\d+)")
 
 log = logging.getLogger("tidal")
+
+
+class CheckpointError(InputError):
+    """A checkpoint file that cannot be loaded safely or at all; the message names the file."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -130,17 +141,80 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return newest
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict, dict]:
-    """Read (trainer_state, state) from a checkpoint folder and restore the RNG states.
-    The model weights are loaded by the caller from the same folder (it is an HF model folder)."""
+def _refusal_detail(err: Exception) -> str:
+    """The line of torch's weights-only refusal that names what was refused (torch's own advice,
+    to load with weights_only=False, is exactly what must not be done with an untrusted file)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    for key in ("GLOBAL", "Unsupported", "unsupported"):
+        for ln in lines:
+            if key in ln and "weights_only" not in ln:
+                return ln
+    return lines[-1] if lines else type(err).__name__
+
+
+def read_trainer_state(path: str | Path, mmap: bool = False) -> dict:
+    """The dict in a checkpoint's `trainer_state.pt`, read with torch's weights-only unpickler.
+
+    `mmap=True` maps the tensors instead of reading them (a cheap check that the file loads).
+    Raises CheckpointError naming the file when it holds anything but tensors and plain data
+    (nothing in it is built, so no code in it runs), or cannot be read at all."""
     path = Path(path)
-    trainer_state = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
-    state = json.loads((path / STATE_FILE).read_text())
-    rng = trainer_state.pop("rng", None)
-    if rng:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refused to load: it holds Python objects other than tensors, numbers, strings, lists and "
+            f"dicts ({_refusal_detail(e)}), and building them could run code. tidal writes only those, so this "
+            "file was not written by tidal or was changed since; resume from a checkpoint you trust (delete this "
+            "checkpoint folder to resume from the one before it)"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: cannot be read as a checkpoint's trainer state ({e}); the file is damaged or not one "
+            "tidal wrote. Delete this checkpoint folder to resume from the one before it"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a dict of trainer state, got {type(state).__name__}")
+    return state
+
+
+def _restore_rng(rng: dict, path: Path) -> None:
+    try:
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{path}: 'rng' must hold the Python RNG state (random.getstate()) and the torch one "
+            f"(torch.get_rng_state()): {type(e).__name__}: {e}"
+        ) from None
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict, dict]:
+    """Read (trainer_state, state) from a checkpoint folder and restore the RNG states.
+    The model weights are loaded by the caller from the same folder (it is an HF model folder).
+
+    Raises CheckpointError naming the file when `trainer_state.pt` holds anything but tensors and
+    plain data (see `read_trainer_state`) or `state.json` is not a JSON object with a step."""
+    path = Path(path)
+    trainer_state = read_trainer_state(path / TRAINER_STATE_FILE)
+    state = read_state(path)
+    rng = trainer_state.pop("rng", None)
+    if rng:
+        _restore_rng(rng, path / TRAINER_STATE_FILE)
     return trainer_state, state
+
+
+def read_state(path: str | Path) -> dict:
+    """A checkpoint folder's `state.json` (step, data position, ...); CheckpointError names the
+    file when it is not a JSON object with an integer `step`."""
+    file = Path(path) / STATE_FILE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot be read as JSON ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{file}: expected a JSON object with an integer 'step', got {str(state)[:100]!r}")
+    return state
 
 
 def export_checkpoint(output_dir: str | Path, out: str | Path, step: int | None = None) -> Path:

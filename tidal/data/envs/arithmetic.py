@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import random
 
+from tidal.data.dataset import DataError
+
 LEVELS = (1, 2, 3, 4, 5, 6)
 
 _ONE = (0, 9)
@@ -49,9 +51,9 @@ def apply_op(a: int, op: str, b: int) -> int:
 def make_problems(n: int = 1000, level: int = 1, seed: int = 0) -> list[dict]:
     """Generate `n` problems of the given level; the same (n, level, seed) gives the same list."""
     if level not in _SPECS:
-        raise ValueError(f"arithmetic level must be one of {', '.join(map(str, LEVELS))}, got {level!r}")
+        raise DataError(f"arithmetic level must be one of {', '.join(map(str, LEVELS))}, got {level!r}")
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise DataError(f"n must be >= 0, got {n}")
     # A private Random keeps the output independent of the global RNG and of other callers.
     rng = random.Random(seed)
     specs = _SPECS[level]
