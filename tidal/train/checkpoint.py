@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.hardware import CPU
 from tidal.types import InputError
 from tidal.utils import atomic_directory, atomic_write_json, atomic_write_text, remove_stale_temps
 
@@ -160,7 +161,7 @@ def read_trainer_state(path: str | Path, mmap: bool = False) -> dict:
     (nothing in it is built, so no code in it runs), or cannot be read at all."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location=CPU, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"{path}: refused to load: it holds Python objects other than tensors, numbers, strings, lists and "
