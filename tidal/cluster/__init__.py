@@ -235,17 +235,22 @@ def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
             raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal or vllm)")
         return BroadcastSync(trainer, engines, timeout)
     from tidal.engine.client import EngineClient
+    from tidal.sync.base import PushBound
     from tidal.sync.remote import DiskSync, HttpSync
 
+    c = cfg.cluster
     clients = [EngineClient(u, timeout, api_key=getattr(engines, "api_key", None)) for u in engines.urls]
+    # each weight request: base seconds + its bytes at the slowest throughput allowed, at most the timeout
+    bound = PushBound(c.sync_base_timeout, c.sync_min_mb_per_s, timeout)
+    kw = {"engines": engines, "loop": engines.loop, "bound": bound}
     if kind == "disk":
-        root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
-        return DiskSync(trainer, clients, root, timeout, engines=engines, loop=engines.loop)
+        root = c.sync_dir or str(Path(cfg.train.output_dir) / "weights")
+        return DiskSync(trainer, clients, root, timeout, **kw)
     if kind == "distributed":
         from tidal.sync.distributed import DistributedSync
 
-        return DistributedSync(trainer, clients, timeout, engines=engines, loop=engines.loop)
-    return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines, loop=engines.loop)
+        return DistributedSync(trainer, clients, timeout, **kw)
+    return HttpSync(trainer, clients, timeout, delta=kind == "delta", **kw)
 
 
 def _remove_group(group) -> None:
