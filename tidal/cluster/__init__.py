@@ -57,16 +57,16 @@ class LocalEngines:
         self._run(self.engine.resume(), "resume")
 
     def recover(self) -> bool:
-        """Put the servers the router took out of service back: one that answers /health again as
-        it is, one that tidal launched (SGLang) started again in its place; servers that are not
-        ours stay out until they answer. The weight push that follows gives them the current
-        weights before they serve. True when one came back."""
+        """Before a weight push: ask every server for /health and take those that fail it out of
+        service (a server can die after its last request of the rollout, which the router never
+        saw); put the servers out of service back: one that answers /health again as it is, one
+        that tidal launched (SGLang) started again in its place; servers that are not ours stay
+        out until they answer. The weight push that follows gives them the current weights before
+        they serve. True when one came back."""
         router = getattr(self.engine, "control", None)
         if router is None:
             return False
         front = self.engine.router is not router  # (sglang-router): the servers' failures are not seen here
-        if not router.down and not front:
-            return False
         failing = self._run(self.engine.check_health(), "health check")
         for i, error in failing.items():
             router.mark_down(i, RuntimeError(error))
