@@ -95,7 +95,7 @@ def remote_roles(model_dir, out_dir, url: str, transport: str):
 @pytest.mark.parametrize(
     "transport,method,route",
     [
-        ("http", "send_tensor_chunk", r"POST /update_weights_from_tensor \(chunk 1 of 1: [\d.]+ [kM]?B\)"),
+        ("http", "send_tensor_chunk", r"POST /update_weights_from_tensor \(chunk 1 of 1: [\d.]+ MB\)"),
         ("disk", "update_weights_from_disk", r"POST /update_weights_from_disk \(\S+weights_v2: [\d.]+ MB\)"),
     ],
 )

@@ -27,8 +27,9 @@ class SyncError(RuntimeError):
 
 
 def megabytes(nbytes: int) -> str:
-    """`nbytes` for a message, in MB (10^6 bytes)."""
-    return f"{nbytes / 1e6:.3g} MB"
+    """`nbytes` for a message, in MB (10^6 bytes): `0.616 MB`, `43 MB`, `14,000 MB`."""
+    mb = nbytes / 1e6
+    return f"{mb:,.0f} MB" if mb >= 100 else f"{mb:.3g} MB"
 
 
 @dataclass(frozen=True)
