@@ -303,6 +303,16 @@ class ClusterConfig:
         "rollout.engine remote, distributed for sglang)",
     )
     sync_timeout: float = _opt(300.0, "seconds a weight sync may take before the run stops naming the engine")
+    sync_base_timeout: float = _opt(
+        30.0,
+        "http, delta and disk weight syncs: seconds one weight request may take besides moving its bytes "
+        "(each is bounded by this + its bytes / sync_min_mb_per_s, at most sync_timeout)",
+    )
+    sync_min_mb_per_s: float = _opt(
+        10.0,
+        "http, delta and disk weight syncs: the slowest transfer (MB/s, 10^6 bytes) a weight request is given "
+        "time for; a stopped or stalled engine is found after one request's bound",
+    )
     sync_dir: str | None = _opt(None, "disk weight sync: a folder every engine can read (default: output_dir/weights)")
     engine_startup_timeout: float = _opt(
         600.0, "seconds a Ray engine or a launched SGLang server may take to load and answer /health"
@@ -760,6 +770,8 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
         need(getattr(c, name) >= 0, f"cluster.{name}: must be >= 0, got {getattr(c, name)}")
     need(c.sync_timeout > 0, f"cluster.sync_timeout: must be > 0 seconds, got {c.sync_timeout}")
+    need(c.sync_base_timeout > 0, f"cluster.sync_base_timeout: must be > 0 seconds, got {c.sync_base_timeout}")
+    need(c.sync_min_mb_per_s > 0, f"cluster.sync_min_mb_per_s: must be > 0 MB/s, got {c.sync_min_mb_per_s}")
     need(
         c.engine_startup_timeout > 0,
         f"cluster.engine_startup_timeout: must be > 0 seconds, got {c.engine_startup_timeout}",

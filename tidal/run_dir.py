@@ -13,7 +13,8 @@
       less memory), cluster.device,
       rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key(_file),
       rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
-      cluster.sync_dir, cluster.cpus_per_trainer, cluster.cpus_per_engine,
+      cluster.sync_base_timeout, cluster.sync_min_mb_per_s, cluster.sync_dir, cluster.cpus_per_trainer,
+      cluster.cpus_per_engine,
       and every field of the `log` and `eval` groups.
 
   Any other difference (model, data, algorithm, batch sizes, learning rate, seeds, precision,
@@ -69,6 +70,8 @@ HARMLESS_FIELDS = frozenset(
         "rollout.kv_cache_tokens",
         "cluster.address",
         "cluster.sync_timeout",
+        "cluster.sync_base_timeout",
+        "cluster.sync_min_mb_per_s",
         "cluster.sync_dir",
         "cluster.cpus_per_trainer",
         "cluster.cpus_per_engine",

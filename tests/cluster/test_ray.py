@@ -99,6 +99,19 @@ def engine_roles(tiny_model_dir, tmp_path, timeout, **over):
     return build_roles(cfg, Path(tiny_model_dir), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None)
 
 
+def after_recover(engines, act) -> None:
+    """Call `act()` right after the push's `engines.recover()` (its health check and restarts):
+    a fault there is one during the weight push itself, which the push names rather than recovers."""
+    recover = engines.recover
+
+    def recover_then_act() -> bool:
+        changed = recover()
+        act()
+        return changed
+
+    engines.recover = recover_then_act
+
+
 def test_an_engine_killed_during_weight_sync_ends_the_push_naming_it(ray_session, tiny_model_dir, tmp_path):
     import ray
 
@@ -109,8 +122,12 @@ def test_an_engine_killed_during_weight_sync_ends_the_push_naming_it(ray_session
         roles.sync.push(1)
         victim = roles.engines.actors[1]
         pid = ray.get(victim.pid.remote())
-        os.kill(pid, signal.SIGSTOP)  # stuck: the push waits on it...
-        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()  # ...and then it dies
+
+        def stop_then_kill() -> None:  # once the push has checked the engines and is under way:
+            os.kill(pid, signal.SIGSTOP)  # stuck: the push waits on it...
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()  # ...and then it dies
+
+        after_recover(roles.engines, stop_then_kill)
         t0 = time.monotonic()
         with pytest.raises(SyncError) as err:
             roles.sync.push(2)
@@ -143,7 +160,8 @@ def test_a_weight_sync_past_its_timeout_ends_the_push_naming_the_engine(ray_sess
 
         assert httpx.get(roles.engines.urls[0] + "/get_weight_version").status_code == 401
         pid = ray.get(roles.engines.actors[0].pid.remote())
-        os.kill(pid, signal.SIGSTOP)  # the engine stops answering
+        # the engine stops answering once the push has checked the engines and is under way
+        after_recover(roles.engines, lambda: os.kill(pid, signal.SIGSTOP))
         t0 = time.monotonic()
         with pytest.raises(SyncError, match=r"over broadcast: the broadcast timed out after 5 s") as err:
             roles.sync.push(2)
@@ -229,6 +247,80 @@ def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
             assert engine.router.down == {} and loop.run(engine.get_weight_versions(), 30) == [2]
         outs = loop.run(rollout(), 120)
         assert {o.weight_version for o in outs} == {2}
+    finally:
+        roles.close()
+    assert no_workers_left()
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_an_engine_that_dies_after_its_rollout_is_restarted_by_the_push_on_the_pushed_weights(
+    ray_session, tiny_model_dir, tmp_path, colocate
+):
+    """The engine process dies after its last request of the rollout (colocated: while the trainer
+    trains, the engines asleep), which the router never saw: the push finds it, restarts it in its
+    place and gives it the trained weights, so the run goes on and the restarted engine samples
+    with exactly the trainer's log-probs."""
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidal.engine.sampling import SamplingParams
+    from tidal.types import Sample
+
+    over = {"rollout.temperature": 1.0, "cluster.colocate": colocate}
+    roles = engine_roles(tiny_model_dir, tmp_path, timeout=120, **over)
+    try:
+        roles.sync.push(1)
+        engine, router, loop = roles.engines.engine, roles.engines.engine.router, roles.engines.loop
+        prompts = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4
+
+        async def generate(client, prompt, seed):
+            return await client.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed))
+
+        async def rollout():
+            sp = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=70 + i) for i in range(len(prompts))]
+            return await asyncio.gather(
+                *(engine.generate(p, s, group=i // 4) for i, (p, s) in enumerate(zip(prompts, sp, strict=True)))
+            )
+
+        def sample(prompt, out) -> Sample:
+            n = len(out.token_ids)
+            return Sample(
+                tokens=prompt + out.token_ids, response_length=n, loss_mask=[1] * n, rollout_log_probs=out.log_probs
+            )
+
+        outs = loop.run(rollout(), 120)
+        assert router.down == {} and {o.weight_version for o in outs} == {1}
+        samples = [sample(p, o) for p, o in zip(prompts, outs, strict=True)]
+        for i, s in enumerate(samples):
+            s.group_index, s.index = i // 4, i
+        victim, old_url = roles.engines.actors[1], roles.engines.urls[1]
+        pid = ray.get(victim.pid.remote())
+        if colocate:
+            roles.engines.sleep()
+        roles.trainer.train_step(samples, torch.tensor([1.0, -1.0] * 4))
+        os.kill(pid, signal.SIGKILL)  # the rollout is over, the new weights are not pushed yet
+        if colocate:
+            roles.engines.wake()  # the dead engine is taken out of service, not an error
+        metrics = roles.sync.push(2)
+        assert metrics["engines/restarts"] == 1.0
+        assert roles.engines.urls[1] != old_url and ray.get(roles.engines.actors[1].pid.remote()) != pid
+        assert router.down == {} and loop.run(engine.get_weight_versions(), 30) == [2, 2]
+        # the restarted engine serves the trained weights: its log-probs are the trainer's ...
+        prompt = [12, 40, 41, 42]
+        out = loop.run(generate(router.clients[1], prompt, seed=5), 120)
+        assert out.weight_version == 2 and len(out.token_ids) > 0
+        n = len(out.token_ids)
+        trained = roles.trainer.compute_log_probs([sample(prompt, out)])[0, :n]
+        torch.testing.assert_close(torch.tensor(out.log_probs), trained, atol=1e-4, rtol=0)
+        # ... and not the initial ones it loaded at its start
+        initial_model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+        with torch.no_grad():
+            logits = initial_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        initial = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (initial - trained).abs().max() > 1e-3
+        # the run goes on: the next rollout is on version 2
+        assert {o.weight_version for o in loop.run(rollout(), 120)} == {2}
     finally:
         roles.close()
     assert no_workers_left()

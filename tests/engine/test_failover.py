@@ -103,6 +103,30 @@ def test_a_server_shut_down_mid_rollout_has_its_requests_sent_to_the_other(two, 
     assert engine.weight_version == 3
 
 
+def test_a_server_that_dies_after_its_rollout_is_left_out_of_the_next_push(two, reference):
+    """The server goes away after its last request (the router never saw it fail): the push's
+    health check takes it out of service and the push goes to the live one (a remote server is not
+    ours to restart), instead of failing on it and ending the run. With none left, the push says so."""
+    from tidal.sync.base import SyncError
+
+    engine = HttpEngine([s.url for s in two], timeout=60)
+    outs = run_batch(engine, PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == reference and engine.router.down == {}
+    two[1].server.server.force_exit = True
+    two[1].server.stop()
+    engines = LocalEngines(engine, shared_loop())
+    clients = [EngineClient(s.url, 30) for s in two]
+    sync = HttpSync(Weights(make_model(seed=1)), clients, 30, engines=engines, loop=engines.loop)
+    sync.push(3)
+    assert engines.live_urls() == [two[0].url] and list(engine.router.down) == [1]
+    assert run(engine, engine.get_weight_versions) == [3]
+    assert {o.weight_version for o in run_batch(engine, PROMPTS, PARAMS)} == {3}
+    two[0].server.server.force_exit = True
+    two[0].server.stop()
+    with pytest.raises(SyncError, match=r"over http: no engine to push to: .*/health: cannot connect"):
+        sync.push(4)
+
+
 def test_a_silent_server_is_a_bounded_wait(two, reference):
     engine = HttpEngine([s.url for s in two], timeout=60)  # the live server's requests: room for load
     engine.router.clients[1].timeout = 2.0  # the silent one's

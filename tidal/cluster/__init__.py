@@ -58,16 +58,16 @@ class LocalEngines:
         self._run(self.engine.resume(), "resume")
 
     def recover(self) -> bool:
-        """Put the servers the router took out of service back: one that answers /health again as
-        it is, one that tidal launched (SGLang) started again in its place; servers that are not
-        ours stay out until they answer. The weight push that follows gives them the current
-        weights before they serve. True when one came back."""
+        """Before a weight push: ask every server for /health and take those that fail it out of
+        service (a server can die after its last request of the rollout, which the router never
+        saw); put the servers out of service back: one that answers /health again as it is, one
+        that tidal launched (SGLang) started again in its place; servers that are not ours stay
+        out until they answer. The weight push that follows gives them the current weights before
+        they serve. True when one came back."""
         router = getattr(self.engine, "control", None)
         if router is None:
             return False
         front = self.engine.router is not router  # (sglang-router): the servers' failures are not seen here
-        if not router.down and not front:
-            return False
         failing = self._run(self.engine.check_health(), "health check")
         for i, error in failing.items():
             router.mark_down(i, RuntimeError(error))
@@ -238,17 +238,22 @@ def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
             raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal or vllm)")
         return BroadcastSync(trainer, engines, timeout)
     from tidal.engine.client import EngineClient
+    from tidal.sync.base import PushBound
     from tidal.sync.remote import DiskSync, HttpSync
 
+    c = cfg.cluster
     clients = [EngineClient(u, timeout, api_key=getattr(engines, "api_key", None)) for u in engines.urls]
+    # each weight request: base seconds + its bytes at the slowest throughput allowed, at most the timeout
+    bound = PushBound(c.sync_base_timeout, c.sync_min_mb_per_s, timeout)
+    kw = {"engines": engines, "loop": engines.loop, "bound": bound}
     if kind == "disk":
-        root = cfg.cluster.sync_dir or str(Path(cfg.train.output_dir) / "weights")
-        return DiskSync(trainer, clients, root, timeout, engines=engines, loop=engines.loop)
+        root = c.sync_dir or str(Path(cfg.train.output_dir) / "weights")
+        return DiskSync(trainer, clients, root, timeout, **kw)
     if kind == "distributed":
         from tidal.sync.distributed import DistributedSync
 
-        return DistributedSync(trainer, clients, timeout, engines=engines, loop=engines.loop)
-    return HttpSync(trainer, clients, timeout, delta=kind == "delta", engines=engines, loop=engines.loop)
+        return DistributedSync(trainer, clients, timeout, **kw)
+    return HttpSync(trainer, clients, timeout, delta=kind == "delta", **kw)
 
 
 def _remove_group(group) -> None:

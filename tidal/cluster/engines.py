@@ -180,8 +180,10 @@ class EngineGroup:
         return urls
 
     def recover(self) -> bool:
-        """Restart or drop (`cluster.engine_failure`) the engines the router took out of service
-        (they failed a request: no connection, no answer within `rollout.request_timeout`, a 5xx).
+        """Restart or drop (`cluster.engine_failure`) the engines that failed: those the router took
+        out of service (they failed a request: no connection, no answer within
+        `rollout.request_timeout`, a 5xx) and those that fail /health now (within the client's
+        control timeout), such as one that died after its last request of the rollout.
         Returns True when engines changed: the weight sync must then re-form its group and push the
         current weights before they serve (a restarted engine holds the initial ones). Raises
         RuntimeError when no engine would be left. An engine that dies during the weight push
@@ -191,6 +193,12 @@ class EngineGroup:
         from tidal.engine.client import EngineClient, Router
 
         router = self.engine.router
+        # the router sees only the failures of requests: an engine that died (or stopped answering)
+        # after the rollout's last request would otherwise first be found by the push, ending the run
+        limit = max(c.control_timeout for c in router.clients) + 30
+        failing = self.loop.run(router.check_health(), limit, "engines: the health check before a weight push")
+        for i, error in failing.items():
+            router.mark_down(i, RuntimeError(error))
         failed = dict(router.down)
         if not failed:
             return False
@@ -242,11 +250,31 @@ class EngineGroup:
 
     def sleep(self) -> None:
         """Every engine in service frees its KV cache and weights (an engine that failed during the
-        rollout is left alone until `recover` replaces it)."""
-        self._run(self.engine.sleep(), "sleep")
+        rollout is left alone until `recover` replaces it; one that fails this call is taken out
+        of service for `recover` to replace)."""
+        self._run(self._each_live("release_memory"), "sleep")
 
     def wake(self) -> None:
-        self._run(self.engine.wake(), "wake")
+        """Every engine in service takes its memory back (one that fails is taken out of service:
+        the weight push that follows restarts or drops it)."""
+        self._run(self._each_live("resume_memory"), "wake")
+
+    async def _each_live(self, method: str) -> None:
+        """Call `method` on every engine in service; an engine that fails it as an engine fails (no
+        connection, no answer, a 5xx: it died while the trainers trained) is marked down, so the
+        next push's `recover` deals with it instead of the call ending the run."""
+        import asyncio
+
+        from tidal.engine.client import EngineError, is_engine_failure
+
+        router = self.engine.router
+        live = router.live
+        results = await asyncio.gather(*(getattr(router.clients[i], method)() for i in live), return_exceptions=True)
+        for i, result in zip(live, results, strict=True):
+            if isinstance(result, EngineError) and is_engine_failure(result):
+                router.mark_down(i, result)
+            elif isinstance(result, BaseException):
+                raise result
 
     def close(self) -> None:
         """Kill the actors (a rank or engine stuck in a broken collective would not answer a

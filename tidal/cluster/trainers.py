@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from tidal.cluster.ranks import rank_name, wait_for_ranks
 from tidal.config import AlgoConfig, ClusterConfig, TrainConfig
 from tidal.hardware import CPU, bind_device, dist_backend, resolve_device
 from tidal.train.update import Sums
 from tidal.types import Sample
 
 log = logging.getLogger("tidal")
+STARTUP_TIMEOUT_S = 600.0  # ranks start (and meet) within this; their collectives then wait `timeout_s`
 
 
 def balanced_share(samples: Sequence[Sample], indices: list[int], rank: int, world: int) -> list[int]:
@@ -75,9 +78,17 @@ class TrainerRank:
         self.device = bind_device(choice.device)
         log.info("trainer rank %d: cluster.device %s (%s)", rank, self.device, choice.reason)
         if world > 1:
+            from urllib.parse import urlparse
+
+            # The ranks meet over a store of their own, which waits for a slow starter as long as
+            # the start-up may take; `timeout_s` then bounds each collective, so a peer that died
+            # or stopped is found in that time (and named by `TrainerGroup`).
+            url = urlparse(init_method)
+            start = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+            store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=start)
             dist.init_process_group(
                 dist_backend(self.device),
-                init_method=init_method,
+                store=store,
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -108,8 +119,11 @@ class TrainerRank:
         if self.world > 1:
             self.actor.share = lambda idx: balanced_share(samples, idx, self.rank, self.world)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> tuple[str, int]:
+        """(node address, pid) of this rank's process: the group names a rank that fails by them."""
+        from tidal.net import node_ip
+
+        return node_ip(), os.getpid()
 
     def compute_log_probs(self, samples: list[Sample], which: str) -> Tensor:
         self._split(samples)
@@ -219,21 +233,25 @@ class TrainerGroup:
             )
             for r in range(world)
         ]
-        self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", 600)
+        self.where: list[tuple[str, int] | None] = [None] * world  # (node, pid) of each rank
+        self.where = self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", STARTUP_TIMEOUT_S)
         self.has_reference = algo.kl_coef > 0
         self.has_teacher = bool(algo.teacher)
 
-    def _get(self, refs, what: str, timeout: float | None = None):
-        import ray
+    def rank_name(self, rank: int) -> str:
+        """`trainer rank 1 (node 10.0.0.5, pid 1234)`."""
+        return rank_name(rank, self.where[rank])
 
-        try:
-            return ray.get(refs, timeout=timeout or self.timeout * 4)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"trainer ranks: {what} took longer than {timeout or self.timeout * 4:g} s") from None
+    def _get(self, refs, what: str, timeout: float | None = None):
+        """Each rank's result (`refs` in rank order); a rank that dies, stops or fails raises
+        `TrainerRankError` naming it and what the others were waiting in (`tidal.cluster.ranks`)."""
+        limit = timeout or self.timeout * 4
+        return wait_for_ranks(refs, self.where[: len(refs)], what, limit, collective_timeout=self.timeout)
 
     def compute_log_probs(self, samples: Sequence[Sample], which: str = "policy") -> Tensor:
         # every rank scores its share and returns the sum over ranks
-        return self._get([r.compute_log_probs.remote(list(samples), which) for r in self.ranks], "log-probs")[0]
+        refs = [r.compute_log_probs.remote(list(samples), which) for r in self.ranks]
+        return self._get(refs, f"computing {which} log-probs")[0]
 
     def train_step(self, samples, advantages, old_log_probs=None, ref_log_probs=None) -> dict[str, float]:
         args = (list(samples), advantages, old_log_probs, ref_log_probs)
@@ -250,9 +268,7 @@ class TrainerGroup:
         return iter(weights.items())
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        import ray
-
-        return ray.get(self.ranks[0].weight_shapes.remote(), timeout=self.timeout)
+        return self._get([self.ranks[0].weight_shapes.remote()], "listing the weights' shapes", self.timeout)[0]
 
     def state_dict(self) -> dict:
         return self._get([r.state_dict.remote() for r in self.ranks], "gathering the optimizer state")[0]

@@ -55,10 +55,11 @@ DEFAULT_CHUNK_BYTES = 32 * 2**20  # base64 makes it ~43 MB: under tidal serve's 
 class EngineError(RuntimeError):
     """A call to a rollout server failed; the message starts with the full URL of the endpoint."""
 
-    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+    def __init__(self, url: str, message: str, status: int | None = None, timed_out: bool = False) -> None:
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
+        self.timed_out = timed_out  # no answer within the call's bound (the server may be stopped or stalled)
 
 
 # ---------------------------------------------------------------------- wire format
@@ -208,7 +209,7 @@ class EngineClient:
                 async with asyncio.timeout(limit):
                     resp = await client.request(method, url, json=json, timeout=httpx.Timeout(limit, pool=None))
             except (TimeoutError, httpx.TimeoutException):
-                raise EngineError(url, f"timed out after {limit:g} s") from None
+                raise EngineError(url, f"timed out after {limit:g} s", timed_out=True) from None
             except httpx.ConnectError as e:
                 raise EngineError(url, f"cannot connect ({e or type(e).__name__})") from e
             except httpx.HTTPError as e:

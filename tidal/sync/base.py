@@ -8,18 +8,53 @@ compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tidal.contracts import WeightSync
 
-__all__ = ["SyncError", "WeightSync", "check_engine"]
+__all__ = ["PushBound", "SyncError", "WeightSync", "check_engine", "megabytes"]
 
 
 class SyncError(RuntimeError):
-    """A weight transfer failed or timed out; the message names the engine and the transport."""
+    """A weight transfer failed or timed out; the message names the engine (its URL, and its index
+    among the run's engines when known) and the transport."""
 
-    def __init__(self, engine: str, transport: str, what: str) -> None:
-        super().__init__(f"weight sync to engine {engine} over {transport}: {what}")
+    def __init__(self, engine: str, transport: str, what: str, index: int | None = None) -> None:
+        name = engine if index is None else f"{engine} (engine {index})"
+        super().__init__(f"weight sync to engine {name} over {transport}: {what}")
         self.engine = engine
         self.transport = transport
+
+
+def megabytes(nbytes: int) -> str:
+    """`nbytes` for a message, in MB (10^6 bytes): `0.616 MB`, `43 MB`, `14,000 MB`."""
+    mb = nbytes / 1e6
+    return f"{mb:,.0f} MB" if mb >= 100 else f"{mb:.3g} MB"
+
+
+@dataclass(frozen=True)
+class PushBound:
+    """How long one weight request to an engine may take: `base` seconds (the engine's own work,
+    a busy machine) plus the request's bytes at `min_mb_per_s`, and never longer than `cap`
+    (`cluster.sync_timeout`). A small push to a stopped engine then fails in seconds instead of
+    waiting out the whole sync timeout, while a big one is still given the time its bytes need."""
+
+    base: float = 30.0  # cluster.sync_base_timeout
+    min_mb_per_s: float = 10.0  # cluster.sync_min_mb_per_s
+    cap: float = 300.0  # cluster.sync_timeout
+
+    def seconds(self, nbytes: int) -> float:
+        """The bound of a request that moves (or makes the engine read or hash) `nbytes` bytes."""
+        return min(self.cap, self.base + nbytes / (self.min_mb_per_s * 1e6))
+
+    def explain(self, nbytes: int) -> str:
+        """Where `seconds(nbytes)` comes from, naming the config keys that set it."""
+        if self.base + nbytes / (self.min_mb_per_s * 1e6) >= self.cap:
+            return f"cluster.sync_timeout {self.cap:g} s"
+        return (
+            f"cluster.sync_base_timeout {self.base:g} s + {megabytes(nbytes)} at "
+            f"cluster.sync_min_mb_per_s {self.min_mb_per_s:g}"
+        )
 
 
 def check_engine(

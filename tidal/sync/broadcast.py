@@ -112,7 +112,7 @@ class BroadcastSync:
         init = f"tcp://{node_ip()}:{free_port()}"
         refs = [self.trainers.ranks[0].join_weight_group.remote(init, world, self.timeout)]
         refs += [a.join_weight_group.remote(init, i + 1, world, self.timeout) for i, a in enumerate(engines.actors)]
-        self._wait(refs, ["trainer rank 0", *self.names], "joining the weight-sync group")
+        self._wait(refs, [self.trainers.rank_name(0), *self.names], "joining the weight-sync group")
 
     def _wait(self, refs: list, who: list[str], what: str) -> list:
         """Results of `refs` in order. A failure or the sync timeout raises SyncError naming whose
@@ -173,7 +173,7 @@ class BroadcastSync:
             self.meta = self.trainers.weight_shapes()
         sends = [r.broadcast_weights.remote(self.dtype, self.bucket_bytes) for r in self.trainers.ranks]
         recvs = [a.receive_weights.remote(self.meta, version, self.bucket_bytes) for a in self.engines.actors]
-        who = [f"trainer rank {i}" for i in range(len(sends))] + self.names
+        who = [self.trainers.rank_name(i) for i in range(len(sends))] + self.names
         results = self._wait(sends + recvs, who, "the broadcast")
         want = results[0]
         for name, (got_version, got_sum) in zip(self.names, results[len(sends) :], strict=True):

@@ -33,7 +33,7 @@ from tidal.aio import LoopThread
 from tidal.contracts import Trainer
 from tidal.engine.client import EngineClient, EngineError
 from tidal.net import free_port, node_ip
-from tidal.sync.base import SyncError, check_engine
+from tidal.sync.base import PushBound, SyncError, check_engine
 from tidal.sync.group import WeightGroup, join_weight_group
 from tidal.sync.remote import _RemoteSync
 
@@ -101,8 +101,9 @@ class DistributedSync(_RemoteSync):
         check: bool = True,
         engines=None,
         loop: LoopThread | None = None,
+        bound: PushBound | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines, loop)
+        super().__init__(trainer, clients, timeout, check, engines, loop, bound)
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.backend = backend

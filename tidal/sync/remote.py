@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,11 +15,15 @@ from tidal.aio import LoopThread
 from tidal.contracts import Trainer
 from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, encode_tensors
 from tidal.engine.weights import tensor_crc, weights_checksum
-from tidal.sync.base import SyncError, check_engine
+from tidal.sync.base import PushBound, SyncError, check_engine, megabytes
 from tidal.utils import atomic_directory
 
 
 class _RemoteSync:
+    """What the HTTP transports share. Each weight request is bounded by `bound` (base seconds plus
+    its bytes at a minimum throughput, at most the sync timeout), so an engine that stops
+    answering is found after one request's bound, named with the request it did not answer."""
+
     transport = "?"
 
     def __init__(
@@ -29,6 +34,7 @@ class _RemoteSync:
         check: bool = True,
         engines=None,
         loop: LoopThread | None = None,
+        bound: PushBound | None = None,
     ) -> None:
         self.trainer = trainer
         # the rollout role's event loop when given (one loop for every HTTP client of the run)
@@ -38,17 +44,43 @@ class _RemoteSync:
         self.active = list(clients)  # those a push goes to: the engines in service
         self.engines = engines  # the rollout role, when it takes failed engines out of service
         self.timeout = timeout
+        self.bound = bound if bound is not None else PushBound(cap=timeout)
         self.check = check
         self._dtypes: dict[str, torch.dtype | None] = {}
         self._wants: dict[torch.dtype, asyncio.Task] = {}  # per push: our checksum per engine dtype
 
-    def _run(self, coro):
-        # every wait inside is bounded by the timeout (`_each`); this one is a backstop
-        return self.loop.run(coro, 3 * self.timeout + 60, f"weight sync over {self.transport}")
+    def _run(self, coro, limit: float | None = None):
+        # every wait inside is bounded (`_bounded`, `_each`, the transports' deadlines); this one
+        # is a backstop
+        limit = 3 * self.timeout if limit is None else limit
+        return self.loop.run(coro, limit + 60, f"weight sync over {self.transport}")
+
+    def _index(self, c: EngineClient) -> int:
+        """The engine's index among the run's engines (as given, then restarted ones)."""
+        return self.clients.index(c)
+
+    async def _bounded(self, c: EngineClient, request: str, nbytes: int, call: Callable[[float], Awaitable[Any]]):
+        """`await call(limit)`, `limit` being the bound of a request of `nbytes` bytes; when the engine
+        does not answer within it, SyncError names the engine, the request, its bytes and the bound."""
+        limit = self.bound.seconds(nbytes)
+        try:
+            return await call(limit)
+        except EngineError as e:
+            if not e.timed_out:
+                raise
+            raise SyncError(
+                c.base_url,
+                self.transport,
+                f"{request} got no answer within {limit:.3g} s ({self.bound.explain(nbytes)}): the engine is "
+                "stopped, stalled or slower than that",
+                index=self._index(c),
+            ) from None
 
     async def _engine_dtype(self, c: EngineClient) -> torch.dtype | None:
         if c.base_url not in self._dtypes:
-            info = await c._request("GET", "/get_model_info", timeout=self.timeout)
+            info = await self._bounded(
+                c, "GET /get_model_info", 0, lambda t: c._request("GET", "/get_model_info", timeout=t)
+            )
             dtype = getattr(torch, str(info.get("dtype")), None) if isinstance(info, dict) else None
             self._dtypes[c.base_url] = dtype if isinstance(dtype, torch.dtype) else None
         return self._dtypes[c.base_url]
@@ -61,9 +93,17 @@ class _RemoteSync:
                 check_engine(c.base_url, self.transport, version, None, got, None)
                 return
             dtype = await self._engine_dtype(c)
-            got_version, got_sum = await c.get_weight_checksum(timeout=self.timeout)
+            n = sum(t.numel() * t.element_size() for _, t in named)  # the engine hashes all its weights
+            got_version, got_sum = await self._bounded(
+                c,
+                f"GET /get_weight_version?checksum=true (a checksum of {megabytes(n)})",
+                n,
+                lambda t: c.get_weight_checksum(timeout=t),
+            )
         except EngineError as e:
-            raise SyncError(c.base_url, self.transport, f"checking the loaded weights failed: {e}") from e
+            raise SyncError(
+                c.base_url, self.transport, f"checking the loaded weights failed: {e}", index=self._index(c)
+            ) from e
         want = None
         if dtype is not None:
             if dtype not in self._wants:
@@ -85,22 +125,30 @@ class _RemoteSync:
                 self.clients.append(client)
                 known[client.base_url] = client
         active = [known[u.rstrip("/")] for u in self.engines.live_urls()]
+        if not active:
+            router = getattr(getattr(self.engines, "engine", None), "control", None)
+            why = "; ".join(getattr(router, "down", {}).values()) or "none is in service"
+            raise SyncError(", ".join(c.base_url for c in self.clients), self.transport, f"no engine to push to: {why}")
         changed = [c.base_url for c in active] != [c.base_url for c in self.active]
         self.active = active
         return changed or recovered
 
-    async def _each(self, fn, what: str) -> None:
-        """Run `fn(client)` on every engine at once, each bounded by the timeout; the first failure
+    async def _each(self, fn, what: str, limit: float | None = None) -> None:
+        """Run `fn(client)` on every engine at once, each within `limit` seconds (default: the sync
+        timeout; the requests inside have bounds of their own, which come first); the first failure
         raises `SyncError` naming its engine."""
+        limit = self.timeout if limit is None else limit
 
         async def one(c: EngineClient) -> None:
             try:
-                async with asyncio.timeout(self.timeout):
+                async with asyncio.timeout(limit):
                     await fn(c)
             except TimeoutError:
-                raise SyncError(c.base_url, self.transport, f"{what} timed out after {self.timeout:g} s") from None
+                raise SyncError(
+                    c.base_url, self.transport, f"{what} timed out after {limit:.3g} s", index=self._index(c)
+                ) from None
             except EngineError as e:
-                raise SyncError(c.base_url, self.transport, f"{what} failed: {e}") from e
+                raise SyncError(c.base_url, self.transport, f"{what} failed: {e}", index=self._index(c)) from e
 
         self._wants = {}
         try:
@@ -145,8 +193,9 @@ class HttpSync(_RemoteSync):
         check: bool = True,
         engines=None,
         loop: LoopThread | None = None,
+        bound: PushBound | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines, loop)
+        super().__init__(trainer, clients, timeout, check, engines, loop, bound)
         self.transport = "delta" if delta else "http"
         self.chunk_bytes = chunk_bytes
         self.delta = delta
@@ -162,17 +211,26 @@ class HttpSync(_RemoteSync):
             send = [(n, t) for n, t in named if self._sent.get(n) != crcs[n]]
         self._sent = None  # until every engine confirms this push
         blobs = list(encode_tensors(send or named[:1], self.chunk_bytes))
+        sizes = [len(b) for b in blobs]  # bytes on the wire (base64)
+        # the last request has the engine load every staged chunk: it gets time for all of them
+        loads = [*sizes[:-1], sum(sizes)]
+        model_bytes = sum(t.numel() * t.element_size() for _, t in named)
 
-        async def main() -> None:
-            async def load(c: EngineClient) -> None:
-                for i, blob in enumerate(blobs):
-                    last = i == len(blobs) - 1
-                    await c.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=self.timeout)
-                await self._verify(c, version, named)
+        async def load(c: EngineClient) -> None:
+            for i, blob in enumerate(blobs):
+                last = i == len(blobs) - 1
+                request = f"POST /update_weights_from_tensor (chunk {i + 1} of {len(blobs)}: {megabytes(sizes[i])}"
+                request += f", then loading all {megabytes(loads[i])})" if last and len(blobs) > 1 else ")"
 
-            await self._each(load, "loading the weights")
+                def send(limit: float, blob=blob, last=last) -> Awaitable[None]:
+                    return c.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=limit)
 
-        self._run(main())
+                await self._bounded(c, request, loads[i], send)
+            await self._verify(c, version, named)
+
+        # a backstop over each engine's requests, each bounded on its own
+        limit = sum(map(self.bound.seconds, loads)) + self.bound.seconds(model_bytes) + self.bound.seconds(0)
+        self._run(self._each(load, "loading the weights", limit), limit)
         counts = self._confirmed(version)
         self._sent = crcs
         return {
@@ -198,8 +256,9 @@ class DiskSync(_RemoteSync):
         check=True,
         engines=None,
         loop: LoopThread | None = None,
+        bound: PushBound | None = None,
     ) -> None:
-        super().__init__(trainer, clients, timeout, check, engines, loop)
+        super().__init__(trainer, clients, timeout, check, engines, loop, bound)
         self.root = Path(root)
         self._last: Path | None = None
 
@@ -211,20 +270,25 @@ class DiskSync(_RemoteSync):
         with atomic_directory(folder) as tmp:
             self.trainer.save_model(tmp)
         named = [(n, t.detach()) for n, t in self.trainer.named_weights()]
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # what each engine reads
+        model_bytes = sum(t.numel() * t.element_size() for _, t in named)
 
-        async def main() -> None:
-            async def load(c: EngineClient) -> None:
-                await c.update_weights_from_disk(folder, version, timeout=self.timeout)
-                await self._verify(c, version, named)
+        async def load(c: EngineClient) -> None:
+            await self._bounded(
+                c,
+                f"POST /update_weights_from_disk ({folder}: {megabytes(size)})",
+                size,
+                lambda limit: c.update_weights_from_disk(folder, version, timeout=limit),
+            )
+            await self._verify(c, version, named)
 
-            await self._each(load, f"loading {folder}")
-
-        self._run(main())
+        # a backstop over each engine's requests, each bounded on its own
+        limit = self.bound.seconds(size) + self.bound.seconds(model_bytes) + self.bound.seconds(0)
+        self._run(self._each(load, f"loading {folder}", limit), limit)
         counts = self._confirmed(version)
         if self._last is not None and self._last != folder:
             shutil.rmtree(self._last, ignore_errors=True)
         self._last = folder
-        size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         return {"sync/bytes": float(size), "sync/tensors": float(len(named)), **counts}
 
     def close(self) -> None:
