@@ -344,6 +344,16 @@ class DebugConfig:
     )
 
 
+@dataclass
+class CodeSandboxConfig:
+    backend: str = _opt(
+        "auto",
+        "where model-written code runs (the code_tests reward, the python tool): auto = bubblewrap, and the run "
+        "refuses to start where it is not usable | bwrap | rlimits = resource limits only, NO isolation from the "
+        "host's files, network and processes (an explicit opt-in; docs/faults.md, 'The code sandbox')",
+    )
+
+
 EVAL_SET_KEYS = {
     "name": "the metric prefix eval/<name>/ (default: the file's stem or the env's name)",
     "path": "a .jsonl/.json/.parquet file or env:<name>, read like data.path",
@@ -451,6 +461,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    sandbox: CodeSandboxConfig = field(default_factory=CodeSandboxConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -776,6 +787,21 @@ def _validate_overlap(cfg: Config, need) -> None:
     )
 
 
+def _validate_sandbox(cfg: Config, need) -> None:
+    from tidal.rollout.sandbox import BACKENDS, SandboxUnavailable, resolve_backend
+
+    backend, r = cfg.sandbox.backend, cfg.rollout
+    need(backend in BACKENDS, f"sandbox.backend: one of {', '.join(BACKENDS)}, got {backend!r}")
+    runs_code = r.reward == "code_tests" or (r.generate == "tools" and "python" in r.tools)
+    if runs_code and backend in ("auto", "bwrap"):
+        # Found now, not at the first reward call mid-run: where bubblewrap does not work, say so
+        # before anything starts (the message says how to opt in to rlimits instead).
+        try:
+            resolve_backend(backend)
+        except SandboxUnavailable as e:
+            need(False, f"sandbox.backend: {e}")
+
+
 def _validate_debug(cfg: Config, need) -> None:
     g, lg = cfg.debug, cfg.log
     need(lg.wandb_mode in ("offline", "online"), f"log.wandb_mode: offline or online, got {lg.wandb_mode!r}")
@@ -926,5 +952,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     _validate_overlap(cfg, need)
     _validate_eval_and_streaming(cfg, need)
     _validate_debug(cfg, need)
+    _validate_sandbox(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

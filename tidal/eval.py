@@ -204,7 +204,9 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     Returns `{"model": folder, "datasets": {name: metrics}}`."""
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.engine.factory import make_engine
+    from tidal.rollout.sandbox import set_default_backend
 
+    set_default_backend(cfg.sandbox.backend)  # the code sandbox of a code_tests reward
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
     sets = standalone_sets(cfg, num_prompts, **sampling)
