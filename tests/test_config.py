@@ -70,7 +70,7 @@ def test_default_values():
     assert cfg.log.log_samples == 2
     assert cfg.log.save_samples is True and cfg.log.wandb is False and cfg.log.wandb_mode == "offline"
     assert cfg.debug == DebugConfig(rollout_only=False, save_rollout=None, load_rollout=None)
-    assert cfg.sandbox.backend == "auto"
+    assert cfg.sandbox.backend is None  # $TIDAL_SANDBOX_BACKEND, else auto
 
 
 def test_mutable_defaults_are_not_shared():

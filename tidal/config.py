@@ -346,11 +346,12 @@ class DebugConfig:
 
 @dataclass
 class CodeSandboxConfig:
-    backend: str = _opt(
-        "auto",
+    backend: str | None = _opt(
+        None,
         "where model-written code runs (the code_tests reward, the python tool): auto = bubblewrap, and the run "
         "refuses to start where it is not usable | bwrap | rlimits = resource limits only, NO isolation from the "
-        "host's files, network and processes (an explicit opt-in; docs/faults.md, 'The code sandbox')",
+        "host's files, network and processes (an explicit opt-in; docs/faults.md, 'The code sandbox'); "
+        "null = $TIDAL_SANDBOX_BACKEND, else auto",
     )
 
 
@@ -788,10 +789,18 @@ def _validate_overlap(cfg: Config, need) -> None:
 
 
 def _validate_sandbox(cfg: Config, need) -> None:
-    from tidal.rollout.sandbox import BACKENDS, SandboxUnavailable, resolve_backend
+    from tidal.rollout.sandbox import BACKENDS, SandboxUnavailable, default_backend, resolve_backend
 
     backend, r = cfg.sandbox.backend, cfg.rollout
-    need(backend in BACKENDS, f"sandbox.backend: one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend is None:
+        try:
+            backend = default_backend()
+        except ValueError as e:
+            need(False, f"sandbox.backend: null, and {e}")
+            return
+    elif backend not in BACKENDS:
+        need(False, f"sandbox.backend: one of {', '.join(BACKENDS)} (or null), got {backend!r}")
+        return
     runs_code = r.reward == "code_tests" or (r.generate == "tools" and "python" in r.tools)
     if runs_code and backend in ("auto", "bwrap"):
         # Found now, not at the first reward call mid-run: where bubblewrap does not work, say so

@@ -73,7 +73,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     newest complete checkpoint when `resume` (see `tidal.run_dir` for what a resume may change).
     Returns the metrics history."""
     t_cfg, sft = cfg.train, cfg.algo.mode == "sft"
-    set_default_backend(cfg.sandbox.backend)  # the code sandbox of rewards and tools, here and in workers
+    if cfg.sandbox.backend is not None:  # the code sandbox of rewards and tools, here and in workers
+        set_default_backend(cfg.sandbox.backend)
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)

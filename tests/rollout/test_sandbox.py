@@ -745,9 +745,14 @@ def test_config_sandbox_backend(monkeypatch, tmp_path):
     def check(**values):
         return build_config(None, {"rollout.reward": "math", **values})
 
-    assert check().sandbox.backend == "auto"
-    with pytest.raises(ConfigError, match=r"sandbox\.backend: one of auto, bwrap, rlimits, got 'docker'"):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert check().sandbox.backend is None  # $TIDAL_SANDBOX_BACKEND, else auto
+    with pytest.raises(ConfigError, match=r"sandbox\.backend: one of auto, bwrap, rlimits \(or null\), got 'docker'"):
         check(**{"sandbox.backend": "docker"})
+    monkeypatch.setenv(BACKEND_ENV, "docker")
+    with pytest.raises(ConfigError, match=r"sandbox\.backend: null, and \$TIDAL_SANDBOX_BACKEND must be one of"):
+        check()
+    monkeypatch.delenv(BACKEND_ENV)
     if "bwrap" in BACKENDS:
         check(**{"rollout.reward": "code_tests"})  # bubblewrap works here: nothing to say
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
@@ -766,5 +771,10 @@ def test_config_sandbox_backend(monkeypatch, tmp_path):
             )
             assert "set sandbox.backend: rlimits" in str(e.value)
             assert check(**values, **{"sandbox.backend": "rlimits"}).sandbox.backend == "rlimits"
+            monkeypatch.setenv(BACKEND_ENV, "rlimits")  # or for the process, as CI does without bwrap
+            check(**values)
+            with pytest.raises(ConfigError, match="sandbox backend 'auto' needs bubblewrap"):
+                check(**values, **{"sandbox.backend": "auto"})  # the config, when it names one, wins
+            monkeypatch.delenv(BACKEND_ENV)
     finally:
         sandbox._bwrap_problem.cache_clear()
