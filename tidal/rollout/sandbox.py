@@ -738,6 +738,11 @@ def _sandbox_env(workdir: str) -> dict[str, str]:
     }
 
 
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(_READ_CHUNK):
+        pass
+
+
 def _write_files(workdir: str, code: str, files: dict[str, str] | None) -> list[str]:
     """Write the program and `files` into `workdir`; their paths relative to it."""
     root = Path(workdir).resolve()
@@ -863,17 +868,28 @@ async def arun_code(
             cmd, fds = _bwrap_command(shutil.which("bwrap"), workdir, names, argv, cfg)
         else:
             cmd = _reaper_argv(cfg, nproc, argv)
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=_sandbox_env(workdir),
-            start_new_session=True,
-            pass_fds=fds,
-            preexec_fn=_limits_preexec(cfg, nproc, cgroup.procs if cgroup else None, backend),
+        spawn = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=_sandbox_env(workdir),
+                start_new_session=True,
+                pass_fds=fds,
+                preexec_fn=_limits_preexec(cfg, nproc, cgroup.procs if cgroup else None, backend),
+            )
         )
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            # Cancelled while asyncio connects the pipes: let that finish (milliseconds) so that
+            # what it started is ours to kill below. Cancelled inside it, asyncio would SIGKILL
+            # only the direct child and then wait for every pipe to close, which a surviving
+            # grandchild keeps open for as long as it runs.
+            run = _Run(await spawn, backend, cgroup)
+            raise
         run = _Run(proc, backend, cgroup)
         for fd in fds:  # bubblewrap has its copies; it reads them while setting up
             os.close(fd)
@@ -947,6 +963,13 @@ async def arun_code(
             if run.proc.returncode is None:
                 await asyncio.shield(run.end())
             run.close()
+            # Read what is left, to the end of file now that every writer is dead: a pipe left
+            # unread (an output flood, a cancelled reader) would keep asyncio's transport open
+            # past the event loop's life.
+            drains = [asyncio.ensure_future(_drain(s)) for s in (run.proc.stdout, run.proc.stderr)]
+            await asyncio.wait(drains, timeout=_PIPE_GRACE_S)
+            for task in drains:
+                task.cancel()
         if cgroup is not None:
             cgroup.kill_all()
         shutil.rmtree(workdir, ignore_errors=True)
