@@ -13,6 +13,7 @@ from tidal.config import (
     SECRET_FIELDS,
     AlgoConfig,
     ClusterConfig,
+    CodeSandboxConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -52,7 +53,7 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval", "debug"]
+    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval", "debug", "sandbox"]
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
@@ -73,6 +74,7 @@ def test_default_values():
     assert cfg.log.log_samples == 2
     assert cfg.log.save_samples is True and cfg.log.wandb is False and cfg.log.wandb_mode == "offline"
     assert cfg.debug == DebugConfig(rollout_only=False, save_rollout=None, load_rollout=None)
+    assert cfg.sandbox.backend is None  # $TIDAL_SANDBOX_BACKEND, else auto
 
 
 def test_mutable_defaults_are_not_shared():
@@ -96,7 +98,7 @@ def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
     classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
-    classes += [EvalConfig, DebugConfig]
+    classes += [EvalConfig, DebugConfig, CodeSandboxConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
     assert d["train"]["lr"] == 1e-6
@@ -260,7 +262,7 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, algo, train, cluster, overlap, log, eval, debug"
+    known = "data, rollout, algo, train, cluster, overlap, log, eval, debug, sandbox"
     assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 

@@ -381,6 +381,17 @@ class DebugConfig:
     )
 
 
+@dataclass
+class CodeSandboxConfig:
+    backend: str | None = _opt(
+        None,
+        "where model-written code runs (the code_tests reward, the python tool): auto = bubblewrap, and the run "
+        "refuses to start where it is not usable | bwrap | rlimits = resource limits only, NO isolation from the "
+        "host's files, network and processes (an explicit opt-in; docs/faults.md, 'The code sandbox'); "
+        "null = $TIDAL_SANDBOX_BACKEND, else auto",
+    )
+
+
 EVAL_SET_KEYS = {
     "name": "the metric prefix eval/<name>/ (default: the file's stem or the env's name)",
     "path": "a .jsonl/.json/.parquet file or env:<name>, read like data.path",
@@ -488,6 +499,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    sandbox: CodeSandboxConfig = field(default_factory=CodeSandboxConfig)
 
     def to_dict(self) -> dict:
         """The config as plain data, with every secret field masked (`redact`): what config.json,
@@ -872,6 +884,29 @@ def _validate_overlap(cfg: Config, need) -> None:
     )
 
 
+def _validate_sandbox(cfg: Config, need) -> None:
+    from tidal.rollout.sandbox import BACKENDS, SandboxUnavailable, default_backend, resolve_backend
+
+    backend, r = cfg.sandbox.backend, cfg.rollout
+    if backend is None:
+        try:
+            backend = default_backend()
+        except ValueError as e:
+            need(False, f"sandbox.backend: null, and {e}")
+            return
+    elif backend not in BACKENDS:
+        need(False, f"sandbox.backend: one of {', '.join(BACKENDS)} (or null), got {backend!r}")
+        return
+    runs_code = r.reward == "code_tests" or (r.generate == "tools" and "python" in r.tools)
+    if runs_code and backend in ("auto", "bwrap"):
+        # Found now, not at the first reward call mid-run: where bubblewrap does not work, say so
+        # before anything starts (the message says how to opt in to rlimits instead).
+        try:
+            resolve_backend(backend)
+        except SandboxUnavailable as e:
+            need(False, f"sandbox.backend: {e}")
+
+
 def _validate_debug(cfg: Config, need) -> None:
     g, lg = cfg.debug, cfg.log
     need(lg.wandb_mode in ("offline", "online"), f"log.wandb_mode: offline or online, got {lg.wandb_mode!r}")
@@ -1022,5 +1057,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     _validate_overlap(cfg, need)
     _validate_eval_and_streaming(cfg, need)
     _validate_debug(cfg, need)
+    _validate_sandbox(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -1,13 +1,18 @@
 """The code sandbox: each misbehaving program is stopped or refused, nothing is left behind, and
 well-behaved programs running beside them still return the right output. Every test runs on
-each backend that works here (CI installs bubblewrap); the rlimits fallback's documented gaps
-(network, filesystem) are asserted as such."""
+each backend that works here (CI installs bubblewrap); the rlimits backend's documented gaps
+(network, filesystem) are asserted as such. The hostile programs of issue 25 (reading the
+host's secrets, running as root, filling /tmp, a child escaping with setsid, an interpreter
+under /tmp) run against the real sandbox."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,11 +21,14 @@ import tempfile
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tidal.rollout import sandbox
 from tidal.rollout.sandbox import (
+    BACKEND_ENV,
+    SANDBOX_UID,
     WORKDIR_PREFIX,
     SandboxConfig,
     SandboxUnavailable,
@@ -32,6 +40,8 @@ from tidal.rollout.sandbox import (
 )
 
 BACKENDS = available_backends()
+needs_bwrap = pytest.mark.skipif("bwrap" not in BACKENDS, reason="bubblewrap does not work on this machine")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -160,9 +170,7 @@ def test_classic_fork_bomb_ends_and_leaves_nothing(backend):
 
 def test_daemonised_child_is_killed_too(backend):
     """A child that leaves the process group (setsid) and closes its pipes is still killed: by
-    the pid namespace (bwrap) or the pids cgroup (rlimits)."""
-    if backend == "rlimits" and sandbox._pids_cgroup_root() is None:
-        pytest.skip("rlimits without a pids cgroup cannot reach a process that left the group (documented)")
+    the pid namespace (bwrap) or the supervisor and the pids cgroup (rlimits)."""
     marker = _marker()
     code = """
         import os, time
@@ -233,8 +241,8 @@ def test_bwrap_has_no_route_outside():
 
 
 def test_write_outside_the_workdir(backend):
-    """bwrap: the host filesystem is read-only, so the write is refused and nothing appears.
-    rlimits: no filesystem isolation (documented); the file is written."""
+    """bwrap: the host folder is not in the sandbox at all, so the write fails and nothing appears
+    on the host. rlimits: no filesystem isolation (documented); the file is written."""
     outside = tempfile.mkdtemp(prefix="tidal-test-outside-", dir="/var/tmp")
     target = os.path.join(outside, "pwned.txt")
     code = f"""
@@ -251,7 +259,7 @@ def test_write_outside_the_workdir(backend):
         r = run_code(textwrap.dedent(code), backend=backend)
         assert r.status == "ok"
         if backend == "bwrap":
-            assert r.stdout == "EROFS\nfine\n"
+            assert r.stdout == "ENOENT\nfine\n"
             assert not os.path.exists(target)
         else:
             assert r.stdout == "written\nfine\n"
@@ -262,22 +270,199 @@ def test_write_outside_the_workdir(backend):
         os.rmdir(outside)
 
 
-@pytest.mark.skipif("bwrap" not in BACKENDS, reason="bubblewrap does not work on this machine")
-def test_bwrap_sees_only_its_own_processes_and_no_home():
+@needs_bwrap
+def test_bwrap_sees_only_its_own_processes_and_a_minimal_filesystem():
     code = """
         import os
         print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
         print(os.listdir("/tmp"))
-        print(sorted(os.listdir("/root")))
+        print(sorted(os.listdir("/")))
+        print(sorted(os.listdir("/etc")))
     """
     r = run_code(textwrap.dedent(code), backend="bwrap")
-    assert r.status == "ok"
-    pids, tmp, root = r.stdout.splitlines()
-    # /root is an empty tmpfs but for the interpreter's install directory (pyenv keeps it there)
-    kept = sorted({p.split("/")[2] for p in sandbox._interpreter_dirs() if p.startswith("/root/")})
-    assert root == repr(kept)
+    assert r.status == "ok", r.stderr
+    pids, tmp, top, etc = r.stdout.splitlines()
     assert pids == "[1, 2]"  # bwrap's init and the program: no host process is visible
-    assert tmp == "[]" or tmp.startswith("['tidal-sandbox-")  # private /tmp: only our workdir's mount point
+    assert tmp == repr([os.path.basename(r.workdir)])  # a private /tmp holding only its workdir
+    # At the top: the system directories, its own /proc, /dev, /tmp and /etc, and the first
+    # component of each of the interpreter's directories (here e.g. /root for pyenv, /work for
+    # the venv), nothing else of the host (no /home, /var, /opt, /srv, /mnt, /sys).
+    layout = sandbox._layout()
+    shown = {p.split("/")[1] for p in [*layout.binds, *(w for w, _ in layout.links)]}
+    system = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "proc", "dev", "tmp"}
+    top, etc = set(ast.literal_eval(top)), set(ast.literal_eval(etc))
+    assert top <= system | shown
+    assert not {"home", "var", "opt", "srv", "mnt", "sys", "boot"} & top - shown
+    assert etc <= {
+        "passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+        "nsswitch.conf", "hosts",
+    }  # fmt: skip
+
+
+@needs_bwrap
+def test_bwrap_cannot_read_host_secrets_or_the_checkout():
+    """Issue 25 (5): the program read /etc/shadow, the project checkout and the host. Each read
+    is now refused: those paths are not in the sandbox at all."""
+    targets = [
+        "/etc/shadow",
+        "/etc/gshadow",
+        str(REPO / "tidal" / "rollout" / "sandbox.py"),  # the checkout
+        str(Path(__file__).resolve()),
+        "/root/.bash_history",
+    ]
+    if os.geteuid() == 0:  # the namespace's init runs as root then, and uid 65534 may not read it
+        targets.append("/proc/1/environ")
+    code = f"""
+        import errno
+        for path in {targets!r}:
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+                print(path, "READ")
+            except OSError as e:
+                print(path, errno.errorcode[e.errno])
+    """
+    r = run_code(textwrap.dedent(code), backend="bwrap")
+    assert r.status == "ok", r.stderr
+    outcome = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())
+    assert set(outcome) == set(targets)
+    assert all(v in {"ENOENT", "EACCES"} for v in outcome.values()), outcome
+    for path in targets[:4]:
+        assert outcome[path] == "ENOENT"  # not bound: no such file, whatever its permissions
+    # The /etc it does get is written by tidal: only root and nobody, not the host's users.
+    r = run_code("print(open('/etc/passwd').read(), end='')", backend="bwrap")
+    assert [line.split(":")[0] for line in r.stdout.splitlines()] == ["root", "nobody"]
+
+
+@needs_bwrap
+def test_bwrap_program_runs_unprivileged():
+    """Issue 25 (5): the program ran as uid 0. Inside it is uid/gid 65534 with no groups and no
+    capabilities; seen from the host, its process belongs to uid 65534 too when we are root (a
+    user namespace alone would still be root on the host), or to our own uid otherwise."""
+    code = """
+        import os
+        caps = {k: v.strip() for k, v in (l.split(":", 1) for l in open("/proc/self/status")) if k.startswith("Cap")}
+        print(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sep=",", end="|")
+        print(os.getgroups(), caps["CapEff"], caps["CapPrm"], sep="|")
+    """
+    r = run_code(textwrap.dedent(code), backend="bwrap")
+    assert r.status == "ok", r.stderr
+    ids, groups, eff, prm = r.stdout.strip().split("|")
+    assert ids == ",".join([str(SANDBOX_UID)] * 4) and groups == "[]"
+    assert int(eff, 16) == 0 and int(prm, 16) == 0
+
+    marker = _marker()
+
+    async def main():
+        task = asyncio.ensure_future(
+            arun_code("import time\ntime.sleep(600)", argv=_argv(marker), timeout=600, backend="bwrap")
+        )
+        deadline, found = time.monotonic() + 60, []
+        while not found and time.monotonic() < deadline:
+            found = [p for p in _processes_with(marker) if _argv0(p) == sys.executable]
+            await asyncio.sleep(0.01)
+        try:
+            assert len(found) == 1, "the program never started"
+            return _host_ids(found[0])
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    uids, gids = asyncio.run(main())
+    if os.geteuid() == 0:
+        assert (uids, gids) == ([SANDBOX_UID] * 4, [SANDBOX_UID] * 4)
+    else:  # the user namespace maps 65534 inside to our own ids outside
+        assert (uids, gids) == ([os.getuid()] * 4, [os.getgid()] * 4)
+    assert _processes_with(marker) == []
+
+
+def _argv0(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode()
+    except OSError:
+        return None
+
+
+def _host_ids(pid: int) -> tuple[list[int], list[int]]:
+    """(real, effective, saved, fs uids) and gids of `pid` as the host sees them."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return [int(x) for x in fields["Uid"].split()], [int(x) for x in fields["Gid"].split()]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("where", ["/tmp", "workdir", "workdir outside /tmp"])
+def test_bwrap_writable_space_is_capped(where, tmp_path):
+    """Issue 25 (5): one call with memory_mb=256 wrote 2 GB to /tmp and 1 GB to its working
+    folder, both RAM. Now all it writes shares one tmpfs of max_disk_mb (4 MB here): the program
+    gets ENOSPC at the cap and the run says so. Bounded: it tries 48 MB at most."""
+    outside = tempfile.mkdtemp(prefix="tidal-test-root-", dir="/var/tmp") if where == "workdir outside /tmp" else None
+    target = "/tmp/big" if where == "/tmp" else "big"
+    code = f"""
+        import os
+        written = 0
+        try:
+            for i in range(48):
+                with open("{target}" + str(i), "wb") as f:  # 1 MB files: the per-file limit is not what stops it
+                    f.write(b"x" * (1 << 20))
+                written += 1 << 20
+        finally:
+            print(written, flush=True)
+    """
+    try:
+        r = run_code(textwrap.dedent(code), backend="bwrap", max_disk_mb=4, memory_mb=256, tmp_root=outside)
+    finally:
+        if outside:
+            os.rmdir(outside)
+    assert (r.status, r.reason) == ("disk", "no space left: writable space of 4 MB exceeded"), r.stderr
+    assert 0 < int(r.stdout) <= 4 << 20
+    assert "No space left on device" in r.stderr
+
+
+@needs_bwrap
+def test_bwrap_single_file_limit():
+    code = 'open("big", "wb").write(b"x" * (3 << 20))'
+    r = run_code(code, backend="bwrap", max_file_mb=1, max_disk_mb=8)
+    assert (r.status, r.reason) == ("disk", "file size limit of 1 MB exceeded"), r.stderr
+    assert "File too large" in r.stderr
+
+
+@needs_bwrap
+def test_interpreter_under_tmp_still_runs_in_bwrap():
+    """Issue 25 (4): with the interpreter under /tmp (a venv there), bubblewrap's empty /tmp hid
+    it, the probe failed and `auto` silently fell back to no isolation. The probe and the run
+    are reproduced from such a venv, in a fresh process: they now use bwrap, with that venv's
+    interpreter visible inside."""
+    base = tempfile.mkdtemp(prefix="tidal-test-venv-", dir="/tmp")
+    try:
+        venv = os.path.join(base, "venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=300)
+        script = textwrap.dedent(
+            """
+            import sys
+            from tidal.rollout import sandbox
+            print(sys.prefix)
+            r = sandbox.run_code("import sys; print(sys.prefix, sys.executable)")
+            print(r.backend, r.status, r.stdout.strip(), sep="|")
+            print(r.stderr, file=sys.stderr)
+            """
+        )
+        env = {k: v for k, v in os.environ.items() if k != BACKEND_ENV}
+        done = subprocess.run(
+            [os.path.join(venv, "bin", "python"), "-c", script],
+            env={**env, "PYTHONPATH": str(REPO)},  # the sandbox module needs only the standard library
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        prefix, result = done.stdout.splitlines()
+        assert prefix == venv
+        assert result == f"bwrap|ok|{venv} {venv}/bin/python", done.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_the_rollout_goes_on():
@@ -349,23 +534,151 @@ def test_cancelling_the_caller_kills_the_sandbox(backend, tmp_path):
     assert _our_cgroups() == []
 
 
-def test_rlimits_fallback_is_chosen_and_warned_about_once(monkeypatch, caplog):
+def test_auto_without_bubblewrap_fails_loudly(monkeypatch, caplog):
+    """Issue 25 (4): `auto` fell back to rlimits (no isolation) with only a log line. Now it
+    refuses, saying why and how to opt in; rlimits runs only when asked for by name."""
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     monkeypatch.setattr(sandbox, "_warned", set())
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
     sandbox._bwrap_problem.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="tidal.sandbox"):
-            assert resolve_backend("auto") == "rlimits"
-            assert resolve_backend("auto") == "rlimits"
-            r = run_code("print('fallback')", backend="auto")
-        assert (r.status, r.stdout, r.backend) == ("ok", "fallback\n", "rlimits")
-        warnings = [rec.getMessage() for rec in caplog.records if "falling back" in rec.getMessage()]
-        assert len(warnings) == 1
-        assert "bwrap is not on PATH" in warnings[0] and "does NOT isolate the network" in warnings[0]
-        with pytest.raises(SandboxUnavailable, match="sandbox backend 'bwrap' is unavailable: bwrap is not on PATH"):
+        for backend in ("auto", None):
+            with pytest.raises(SandboxUnavailable) as e:
+                run_code("print('unsandboxed')", backend=backend)
+            assert str(e.value).startswith(
+                "sandbox backend 'auto' needs bubblewrap, which is not usable here: bwrap is not on PATH; "
+                "install bubblewrap 0.5 or later (Debian/Ubuntu: apt-get install bubblewrap), or set "
+                "sandbox.backend: rlimits (environment: TIDAL_SANDBOX_BACKEND=rlimits) to run model-written code "
+                "WITHOUT isolation"
+            )
+        with pytest.raises(SandboxUnavailable, match="sandbox backend 'bwrap' needs bubblewrap.*bwrap is not on PATH"):
             resolve_backend("bwrap")
+        assert available_backends() == ["rlimits"]
+        with caplog.at_level(logging.WARNING, logger="tidal.sandbox"):
+            r = run_code("print('opted in')", backend="rlimits")
+            r2 = run_code("print('again')", backend="rlimits")
+        assert (r.status, r.stdout, r.backend, r2.backend) == ("ok", "opted in\n", "rlimits", "rlimits")
+        warnings = [rec.getMessage() for rec in caplog.records if "WITHOUT isolation" in rec.getMessage()]
+        assert len(warnings) == 1  # once per process
     finally:
         sandbox._bwrap_problem.cache_clear()
+
+
+def test_an_unusable_bubblewrap_is_named(monkeypatch):
+    """A bwrap that is there but cannot serve (too old for --size, or its probe run fails) is
+    refused with the reason too, never skipped over."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox, "_bwrap_version", lambda bwrap: (0, 4, 1))
+    sandbox._bwrap_problem.cache_clear()
+    try:
+        with pytest.raises(
+            SandboxUnavailable, match=r"bubblewrap 0\.4\.1 is too old: the size-limited /tmp needs 0\.5"
+        ):
+            resolve_backend()
+    finally:
+        sandbox._bwrap_problem.cache_clear()
+
+
+def test_the_process_default_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "rlimits")
+    assert sandbox.default_backend() == "rlimits"
+    r = run_code("print(1)")  # backend None: the process default
+    assert (r.status, r.backend) == ("ok", "rlimits")
+    monkeypatch.setenv(BACKEND_ENV, "docker")
+    with pytest.raises(ValueError, match=r"\$TIDAL_SANDBOX_BACKEND must be one of auto, bwrap, rlimits, got 'docker'"):
+        run_code("print(1)")
+    sandbox.set_default_backend("auto")
+    assert os.environ[BACKEND_ENV] == "auto" and sandbox.default_backend() == "auto"
+    with pytest.raises(ValueError, match="got 'docker'"):
+        sandbox.set_default_backend("docker")
+
+
+def _alive(pid: int, marker: str) -> bool:
+    """Whether `pid` is still one of ours and not a zombie (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if marker.encode() not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("cgroup", [True, False], ids=["with-pids-cgroup", "without-pids-cgroup"])
+@pytest.mark.parametrize("escape", ["setsid", "double-fork"])
+def test_rlimits_kills_children_that_left_the_session(escape, cgroup, monkeypatch):
+    """Issue 25 (4): under rlimits a child that moved to its own session outlived the call
+    (a process-group kill cannot reach it; the pids cgroup did, where there was one). Without a
+    cgroup (cgroup v2 machines, or monkeypatched away here) the supervisor still kills it. Each
+    escaped pid is checked after the call, with a generous deadline, not a timing bound."""
+    if cgroup and sandbox._pids_cgroup_root() is None:
+        pytest.skip("no writable pids cgroup on this machine")
+    if not cgroup:
+        monkeypatch.setattr(sandbox, "_pids_cgroup_root", lambda: None)
+    marker = _marker()
+    code = f"""
+        import os, sys, time
+        def escape():
+            os.setsid()
+            print(os.getpid(), flush=True)
+            os.close(1)
+            os.close(2)
+            time.sleep(600)
+            os._exit(0)
+        if os.fork() == 0:
+            if {escape == "double-fork"}:
+                if os.fork() == 0:
+                    escape()
+                os._exit(0)  # the middle process exits: its child is orphaned
+            escape()
+        time.sleep(0.5)
+        print("parent done", flush=True)
+    """
+    r = run_code(textwrap.dedent(code), argv=_argv(marker), backend="rlimits", timeout=30)
+    try:
+        assert r.status == "ok", r.stderr
+        pids = [int(line) for line in r.stdout.splitlines() if line.isdigit()]
+        assert len(pids) == 1 and r.stdout.endswith("parent done\n")
+        deadline = time.monotonic() + 30
+        while _alive(pids[0], marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pids[0], marker), f"pid {pids[0]} ({escape}) outlived the call"
+        _assert_clean(r, marker)
+    finally:
+        for pid in _processes_with(marker):  # only if the test failed: leave nothing running
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_rlimits_timeout_kills_the_escaped_tree_too(monkeypatch):
+    """The same escape, but the call ends by its deadline while everything still runs."""
+    monkeypatch.setattr(sandbox, "_pids_cgroup_root", lambda: None)
+    marker = _marker()
+    code = """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                print(os.getpid(), flush=True)
+                time.sleep(600)
+            os._exit(0)
+        time.sleep(600)
+    """
+    r = run_code(textwrap.dedent(code), argv=_argv(marker), backend="rlimits", timeout=2)
+    try:
+        assert r.status == "timeout"
+        pid = int(r.stdout)
+        deadline = time.monotonic() + 30
+        while _alive(pid, marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid, marker)
+        _assert_clean(r, marker)
+    finally:
+        for pid in _processes_with(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_config_is_validated():
@@ -424,3 +737,47 @@ def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def test_config_sandbox_backend(monkeypatch, tmp_path):
+    """`sandbox.backend` in the run's config: a run that executes model code (the code_tests
+    reward, the python tool) and would need bubblewrap where it is not usable stops at
+    validation, naming the field, the reason and the opt-in; rlimits, asked for, passes."""
+    from tidal.config import ConfigError, build_config
+
+    def check(**values):
+        return build_config(None, {"rollout.reward": "math", **values})
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert check().sandbox.backend is None  # $TIDAL_SANDBOX_BACKEND, else auto
+    with pytest.raises(ConfigError, match=r"sandbox\.backend: one of auto, bwrap, rlimits \(or null\), got 'docker'"):
+        check(**{"sandbox.backend": "docker"})
+    monkeypatch.setenv(BACKEND_ENV, "docker")
+    with pytest.raises(ConfigError, match=r"sandbox\.backend: null, and \$TIDAL_SANDBOX_BACKEND must be one of"):
+        check()
+    monkeypatch.delenv(BACKEND_ENV)
+    if "bwrap" in BACKENDS:
+        check(**{"rollout.reward": "code_tests"})  # bubblewrap works here: nothing to say
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    sandbox._bwrap_problem.cache_clear()
+    try:
+        check()  # math reward and no python tool: no sandbox needed, so no complaint
+        for values in (
+            {"rollout.reward": "code_tests"},
+            {"rollout.generate": "tools", "rollout.tools": ["calculator", "python"]},
+        ):
+            with pytest.raises(ConfigError) as e:
+                check(**values)
+            assert (
+                "sandbox.backend: sandbox backend 'auto' needs bubblewrap, which is not usable here: "
+                "bwrap is not on PATH; install bubblewrap" in str(e.value)
+            )
+            assert "set sandbox.backend: rlimits" in str(e.value)
+            assert check(**values, **{"sandbox.backend": "rlimits"}).sandbox.backend == "rlimits"
+            monkeypatch.setenv(BACKEND_ENV, "rlimits")  # or for the process, as CI does without bwrap
+            check(**values)
+            with pytest.raises(ConfigError, match="sandbox backend 'auto' needs bubblewrap"):
+                check(**values, **{"sandbox.backend": "auto"})  # the config, when it names one, wins
+            monkeypatch.delenv(BACKEND_ENV)
+    finally:
+        sandbox._bwrap_problem.cache_clear()
