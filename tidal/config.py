@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -379,6 +380,10 @@ class DebugConfig:
     load_rollout: str | None = _opt(
         None, "train on the rollouts saved in this folder instead of generating (no engine is started)"
     )
+
+
+SANDBOX_BACKENDS = ("auto", "bwrap", "rlimits")
+SANDBOX_ENV = "TIDAL_SANDBOX_BACKEND"  # the process default backend; worker processes inherit it
 
 
 @dataclass
@@ -885,26 +890,20 @@ def _validate_overlap(cfg: Config, need) -> None:
 
 
 def _validate_sandbox(cfg: Config, need) -> None:
-    from tidal.rollout.sandbox import BACKENDS, SandboxUnavailable, default_backend, resolve_backend
-
-    backend, r = cfg.sandbox.backend, cfg.rollout
+    # whether bubblewrap works here is the sandbox's to say: `tidal.rollout.sandbox.check_run`,
+    # called when a run or an evaluation starts, before anything is written
+    backend = cfg.sandbox.backend
     if backend is None:
-        try:
-            backend = default_backend()
-        except ValueError as e:
-            need(False, f"sandbox.backend: null, and {e}")
-            return
-    elif backend not in BACKENDS:
-        need(False, f"sandbox.backend: one of {', '.join(BACKENDS)} (or null), got {backend!r}")
-        return
-    runs_code = r.reward == "code_tests" or (r.generate == "tools" and "python" in r.tools)
-    if runs_code and backend in ("auto", "bwrap"):
-        # Found now, not at the first reward call mid-run: where bubblewrap does not work, say so
-        # before anything starts (the message says how to opt in to rlimits instead).
-        try:
-            resolve_backend(backend)
-        except SandboxUnavailable as e:
-            need(False, f"sandbox.backend: {e}")
+        env = os.environ.get(SANDBOX_ENV, "") or "auto"
+        need(
+            env in SANDBOX_BACKENDS,
+            f"sandbox.backend: null, and ${SANDBOX_ENV} must be one of {', '.join(SANDBOX_BACKENDS)}, got {env!r}",
+        )
+    else:
+        need(
+            backend in SANDBOX_BACKENDS,
+            f"sandbox.backend: one of {', '.join(SANDBOX_BACKENDS)} (or null), got {backend!r}",
+        )
 
 
 def _validate_debug(cfg: Config, need) -> None:

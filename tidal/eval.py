@@ -205,10 +205,11 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.engine.factory import make_engine
     from tidal.hardware import resolve_device
-    from tidal.rollout.sandbox import set_default_backend
+    from tidal.rollout.sandbox import check_run, set_default_backend
 
     if cfg.sandbox.backend is not None:  # the code sandbox of a code_tests reward
         set_default_backend(cfg.sandbox.backend)
+    check_run(cfg.rollout, cfg.sandbox.backend)
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
     sets = standalone_sets(cfg, num_prompts, **sampling)

@@ -38,7 +38,7 @@ from tidal.log import MetricsLogger, print_reward_table
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
-from tidal.rollout.sandbox import set_default_backend
+from tidal.rollout.sandbox import check_run, set_default_backend
 from tidal.run_dir import check_run_dir, start_run_dir
 from tidal.samples_log import record_step
 from tidal.tracking import open_tracker
@@ -86,6 +86,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     t_cfg, sft = cfg.train, cfg.algo.mode == "sft"
     if cfg.sandbox.backend is not None:  # the code sandbox of rewards and tools, here and in workers
         set_default_backend(cfg.sandbox.backend)
+    check_run(cfg.rollout, cfg.sandbox.backend)  # bubblewrap usable where model-written code runs
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)

@@ -740,13 +740,16 @@ def _dead_pid() -> int:
 
 
 def test_config_sandbox_backend(monkeypatch, tmp_path):
-    """`sandbox.backend` in the run's config: a run that executes model code (the code_tests
-    reward, the python tool) and would need bubblewrap where it is not usable stops at
-    validation, naming the field, the reason and the opt-in; rlimits, asked for, passes."""
+    """`sandbox.backend` in the run's config: a bad name stops validation; a run that executes
+    model code (the code_tests reward, the python tool) and would need bubblewrap where it is not
+    usable stops at its start (`check_run`, before anything is written), naming the field, the
+    reason and the opt-in; rlimits, asked for, passes."""
     from tidal.config import ConfigError, build_config
 
     def check(**values):
-        return build_config(None, {"rollout.reward": "math", **values})
+        cfg = build_config(None, {"rollout.reward": "math", **values})
+        sandbox.check_run(cfg.rollout, cfg.sandbox.backend)
+        return cfg
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert check().sandbox.backend is None  # $TIDAL_SANDBOX_BACKEND, else auto

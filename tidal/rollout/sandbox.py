@@ -81,6 +81,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.config import SANDBOX_BACKENDS, SANDBOX_ENV, ConfigError, RolloutConfig
+
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
@@ -100,9 +102,9 @@ __all__ = [
 
 log = logging.getLogger("tidal.sandbox")
 
-BACKENDS = ("auto", "bwrap", "rlimits")
+BACKENDS = SANDBOX_BACKENDS
 # The process-wide default backend (SandboxConfig.backend None); child processes inherit it.
-BACKEND_ENV = "TIDAL_SANDBOX_BACKEND"
+BACKEND_ENV = SANDBOX_ENV
 STATUSES = ("ok", "error", "timeout", "memory", "disk", "output_limit")
 # The program text is written to this file in the working directory; the default argv runs it.
 CODE_FILE = "main.py"
@@ -469,6 +471,20 @@ def set_default_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"sandbox backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     os.environ[BACKEND_ENV] = backend
+
+
+def check_run(rollout: RolloutConfig, backend: str | None) -> None:
+    """Before a run or an evaluation starts: where it executes model-written code (the code_tests
+    reward, the python tool) and would need bubblewrap (`backend` auto or bwrap, or None and the
+    process default), raise ConfigError naming `sandbox.backend`, the reason and the opt-in to
+    rlimits, rather than fail at the first reward call mid-run."""
+    runs_code = rollout.reward == "code_tests" or (rollout.generate == "tools" and "python" in rollout.tools)
+    if not runs_code:
+        return
+    try:
+        resolve_backend(backend)
+    except (SandboxUnavailable, ValueError) as e:
+        raise ConfigError(f"invalid config:\n  sandbox.backend: {e}") from None
 
 
 def resolve_backend(backend: str | None = None) -> str:
