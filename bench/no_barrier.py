@@ -4,12 +4,13 @@
     python -m bench no_barrier --sleep 2 --pairs 3
 
 A rollout of 16 single-turn samples (`env:arithmetic` prompts, temperature 1) on tidal's engine
-through `RolloutManager`, with and without a 17th sample whose generate function samples, sleeps
-`--sleep` seconds (a slow tool), and samples again. Measured: the time until the 16 single-turn
-samples are done, and until the whole rollout is. Runs alternate (with, without) in one process
-after a warm-up. With requests per sample, the 16 finish as fast as without the sleeper; under
-a round barrier, where every request waits until every sample is waiting on the engine, they
-would have had to wait for it (only the sleeper's own second call waits for its sleep here).
+through `RolloutManager`, beside a 17th sample whose generate function samples, waits (a slow
+tool) and samples again: `--sleep` seconds in one arm, 0 in the other, so both arms do the same
+engine work and differ only by the wait. Measured: the time until the 16 single-turn samples are
+done, and until the whole rollout is. The arms alternate in one process after a warm-up, with the
+same seeds within a pair. With requests per sample, the 16 finish as fast with the wait as
+without; under a round barrier, where every request waits until every sample is waiting on the
+engine, they would have had to wait for it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ def run(args) -> dict:
     )
     engine = AsyncEngine(LLMEngine(model_dir, tok, dtype=dtype, kv_cache_tokens=16384))
     manager = RolloutManager(engine, cfg, tok)
-    manager.extra["sleep_s"] = args.sleep
     single = manager.generate_fn
     done_at: list[float] = []
 
@@ -71,8 +71,9 @@ def run(args) -> dict:
 
     def once(with_sleeper: bool, step: int) -> dict:
         done_at.clear()
+        manager.extra["sleep_s"] = args.sleep if with_sleeper else 0.0
         t0 = time.perf_counter()
-        samples = manager.generate(records if with_sleeper else records[:16], step=step)
+        samples = manager.generate(records, step=step)
         end = time.perf_counter()
         return {
             "with_sleeper": with_sleeper,
@@ -107,7 +108,7 @@ def main() -> None:
         runs = [r for r in result["runs"] if r["with_sleeper"] == flag]
         rows.append(
             {
-                "rollout": "16 single-turn + 1 sleeping 2 s" if flag else "16 single-turn",
+                "rollout": f"16 single-turn + 1 waiting {args.sleep:g} s" if flag else "16 single-turn + 1 not waiting",
                 "sixteen_done_s": statistics.median(r["sixteen_done_s"] for r in runs),
                 "rollout_s": statistics.median(r["rollout_s"] for r in runs),
                 "all": [round(r["sixteen_done_s"], 2) for r in runs],
@@ -118,6 +119,10 @@ def main() -> None:
     print(f"{'rollout':<34} {'16 done (median s)':>20} {'whole rollout (s)':>18}  16 done, each run")
     for r in rows:
         print(f"{r['rollout']:<34} {r['sixteen_done_s']:>20.2f} {r['rollout_s']:>18.2f}  {r['all']}")
+    pairs = list(zip(result["runs"][0::2], result["runs"][1::2], strict=True))
+    ratios = [round(w["sixteen_done_s"] / n["sixteen_done_s"], 3) for w, n in pairs]
+    print(f"16 done, waiting / not waiting, pair by pair: {ratios}")
+    rows.append({"ratios": ratios})
     path = write_result("no_barrier", {"machine": info, "args": vars(args), **result, "table": rows})
     print(json.dumps({"written": str(path)}))
 
