@@ -81,8 +81,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.config import SANDBOX_BACKENDS, SANDBOX_ENV, ConfigError, RolloutConfig
-
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
@@ -102,9 +100,9 @@ __all__ = [
 
 log = logging.getLogger("tidal.sandbox")
 
-BACKENDS = SANDBOX_BACKENDS
+BACKENDS = ("auto", "bwrap", "rlimits")  # the config checks its field against the same names
 # The process-wide default backend (SandboxConfig.backend None); child processes inherit it.
-BACKEND_ENV = SANDBOX_ENV
+BACKEND_ENV = "TIDAL_SANDBOX_BACKEND"
 STATUSES = ("ok", "error", "timeout", "memory", "disk", "output_limit")
 # The program text is written to this file in the working directory; the default argv runs it.
 CODE_FILE = "main.py"
@@ -473,11 +471,15 @@ def set_default_backend(backend: str) -> None:
     os.environ[BACKEND_ENV] = backend
 
 
-def check_run(rollout: RolloutConfig, backend: str | None) -> None:
-    """Before a run or an evaluation starts: where it executes model-written code (the code_tests
-    reward, the python tool) and would need bubblewrap (`backend` auto or bwrap, or None and the
-    process default), raise ConfigError naming `sandbox.backend`, the reason and the opt-in to
-    rlimits, rather than fail at the first reward call mid-run."""
+def check_run(rollout, backend: str | None) -> None:
+    """Before a run or an evaluation starts: where its `rollout` config executes model-written code
+    (the code_tests reward, the python tool) and would need bubblewrap (`backend` auto or bwrap, or
+    None and the process default), raise ConfigError naming `sandbox.backend`, the reason and the
+    opt-in to rlimits, rather than fail at the first reward call mid-run."""
+    # this module runs on the standard library alone (a bare interpreter imports it), so the
+    # config, which needs PyYAML, is imported only here
+    from tidal.config import ConfigError
+
     runs_code = rollout.reward == "code_tests" or (rollout.generate == "tools" and "python" in rollout.tools)
     if not runs_code:
         return
