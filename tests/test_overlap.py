@@ -4,6 +4,8 @@ tokens, and a resumed run trains every prompt once; plus the buffer and the conf
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from conftest import loop_config, make_model, make_tokenizer
@@ -184,10 +186,22 @@ def test_a_partial_rollout_on_the_real_engine_keeps_its_tokens_and_log_probs():
         rec = PromptRecord(index=0, prompt="p", text="p", input_ids=tok.encode("hello"), label="x")
         rollout = manager.loop.submit(manager.agenerate([rec], step=0))
         assert core.reached.wait(60)  # five steps in: the prompt's prefill and four decodes
-        paused = manager.loop.submit(engine.pause())
-        aborted = manager.loop.submit(engine.abort())
+
+        async def queue_pause_and_abort():
+            tasks = [asyncio.ensure_future(engine.pause()), asyncio.ensure_future(engine.abort())]
+            await asyncio.sleep(0)  # both tasks ran to their first await: their commands are queued
+            return tasks
+
+        # Queued while the engine is held inside its fifth step, so it runs them before a sixth
+        # (released first, the engine could take another step before the loop thread queued them).
+        tasks = manager.loop.run(queue_pause_and_abort(), 60)
+        assert len(engine._commands) == 2
         core.release.set()
-        paused.result(60), aborted.result(60)
+
+        async def finish(tasks):
+            return await asyncio.gather(*tasks)
+
+        manager.loop.run(finish(tasks), 60)
         engine.load_weights(make_model(seed=1).named_parameters(), version=1, timeout=60)
         manager.loop.run(engine.resume(), 60)
         samples = rollout.result(60)
