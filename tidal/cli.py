@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("run_dir", help="a run's train.output_dir")
     x.add_argument("--step", type=int, help="checkpoint step (default: the newest complete checkpoint)")
     x.add_argument("--out", required=True, help="new or empty folder to write")
+    x.add_argument(
+        "--lora",
+        choices=("merged", "adapter"),
+        help="a LoRA run: the base model with the adapter merged in (default), or the peft adapter folder",
+    )
 
     rp = sub.add_parser(
         "report",
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from tidal.train.checkpoint import export_checkpoint
 
-        print(export_checkpoint(args.run_dir, args.out, args.step))
+        print(export_checkpoint(args.run_dir, args.out, args.step, args.lora))
         return 0
     if args.command == "report":
         from tidal.report import write_report

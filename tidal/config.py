@@ -263,6 +263,19 @@ class TrainConfig:
         "compute the output projection and log-softmax this many response tokens at a time, so a micro-batch's "
         "[tokens, vocabulary] logits are never held whole (0 = all at once)",
     )
+    lora_rank: int = _opt(
+        0,
+        "LoRA rank r: train low-rank adapters on the base weights, frozen (0 = full fine-tuning); "
+        "LoRA usually wants a higher train.lr (1e-5 to 1e-4)",
+    )
+    lora_alpha: float = _opt(32.0, "LoRA scale numerator: each adapter's update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = _opt(0.0, "dropout on the adapters' input while training")
+    lora_target_modules: list | str = _opt(
+        "all-linear", "linear layers that get adapters, by short name (e.g. [q_proj, v_proj]), or all-linear"
+    )
+    lora_adapter: str | None = _opt(
+        None, "a saved adapter folder (peft's, or a tidal export --lora adapter) to start the adapters from"
+    )
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _opt(3, "keep the newest N complete checkpoints, delete older ones after a save (0 = all)")
     max_bad_steps: int = _opt(
@@ -815,6 +828,26 @@ def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, ne
     )
 
 
+def _validate_lora(t: TrainConfig, need) -> None:
+    need(t.lora_rank >= 0, f"train.lora_rank: must be >= 0 (0 = full fine-tuning), got {t.lora_rank}")
+    if t.lora_rank == 0:
+        need(t.lora_adapter is None, "train.lora_adapter: starts LoRA adapters; set train.lora_rank too")
+        return
+    need(t.lora_alpha > 0, f"train.lora_alpha: must be > 0, got {t.lora_alpha}")
+    need(0 <= t.lora_dropout < 1, f"train.lora_dropout: must be in [0, 1), got {t.lora_dropout}")
+    targets = t.lora_target_modules
+    need(
+        targets == "all-linear"
+        or (isinstance(targets, list) and targets and all(isinstance(x, str) and x for x in targets)),
+        f"train.lora_target_modules: all-linear or a non-empty list of module names (e.g. [q_proj, v_proj]), "
+        f"got {targets!r}",
+    )
+    need(
+        t.lora_adapter is None or (Path(t.lora_adapter) / "adapter_config.json").is_file(),
+        f"train.lora_adapter: {t.lora_adapter!r} is not an adapter folder (no adapter_config.json in it)",
+    )
+
+
 SGLANG_SYNCS = ("auto", "distributed", "disk")
 
 
@@ -1052,6 +1085,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.max_bad_steps >= 1, f"train.max_bad_steps: must be >= 1, got {t.max_bad_steps}")
     need(t.num_threads >= 0, "train.num_threads: must be >= 0")
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
+    _validate_lora(t, need)
     _validate_cluster(cfg.cluster, r, for_training, need)
     _validate_overlap(cfg, need)
     _validate_eval_and_streaming(cfg, need)

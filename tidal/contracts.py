@@ -307,8 +307,11 @@ class Trainer(Protocol):
         """Optimizer steps over the batch; returns metrics."""
         ...
 
-    def named_weights(self, dtype: torch.dtype | None = None) -> Iterable[tuple[str, Tensor]]:
-        """The policy's weights by name (for weight sync)."""
+    def named_weights(
+        self, dtype: torch.dtype | None = None, changed_only: bool = False
+    ) -> Iterable[tuple[str, Tensor]]:
+        """The policy's weights by name (for weight sync), under the base model's names (LoRA
+        adapters merged); `changed_only`: only the ones training can change."""
         ...
 
     def state_dict(self) -> dict: ...

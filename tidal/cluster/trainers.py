@@ -22,6 +22,7 @@ from torch import Tensor
 from tidal.cluster.ranks import rank_name, wait_for_ranks
 from tidal.config import AlgoConfig, ClusterConfig, TrainConfig
 from tidal.hardware import CPU, bind_device, dist_backend, resolve_device
+from tidal.train import lora
 from tidal.train.update import Sums
 from tidal.types import Sample
 
@@ -133,9 +134,9 @@ class TrainerRank:
         self._split(samples)
         return self.actor.train_sums(samples, advantages, old_log_probs, ref_log_probs)
 
-    def full_weights(self, dtype: torch.dtype | None) -> dict[str, Tensor] | None:
+    def full_weights(self, dtype: torch.dtype | None, changed_only: bool = False) -> dict[str, Tensor] | None:
         """The whole model's weights (every rank gathers; rank 0 returns them)."""
-        named = self.actor.named_weights()  # a collective: every rank iterates it
+        named = self.actor.named_weights(changed_only=changed_only)  # a collective: every rank iterates it
         if self.rank != 0:
             for _ in named:
                 pass
@@ -144,7 +145,7 @@ class TrainerRank:
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of each weight, in `named_weights` order."""
-        return [(n, tuple(p.shape)) for n, p in self.actor.model.named_parameters()]
+        return self.actor.trained.weight_shapes()
 
     def state_dict(self) -> dict | None:
         state = self.actor.state_dict()  # a collective: every rank takes part
@@ -154,6 +155,11 @@ class TrainerRank:
         self.actor.load_state_dict(state)
 
     def save_model(self, path: str) -> None:
+        if self.actor.trained.lora:
+            state = lora.adapter_state(self.actor.model)  # every rank gathers the adapter
+            if self.rank == 0:
+                lora.save_adapter(self.actor.model, self.actor.cfg, path, self.actor.base, state)
+            return
         weights = {n: t for n, t in self.actor.named_weights()}  # every rank gathers
         if self.rank == 0:
             self.actor.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
@@ -263,8 +269,10 @@ class TrainerGroup:
         extra["actor/tokens"] = sum(e["actor/tokens"] for _, e in results)
         return {**sums.mean(), **extra}
 
-    def named_weights(self, dtype: torch.dtype | None = None):
-        weights = self._get([r.full_weights.remote(dtype) for r in self.ranks], "gathering the weights")[0]
+    def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False):
+        weights = self._get([r.full_weights.remote(dtype, changed_only) for r in self.ranks], "gathering the weights")[
+            0
+        ]
         return iter(weights.items())
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

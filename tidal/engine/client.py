@@ -293,11 +293,18 @@ class EngineClient:
             await self.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=timeout)
 
     async def send_tensor_chunk(
-        self, blob: str, version: int | None, flush_cache: bool = True, timeout: float | None = None
+        self,
+        blob: str,
+        version: int | None,
+        flush_cache: bool = True,
+        timeout: float | None = None,
+        partial: bool = False,
     ) -> None:
         """Post one encoded chunk: with `version` None it is staged, else it loads all staged
-        chunks with it as that version."""
+        chunks with it as that version (`partial`: they name only the tensors that changed)."""
         payload = {"tensors": blob, "weight_version": version, "flush_cache": flush_cache, "stage": version is None}
+        if partial:
+            payload["partial"] = True
         body = await self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineError(self.base_url + "/update_weights_from_tensor", str(body.get("message")))

@@ -26,6 +26,8 @@ from tidal.hardware import CPU, weights_dtype
 class HFEngine:
     """In-process engine over a transformers model (CPU or one GPU); meets `tidal.contracts.EngineCore`."""
 
+    partial_updates = True  # update_weights_from_tensors(partial=True): only the changed tensors
+
     def __init__(
         self,
         model: str | Path | torch.nn.Module,
@@ -112,16 +114,17 @@ class HFEngine:
         version: int | None = None,
         share: bool = False,
         stage: bool = False,
+        partial: bool = False,
     ) -> None:
         """Copy tensors into the engine's parameters by name, all or nothing (cast to the engine
         dtype; `share`: alias same-dtype tensors, see `load_named_tensors`; `stage`: keep them for
-        the next call without `stage`)."""
+        the next call without `stage`; `partial`: only the tensors that changed are named)."""
         named = dict(named)
         if stage:
             self._staged.update(named)
             return
         named, self._staged = {**self._staged, **named}, {}
-        load_named_tensors(self.model, named.items(), share)
+        load_named_tensors(self.model, named.items(), share, complete=not partial)
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:

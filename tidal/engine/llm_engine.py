@@ -64,6 +64,8 @@ class EngineConfig:
 class LLMEngine:
     """Meets `tidal.contracts.EngineCore`; see the module docstring."""
 
+    partial_updates = True  # update_weights_from_tensors(partial=True): only the changed tensors
+
     def __init__(
         self,
         model: str | Path | torch.nn.Module,
@@ -235,12 +237,14 @@ class LLMEngine:
         version: int | None = None,
         share: bool = False,
         stage: bool = False,
+        partial: bool = False,
     ) -> None:
         """Load weights by name, all or nothing (`share`: alias same-dtype tensors, see
         `load_named_tensors`). `stage`: check these tensors and keep them until a later call
         without `stage` loads everything at once, so an update sent in chunks is all or nothing
-        too. On failure the engine keeps its weights and version, and the staged tensors are
-        dropped."""
+        too. `partial`: the update names only the tensors that changed (a LoRA sync, the `delta`
+        transport); the others stay. On failure the engine keeps its weights and version, and the
+        staged tensors are dropped."""
         named = dict(named)
         if stage:
             try:
@@ -251,7 +255,7 @@ class LLMEngine:
             self._staged.update(named)
             return
         named, self._staged = {**self._staged, **named}, {}
-        load_named_tensors(self.model, named.items(), share)
+        load_named_tensors(self.model, named.items(), share, complete=not partial)
         self.weight_version = self.weight_version + 1 if version is None else version
         self._checksum = None
         self.flush_cache()

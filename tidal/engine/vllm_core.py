@@ -147,6 +147,8 @@ class _Request:
 class VLLMCore:
     """vLLM's in-process engine behind tidal's core-engine contract; see the module docstring.
 
+    It takes whole models only (`partial_updates` False): its checksum is of what it was handed.
+
     `model_dir` is a Hugging Face model folder (vLLM loads config, tokenizer and weights from it).
     `kv_cache_tokens` sizes vLLM's KV cache (rounded up to 128 tokens); `max_model_len` defaults
     to the smaller of the model's context and the KV cache, since a longer request could never
@@ -156,6 +158,8 @@ class VLLMCore:
     half-way); requests are refused until the next successful load. One core per process at a
     time: `close()` it before building another.
     """
+
+    partial_updates = False
 
     def __init__(
         self,
@@ -395,6 +399,7 @@ class VLLMCore:
         version: int | None = None,
         stage: bool = False,
         share: bool = False,
+        partial: bool = False,
     ) -> None:
         """Load weights by name (Hugging Face names), all or nothing: every tensor is checked
         against the model's config (name, shape, floating point) and every parameter must be given
@@ -408,6 +413,8 @@ class VLLMCore:
         half-way (after the checks passed), the engine has no usable weights, reports version -1
         and refuses requests until a load succeeds."""
         del share
+        if partial:  # what it holds is fingerprinted from what it was handed: a whole model
+            raise ValueError("update_weights: the vLLM engine takes whole models, not partial updates")
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; wake() it first")
         named = dict(named)

@@ -139,6 +139,7 @@ class TensorWeightsBody(Body):
     weight_version: int | str | None = None
     flush_cache: bool = True
     stage: bool = False
+    partial: bool = False  # tidal's: the update names only the tensors that changed (the delta transport)
 
 
 def _version(value: int | str | None) -> int | None:
@@ -430,7 +431,8 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts
             if body.stage:
                 await engine.stage_weights(named)
             else:
-                await engine.update_weights_from_tensors(named, version, flush_cache=body.flush_cache)
+                extra = {"partial": True} if body.partial else {}
+                await engine.update_weights_from_tensors(named, version, flush_cache=body.flush_cache, **extra)
         except (KeyError, ValueError, RuntimeError) as e:
             msg = f"tensors: {e}"
             return error_response(400, msg, param="tensors", extra={"success": False, "message": msg})

@@ -13,7 +13,11 @@ class InProcessSync:
     dtypes agree (no copy, and no second copy in memory: the synchronous loop never generates
     while the trainer updates them) and copies (casts) the rest. The load runs on the engine's
     thread between two steps; a push that copied anything is checked by checksum (a shared tensor
-    is the trainer's own, nothing to check)."""
+    is the trainer's own, nothing to check).
+
+    An engine that takes partial updates gets only the tensors training can change (with LoRA:
+    the merged targeted matrices; the base weights it loaded never change). `sync/bytes` counts
+    the bytes the engine did not already hold: copied, or newly shared."""
 
     transport = "in-process"
 
@@ -23,20 +27,29 @@ class InProcessSync:
         self.timeout = timeout
         self.share = share  # False: the engine keeps a copy (it generates while the trainer updates)
         self.dtype = engine.dtype
+        self.partial = bool(getattr(engine, "partial_updates", False))
+        self._held: dict[str, int] = {}  # name -> storage the engine shares with the trainer
 
     def push(self, version: int) -> dict[str, float]:
-        named = list(self.trainer.named_weights(self.dtype))
-        copied = [(n, t) for n, t in named if t.dtype != self.dtype or not self.share]
+        named = list(self.trainer.named_weights(self.dtype, changed_only=self.partial))
+        shared = {n: t.data_ptr() for n, t in named if self.share and t.dtype == self.dtype}
+        copied = [(n, t) for n, t in named if n not in shared]
+        fresh = [(n, t) for n, t in named if n not in shared or self._held.get(n) != shared[n]]
+        self._held = {}
         try:
             got_version, got_sum = self.engine.load_weights(
-                named, version, self.timeout, checksum=bool(copied), share=self.share
+                named, version, self.timeout, checksum=bool(copied), share=self.share, partial=self.partial
             )
         except (ValueError, RuntimeError, TimeoutError) as e:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
-        want = weights_checksum(named, self.dtype) if copied else None
+        self._held = shared
+        want = None
+        if copied:  # the whole model's fingerprint (a partial update leaves the rest as it was)
+            everything = self.trainer.named_weights(self.dtype) if self.partial else named
+            want = weights_checksum(everything, self.dtype)
         check_engine("in-process", self.transport, version, want, got_version, got_sum)
         return {
-            "sync/bytes": float(sum(t.numel() for _, t in copied) * self.dtype.itemsize),
+            "sync/bytes": float(sum(t.numel() for _, t in fresh) * self.dtype.itemsize),
             "sync/tensors": float(len(named)),
         }
 

@@ -180,8 +180,9 @@ class HttpSync(_RemoteSync):
     `chunk_bytes`, all chunks but the last staged so a server loads all or nothing.
 
     `delta`: send only the tensors whose bytes changed since the last push every engine confirmed
-    (for slow links, and models with frozen parts); the first push, and any push after a failed
-    one, sends everything."""
+    (for slow links, and models with frozen parts: with LoRA, the merged targeted matrices), as a
+    partial update (tidal's engine; vLLM's takes whole models); the first push, and any push after
+    a failed one, sends everything."""
 
     def __init__(
         self,
@@ -210,7 +211,9 @@ class HttpSync(_RemoteSync):
         if self.delta and self._sent is not None:
             send = [(n, t) for n, t in named if self._sent.get(n) != crcs[n]]
         self._sent = None  # until every engine confirms this push
-        blobs = list(encode_tensors(send or named[:1], self.chunk_bytes))
+        send = send or named[:1]  # nothing changed: one tensor still carries the new version
+        partial = len(send) < len(named)
+        blobs = list(encode_tensors(send, self.chunk_bytes))
         sizes = [len(b) for b in blobs]  # bytes on the wire (base64)
         # the last request has the engine load every staged chunk: it gets time for all of them
         loads = [*sizes[:-1], sum(sizes)]
@@ -223,7 +226,9 @@ class HttpSync(_RemoteSync):
                 request += f", then loading all {megabytes(loads[i])})" if last and len(blobs) > 1 else ")"
 
                 def send(limit: float, blob=blob, last=last) -> Awaitable[None]:
-                    return c.send_tensor_chunk(blob, version if last else None, flush_cache=last, timeout=limit)
+                    return c.send_tensor_chunk(
+                        blob, version if last else None, flush_cache=last, timeout=limit, partial=last and partial
+                    )
 
                 await self._bounded(c, request, loads[i], send)
             await self._verify(c, version, named)

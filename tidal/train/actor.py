@@ -17,6 +17,7 @@ from torch import Tensor
 from tidal.algo import log_probs_and_entropy, log_probs_from_logits
 from tidal.config import AlgoConfig, TrainConfig
 from tidal.hardware import CPU, to_device
+from tidal.train import lora
 from tidal.train.estimate import response_mask
 from tidal.train.logits import token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
@@ -53,17 +54,23 @@ class Actor:
         # log-probs must come from the distribution the engine sampled from (temperature applied);
         # greedy rollouts (temperature 0) are scored at temperature 1, as the engine reports them
         self.temperature = temperature if temperature > 0 else 1.0
+        # With LoRA the base weights stay as loaded: a resumed checkpoint is an adapter folder,
+        # put on the base model (`reference`), and the reference policy is the adapters switched off
+        adapter = train.lora_adapter
+        if lora.enabled(train) and lora.is_adapter(model if not isinstance(model, torch.nn.Module) else None):
+            adapter, model = model, reference
+        self.base = None if isinstance(model, torch.nn.Module) else str(reference or model)
         module = model if isinstance(model, torch.nn.Module) else load_causal_lm(model)
-        self.trained = TrainedModel(module, train, pad_id, device=device)
+        self.trained = TrainedModel(module, train, pad_id, device=device, adapter=adapter)
         self.device = self.trained.device
         ref = None
-        if algo.kl_coef > 0:  # `reference` is the initial model when `model` is a resumed checkpoint
+        if algo.kl_coef > 0 and not self.trained.lora:  # `reference`: the initial model when resuming
             ref = copy.deepcopy(self.trained.master) if reference is None else load_frozen(reference)
         if shard is not None:
             shard(self.trained)
         self.ref = self.trained.frozen(ref) if ref is not None else None
         self.teacher = self.trained.frozen(load_frozen(algo.teacher)) if algo.teacher else None
-        self.objective = PolicyObjective(algo, kl_loss=self.ref is not None and not algo.kl_in_reward)
+        self.objective = PolicyObjective(algo, kl_loss=self.has_reference and not algo.kl_in_reward)
         self.max_response_len = max_response_len  # Dr.GRPO's constant normaliser
         self.opt = Optimizer(self.trained.master, train.lr, train, distributed=self.trained.sharded)
         # set on FSDP2 ranks (`tidal.cluster`): this rank's share of a batch, the largest
@@ -82,7 +89,8 @@ class Actor:
     params = property(lambda self: self.opt.params)
     optimizer = property(lambda self: self.opt.optimizer)
     scheduler = property(lambda self: self.opt.scheduler)
-    has_reference = property(lambda self: self.ref is not None)
+    # with LoRA the reference is the policy with its adapters off: no model of its own
+    has_reference = property(lambda self: self.ref is not None or (self.trained.lora and self.algo.kl_coef > 0))
     has_teacher = property(lambda self: self.teacher is not None)
 
     # ---------------------------------------------------------------- scoring
@@ -111,9 +119,15 @@ class Actor:
     def compute_log_probs(self, samples: Sequence[Sample], which: str = "policy") -> Tensor:
         """[N, R] response log-probs (zero-padded) under the policy, `reference` or `teacher`.
         On FSDP2 ranks each rank scores its share and the shares are summed over the ranks."""
+        if which == "reference" and self.ref is None and self.has_reference:
+            with self.trained.adapters_off():
+                return self._log_probs(self.compute, samples)
         model = {"policy": self.compute, "reference": self.ref, "teacher": self.teacher}[which]
         if model is None:
             raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
+        return self._log_probs(model, samples)
+
+    def _log_probs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> Tensor:
         width = max(max(s.response_length for s in samples), 1)
         out = torch.zeros(len(samples), width, device=self.device)
         head = model.get_output_embeddings()
@@ -230,13 +244,19 @@ class Actor:
         return bool(self.all_sum(torch.tensor([float(flag)], device=self.device)) > 0)
 
     # ---------------------------------------------------------------- weights / state
-    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(
+        self, dtype: torch.dtype | None = None, changed_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters by name, for weight sync to the engines (see `TrainedModel.named_weights`)."""
-        return self.trained.named_weights(dtype)
+        return self.trained.named_weights(dtype, changed_only)
 
     def save_model(self, path: str | Path) -> None:
-        """The policy as a Hugging Face folder (fp32 safetensors and config) at `path`."""
-        self.model.save_pretrained(str(path), safe_serialization=True)
+        """The policy as a Hugging Face folder (fp32 safetensors and config) at `path`; with LoRA,
+        the adapter as a peft adapter folder naming the base model."""
+        if self.trained.lora:
+            lora.save_adapter(self.model, self.cfg, path, self.base)
+        else:
+            self.model.save_pretrained(str(path), safe_serialization=True)
 
     def state_dict(self) -> dict:
         self.trained.reshard()

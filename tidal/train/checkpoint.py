@@ -218,15 +218,26 @@ def read_state(path: str | Path) -> dict:
     return state
 
 
-def export_checkpoint(output_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+def export_checkpoint(
+    output_dir: str | Path, out: str | Path, step: int | None = None, lora: str | None = None
+) -> Path:
     """Copy checkpoint `step` of a run (default: the newest complete one) to `out` as a plain
     Hugging Face folder (model and tokenizer files, no optimizer or loop state), atomically.
+
+    A LoRA run's checkpoint holds an adapter: `lora` "merged" (the default for one) writes the base
+    model with the adapter folded in (`W + s · B A`, through peft), "adapter" the peft adapter
+    folder (`peft.PeftModel.from_pretrained(base, out)` loads it) with the tokenizer.
 
     Raises:
         FileNotFoundError: the run has no complete checkpoint, or none at `step` (the message lists
             the steps it has).
         FileExistsError: `out` exists and is not empty (nothing is overwritten).
+        ValueError: `lora` is given for a checkpoint without an adapter, or is not merged/adapter.
     """
+    from tidal.train.lora import is_adapter
+
+    if lora not in (None, "merged", "adapter"):
+        raise ValueError(f"--lora: merged or adapter, got {lora!r}")
     found = dict(list_checkpoints(output_dir))
     if not found:
         raise FileNotFoundError(f"{checkpoint_root(output_dir)}: no complete checkpoint to export")
@@ -240,9 +251,37 @@ def export_checkpoint(output_dir: str | Path, out: str | Path, step: int | None 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; export into a new or empty folder")
+    folder = found[step]
+    adapter = is_adapter(folder)
+    if lora is not None and not adapter:
+        raise ValueError(
+            f"--lora {lora}: {folder} holds a full model, not a LoRA adapter (the run had train.lora_rank 0)"
+        )
     with atomic_directory(out) as tmp:
-        for src in found[step].iterdir():
-            if src.name in (STATE_FILE, TRAINER_STATE_FILE):
+        if adapter and lora != "adapter":
+            _merge_adapter(folder, tmp)
+        for src in folder.iterdir():
+            if src.name in (STATE_FILE, TRAINER_STATE_FILE) or (
+                adapter and lora != "adapter" and "adapter_" in src.name
+            ):
                 continue
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / src.name)
     return out
+
+
+def _merge_adapter(folder: Path, out: Path) -> None:
+    """The base model the adapter folder names, with the adapter folded in, saved to `out`."""
+    from peft import PeftModel
+
+    from tidal.train.lora import read_adapter
+    from tidal.train.model import load_causal_lm
+
+    config, _ = read_adapter(folder)
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(
+            f"{folder / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a model folder on this "
+            "machine; export with --lora adapter and merge it onto the base model where that lives"
+        )
+    merged = PeftModel.from_pretrained(load_causal_lm(base), str(folder)).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)

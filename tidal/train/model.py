@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from tidal.config import TrainConfig
 from tidal.hardware import CPU, autocast_type, resolve_dtype
+from tidal.train import lora
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
 from tidal.train.precision import Bf16Compute, to_bf16_params
@@ -47,17 +48,28 @@ class TrainedModel:
         pad_id: int = 0,
         dtype: str | None = None,
         device: str | torch.device = CPU,
+        adapter: str | Path | None = None,
+        trainable: tuple[str, ...] = (),
     ) -> None:
+        """With `cfg.lora_rank` > 0 the model gets LoRA adapters (`tidal.train.lora`), started from
+        the `adapter` folder when given, and only they (and parameters named under a `trainable`
+        prefix) are trained."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
         self.master = module.float().to(self.device).train()
+        self.lora = lora.enabled(cfg)
+        if self.lora:
+            lora.apply_lora(self.master, cfg, adapter, trainable)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
             enable = getattr(self.master, "activation_checkpointing_enable", None) or getattr(
                 self.master, "gradient_checkpointing_enable", None
             )
             if enable is not None:
                 enable()
+            if self.lora and hasattr(self.master, "enable_input_require_grads"):
+                # frozen embeddings: recomputed blocks must still see an input that needs a gradient
+                self.master.enable_input_require_grads()
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device)
@@ -168,12 +180,36 @@ class TrainedModel:
         )
         return out.logits[valid], valid
 
-    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    def adapters_off(self):
+        """A context in which the compute model is the base model (LoRA adapters off); a no-op
+        context without LoRA."""
+        return lora.adapters_off(self.compute) if self.lora else contextlib.nullcontext()
+
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, full shape) of each tensor `named_weights` yields, in its order."""
+        meta = ((n, torch.empty(p.shape, device="meta")) for n, p in self.master.named_parameters())
+        if self.lora:
+            return [(n, tuple(t.shape)) for n, t in lora.merge_named(meta, lora.scalings(self.master))]
+        return [(n, tuple(t.shape)) for n, t in meta]
+
+    def named_weights(
+        self, dtype: torch.dtype | None = None, changed_only: bool = False
+    ) -> Iterator[tuple[str, Tensor]]:
         """Parameters by name, for weight sync to the engines: the fp32 master weights, or with
         `dtype` bf16 and a bf16 compute copy, that copy's tensors (kept equal to the master's after
         every optimizer step), so an engine in the same process can share them. On an FSDP2 rank
-        every rank must call this (each full tensor is gathered from the shards)."""
+        every rank must call this (each full tensor is gathered from the shards).
+
+        With LoRA: the base model's names, each targeted matrix merged (`W + s · B A`, fp32);
+        `changed_only` gives those alone (the rest never changes). Without LoRA `changed_only`
+        changes nothing: every parameter is trained."""
         self.reshard()
+        if self.lora:
+            full = (
+                (n, p.detach().full_tensor() if self.sharded else p.detach()) for n, p in self.master.named_parameters()
+            )
+            yield from lora.merge_named(full, lora.scalings(self.master), changed_only)
+            return
         compute = None
         if dtype == torch.bfloat16 and self.mixed is not None:
             compute = dict(self.mixed.model.named_parameters(remove_duplicate=False))

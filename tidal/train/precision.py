@@ -82,6 +82,8 @@ class Bf16Compute:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Copy the master weights into the bf16 copy (after each optimizer step or load)."""
+        """Copy the trained master weights into the bf16 copy (after each optimizer step); frozen
+        ones (a LoRA model's base weights) were copied when the copy was made and never change."""
         for m, c in self.pairs:
-            c.copy_(m)
+            if m.requires_grad:
+                c.copy_(m)
