@@ -12,6 +12,7 @@ BENCHES = (
     "profile_train",
     "overlap",
     "no_barrier",
+    "lora",
 )
 
 

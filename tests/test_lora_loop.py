@@ -135,3 +135,25 @@ def test_the_delta_transport_sends_what_changed_and_the_engine_checks_the_whole_
     finally:
         server.stop()
         engine.close()
+
+
+def test_ppo_with_lora_trains_the_actor_and_critic_adapters(tiny_model_dir, tmp_path):
+    over = {**LORA, "train.num_steps": 2, "algo.advantage": "ppo", "algo.critic_lr": 1e-2}
+    history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
+    assert all(h["critic/grad_norm"] >= 0 and h["actor/grad_norm"] > 0 for h in history)
+    assert history[-1]["critic/grad_norm"] > 0  # the head moved on step 1; the adapters see a gradient on step 2
+
+
+def test_sft_with_lora_learns_and_saves_an_adapter(tiny_model_dir, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "yes"}]} for i in range(8)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    over = {**LORA, "algo.mode": "sft", "data.path": str(data), "train.num_steps": 10, "train.lr": 3e-3}
+    history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "run", **over))
+    nll = [h["loss/sft"] for h in history]
+    # with its tied embedding frozen the tiny model's logits stay small (a plain peft model on it
+    # levels off near 4.5 nats too), so the adapters only bring the NLL steadily down
+    assert all(b < a for a, b in zip(nll, nll[1:], strict=False)) and nll[-1] < nll[0] - 0.5, nll
+    assert (tmp_path / "run" / "checkpoints" / "step_10" / "adapter_model.safetensors").exists()

@@ -114,6 +114,7 @@ def test_named_targets_only_get_adapters():
     assert len(dict(actor.named_weights(changed_only=True))) == 4
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft calls a transformers name deprecated in 5.x
 def test_the_adapter_round_trips_through_peft(tmp_path):
     from peft import PeftModel
 
@@ -144,3 +145,22 @@ def test_an_adapter_of_another_rank_is_refused_naming_the_file(tmp_path):
         r"has shape \(4, 128\), the model's is \(8, 128\) \(the folder's rank is 4\)$",
     ):
         Actor(make_model(seed=0), lora_cfg(lora_rank=8, lora_adapter=str(tmp_path / "adapter")), AlgoConfig())
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_whole_value_head(tiny_model_dir):
+    from tidal.train.critic import Critic
+
+    critic = Critic(tiny_model_dir, lora_cfg(), AlgoConfig(critic_lr=1e-2))
+    trained = {n for n, p in critic.module.named_parameters() if p.requires_grad}
+    assert {"head.weight", "head.bias"} <= trained
+    assert all(n.startswith("head.") or ".lora_" in n for n in trained)
+    assert not lora.lora_layers(critic.module.head) and len(lora.lora_layers(critic.module)) == 14
+    samples = make_samples()
+    before = {n: p.detach().clone() for n, p in critic.module.named_parameters()}
+    returns = torch.ones(8, max(s.response_length for s in samples))
+    for _ in range(2):  # the zero-initialised head passes no gradient back on the first step
+        m = critic.train_step(samples, returns, critic.values(samples))
+        assert m["critic/grad_norm"] > 0
+    for n, p in critic.module.named_parameters():
+        # frozen weights stay; the head and every B move (A moves once B is not zero: a step later)
+        assert torch.equal(p, before[n]) == (n not in trained or ".lora_A." in n), n

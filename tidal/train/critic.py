@@ -50,7 +50,10 @@ class Critic:
         self, model: str | Path, train: TrainConfig, algo: AlgoConfig, pad_id: int = 0, device: str = CPU
     ) -> None:
         self.cfg, self.algo = train, algo
-        self.trained = TrainedModel(ValueModel(load_causal_lm(model)), train, pad_id, device=device)
+        # with LoRA (train.lora_rank) the backbone gets adapters and the value head trains whole
+        self.trained = TrainedModel(
+            ValueModel(load_causal_lm(model)), train, pad_id, device=device, trainable=("head",)
+        )
         self.opt = Optimizer(self.trained.master, algo.critic_lr, train)
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -74,15 +74,20 @@ def lora_config(cfg: TrainConfig, model: torch.nn.Module):
     )
 
 
-def apply_lora(model: torch.nn.Module, cfg: TrainConfig, adapter: str | Path | None = None, trainable=()) -> None:
-    """Inject LoRA adapters into `model` in place and freeze everything else, except the
-    parameters whose names start with one of `trainable` (the critic's value head). With
+def apply_lora(
+    model: torch.nn.Module, cfg: TrainConfig, adapter: str | Path | None = None, trainable: Sequence[str] = ()
+) -> None:
+    """Inject LoRA adapters into `model` in place and freeze everything else, except the modules
+    named in `trainable` (the critic's value head), which get no adapter and train whole. With
     `adapter` (a folder `save_adapter` or peft wrote), the adapters start from its weights."""
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(lora_config(cfg, model), model, adapter_name=ADAPTER)
+    config = lora_config(cfg, model)
+    if trainable:
+        config.exclude_modules = list(trainable)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
-        if any(name.startswith(t) for t in trainable):
+        if name.partition(".")[0] in trainable:
             p.requires_grad_(True)
     if adapter is not None:
         load_adapter(model, adapter)

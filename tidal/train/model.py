@@ -52,8 +52,7 @@ class TrainedModel:
         trainable: tuple[str, ...] = (),
     ) -> None:
         """With `cfg.lora_rank` > 0 the model gets LoRA adapters (`tidal.train.lora`), started from
-        the `adapter` folder when given, and only they (and parameters named under a `trainable`
-        prefix) are trained."""
+        the `adapter` folder when given, and only they (and the `trainable` modules, whole) train."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
