@@ -85,7 +85,10 @@ def apply_lora(
     config = lora_config(cfg, model)
     if trainable:
         config.exclude_modules = list(trainable)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    # A's random init from train.seed alone: every trainer rank (and a rerun) starts the same
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         if name.partition(".")[0] in trainable:
             p.requires_grad_(True)
