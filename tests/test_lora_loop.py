@@ -36,7 +36,9 @@ def test_a_lora_run_rolls_out_with_its_adapters_and_syncs_only_them(tiny_model_d
     assert versions == [{0}, {1}, {2}]
     # the trainer scored the engine's tokens as the engine did: the merged weights are the adapters'
     assert all(h["rollout/mismatch_abs_diff"] < 1e-4 for h in history if "rollout/mismatch_abs_diff" in h)
-    # one sync: the 14 targeted matrices of the tiny Llama (2 layers x q, k, v, o, gate, up, down)
+    # the run's first push (version 0, before step 1) hands the engine every tensor, so it shares
+    # the trainer's frozen base weights (one copy in memory); each step's sync then moves the 14
+    # merged matrices of the tiny Llama (2 layers x q, k, v, o, gate, up, down)
     proj = sum(p.numel() for n, p in make_model().named_parameters() if n.endswith("_proj.weight"))
     assert [h["sync/tensors"] for h in history] == [14.0] * 3
     assert [h["sync/bytes"] for h in history] == [proj * 4.0] * 3

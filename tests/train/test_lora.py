@@ -164,3 +164,30 @@ def test_a_lora_critic_trains_its_adapters_and_its_whole_value_head(tiny_model_d
     for n, p in critic.module.named_parameters():
         # frozen weights stay; the head and every B move (A moves once B is not zero: a step later)
         assert torch.equal(p, before[n]) == (n not in trained or ".lora_A." in n), n
+
+
+def test_in_process_sync_shares_the_base_weights_once_then_moves_the_merged_matrices(tokenizer):
+    from tidal.engine.async_engine import AsyncEngine
+    from tidal.sync.local import InProcessSync
+
+    actor = Actor(make_model(seed=0), lora_cfg(), AlgoConfig(), temperature=0.8)
+    engine = AsyncEngine(LLMEngine(make_model(seed=0), tokenizer, dtype="float32", block_size=4, kv_cache_tokens=256))
+    try:
+        sync = InProcessSync(actor, engine)
+        first = sync.push(0)
+        held = dict(engine.core.model.named_parameters())
+        base = dict(actor.model.named_parameters())
+        # one copy in memory: the engine holds the trainer's own frozen tensors
+        assert held["model.norm.weight"].data_ptr() == base["model.norm.weight"].data_ptr()
+        assert held["model.embed_tokens.weight"].data_ptr() == base["model.embed_tokens.weight"].data_ptr()
+        actor.train_step(make_samples(), ADV)
+        second = sync.push(1)
+        assert (first["sync/tensors"], second["sync/tensors"]) == (20.0, 14.0)
+        proj = sum(p.numel() * 4 for n, p in make_model().named_parameters() if n.endswith("_proj.weight"))
+        assert second["sync/bytes"] == proj
+        held = dict(engine.core.model.named_parameters())
+        for name, t in actor.named_weights():
+            assert torch.equal(held[name], t), name
+        assert engine.weight_version == 1
+    finally:
+        engine.close()

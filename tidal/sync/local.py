@@ -15,9 +15,10 @@ class InProcessSync:
     thread between two steps; a push that copied anything is checked by checksum (a shared tensor
     is the trainer's own, nothing to check).
 
-    An engine that takes partial updates gets only the tensors training can change (with LoRA:
-    the merged targeted matrices; the base weights it loaded never change). `sync/bytes` counts
-    the bytes the engine did not already hold: copied, or newly shared."""
+    An engine that takes partial updates gets every tensor on the first push (sharing the
+    trainer's frozen base weights: one copy in memory), then only the tensors training can change
+    (with LoRA: the merged targeted matrices). `sync/bytes` counts the bytes the engine did not
+    already hold: copied, or newly shared."""
 
     transport = "in-process"
 
@@ -29,25 +30,28 @@ class InProcessSync:
         self.dtype = engine.dtype
         self.partial = bool(getattr(engine, "partial_updates", False))
         self._held: dict[str, int] = {}  # name -> storage the engine shares with the trainer
+        self._pushed = False  # whether the engine holds a whole push of this trainer's
 
     def push(self, version: int) -> dict[str, float]:
-        named = list(self.trainer.named_weights(self.dtype, changed_only=self.partial))
+        partial = self.partial and self._pushed
+        named = list(self.trainer.named_weights(self.dtype, changed_only=partial))
         shared = {n: t.data_ptr() for n, t in named if self.share and t.dtype == self.dtype}
         copied = [(n, t) for n, t in named if n not in shared]
         fresh = [(n, t) for n, t in named if n not in shared or self._held.get(n) != shared[n]]
-        self._held = {}
+        self._pushed = False  # until this push is confirmed: a failed one is followed by a whole one
         try:
             got_version, got_sum = self.engine.load_weights(
-                named, version, self.timeout, checksum=bool(copied), share=self.share, partial=self.partial
+                named, version, self.timeout, checksum=bool(copied), share=self.share, partial=partial
             )
         except (ValueError, RuntimeError, TimeoutError) as e:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
-        self._held = shared
         want = None
         if copied:  # the whole model's fingerprint (a partial update leaves the rest as it was)
-            everything = self.trainer.named_weights(self.dtype) if self.partial else named
+            everything = self.trainer.named_weights(self.dtype) if partial else named
             want = weights_checksum(everything, self.dtype)
         check_engine("in-process", self.transport, version, want, got_version, got_sum)
+        self._held = {**self._held, **shared} if partial else shared
+        self._pushed = True
         return {
             "sync/bytes": float(sum(t.numel() for _, t in fresh) * self.dtype.itemsize),
             "sync/tensors": float(len(named)),
