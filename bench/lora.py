@@ -18,7 +18,8 @@ reference with its adapters off. Each arm runs in its own subprocess, built as `
   not about how long the two policies' responses grow;
 - reports the median step time (reference + advantages + train) and push time over the measured
   steps, `sync/bytes` of the first push (when the loop starts) and of a push after a step, and
-  the process's peak RSS (`ru_maxrss`), plus the RSS once everything is built (before any step).
+  the process's peak RSS (`ru_maxrss`), the RSS and the peak once everything is built (before
+  any step) and the most RSS seen after each phase of a step (reference, train, push).
 
 Without LoRA the engine shares the trainer's fp32 tensors in place (`InProcessSync(share=True)`),
 so after the first push nothing new crosses; with LoRA every push hands over freshly merged
@@ -31,6 +32,7 @@ import argparse
 import copy
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,13 @@ def rss_mb() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def commit() -> str:
+    """The checkout's commit, with `+dirty` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "tidal"], cwd=ROOT).returncode != 0
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def child(args) -> None:
@@ -82,20 +91,24 @@ def child(args) -> None:
         first_push = roles.sync.push(0)  # what the loop does before its first rollout
         rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer, roles.engines.loop)
         batch, _ = collect(source, rollout, 0, a_cfg, cfg.rollout.reward_key)
-        rss_built = rss_mb()
+        rss_built, peak_built = rss_mb(), peak_rss_mb()
 
         steps, pushes = [], []
+        rss_after = {"reference": 0.0, "train": 0.0, "push": 0.0}  # the most resident after each phase
         for i in range(args.warmup + args.steps):
             samples = copy.deepcopy(batch)  # the trainer may mark samples; every step starts alike
             t0 = time.perf_counter()
             rewards = shaped_rewards(samples, a_cfg, cfg.rollout.reward_key, cfg.rollout.response_budget)
             valid = torch.tensor([s.status != Status.FAILED for s in samples])
             ref = trainer.compute_log_probs(samples, "reference")
+            rss_after["reference"] = max(rss_after["reference"], rss_mb())
             adv, _, _ = compute_advantages(a_cfg, samples, rewards, valid, group_size(samples), None, ref, None, None)
             metrics = trainer.train_step(samples, adv, None, ref)
             t1 = time.perf_counter()
+            rss_after["train"] = max(rss_after["train"], rss_mb())
             push = roles.sync.push(i + 1)
             t2 = time.perf_counter()
+            rss_after["push"] = max(rss_after["push"], rss_mb())
             if i >= args.warmup:
                 steps.append(t1 - t0)
                 pushes.append({"seconds": t2 - t1, **push})
@@ -111,6 +124,8 @@ def child(args) -> None:
             "sync_tensors_step_push": pushes[-1]["sync/tensors"],
             "peak_rss_mb": peak_rss_mb(),
             "rss_built_mb": rss_built,
+            "peak_rss_built_mb": peak_built,
+            "rss_after_mb": rss_after,
             "has_reference_model": trainer.ref is not None,
             "params": sum(p.numel() for p in model.parameters()),
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -137,12 +152,13 @@ def child(args) -> None:
 
 def print_table(by: dict[str, dict]) -> None:
     print(
-        f"\n{'arm':<6}{'peak RSS MB':>12}{'RSS built MB':>13}{'opt state MB':>13}{'trainable':>12}"
+        f"\n{'arm':<6}{'peak RSS MB':>12}{'built MB':>9}{'after train':>12}{'opt state MB':>13}{'trainable':>12}"
         f"{'step s':>8}{'push s':>8}{'sync MB 1st':>12}{'sync MB/step':>13}"
     )
     for name, r in by.items():
         print(
-            f"{name:<6}{r['peak_rss_mb']:>12.0f}{r['rss_built_mb']:>13.0f}{r['optimizer_state_mb']:>13.0f}"
+            f"{name:<6}{r['peak_rss_mb']:>12.0f}{r['rss_built_mb']:>9.0f}{r['rss_after_mb']['train']:>12.0f}"
+            f"{r['optimizer_state_mb']:>13.0f}"
             f"{r['trainable_params']:>12,}{r['train_step_s_median']:>8.2f}{r['push_s_median']:>8.2f}"
             f"{r['sync_bytes_first_push'] / 1e6:>12.0f}{r['sync_bytes_step_push'] / 1e6:>13.0f}"
         )
@@ -164,6 +180,7 @@ def main() -> None:
         sys.exit("--kl-coef must be > 0: the comparison is about the reference model")
 
     by = {}
+    started = commit()  # the same code in both arms: checked again at the end
     for arm in args.arms:
         cmd = [sys.executable, "-m", "bench", "lora", "--arm", arm, "--steps", str(args.steps)]
         cmd += ["--warmup", str(args.warmup), "--kl-coef", str(args.kl_coef), "--rank", str(args.rank)]
@@ -187,6 +204,7 @@ def main() -> None:
         "warmup": args.warmup,
         "kl_coef": args.kl_coef,
         "configs": {"full": str(QUICKSTART.relative_to(ROOT)), "lora": str(LORA.relative_to(ROOT))},
+        "commit": started if commit() == started else f"{started} then {commit()}",
     }
     payload = {"machine": machine(), "settings": settings, "results": by, "comparison": comparison}
     print(f"wrote {write_result('lora', payload)}")

@@ -121,8 +121,8 @@ def test_every_push_is_checked_and_served(build, kind):
     # a push the engine cannot load is refused, and the engine stays on version 2
     real = roles.trainer.named_weights
 
-    def broken(dtype=None):
-        for name, t in real(dtype):
+    def broken(dtype=None, **kw):
+        for name, t in real(dtype, **kw):
             yield name, (t[:-1] if name.endswith("embed_tokens.weight") else t)
 
     roles.trainer.named_weights = broken

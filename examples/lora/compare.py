@@ -65,8 +65,16 @@ def run(arm: str, steps: int, out: Path) -> dict:
     }
 
 
+def commit() -> str:
+    """The checkout's commit, with `+dirty` when tidal/ differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "tidal"], cwd=ROOT).returncode != 0
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def print_table(summary: dict) -> None:
-    print(f"\nCPU capability {summary['cpu_capability']}, {summary['steps']} steps per arm")
+    commits = ", ".join(sorted({r.get("commit", "?") for r in summary["arms"]}))
+    print(f"\nCPU capability {summary['cpu_capability']}, {summary['steps']} steps per arm, commit {commits}")
     print(
         f"{'arm':<6}{'lr':>9}{'dtype':>9}{'threads':>8}{'reward first 3':>16}{'reward last 3':>15}"
         f"{'2nd half':>10}{'s/step':>8}{'train s':>9}"
@@ -96,7 +104,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "steps": args.steps, "arms": []}
     for arm in args.arms:
-        summary["arms"].append(run(arm, args.steps, out))
+        summary["arms"].append({**run(arm, args.steps, out), "commit": commit()})
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_table(summary)
     print(f"wrote {out / 'summary.json'}")
