@@ -17,7 +17,9 @@ pytestmark = [
 ]
 
 
-def test_three_grpo_steps_on_smollm2_with_vllm(tmp_path, monkeypatch):
+# LoRA: vLLM takes the merged weights (W + s·B·A) whole at every push, and serves what was trained
+@pytest.mark.parametrize("lora", [{}, {"train.lora_rank": 8, "train.lr": 1e-4}], ids=["full", "lora"])
+def test_three_grpo_steps_on_smollm2_with_vllm(tmp_path, monkeypatch, lora):
     import tidal.loop
     from tidal.config import build_config
     from tidal.convert import ensure_model
@@ -57,6 +59,7 @@ def test_three_grpo_steps_on_smollm2_with_vllm(tmp_path, monkeypatch):
             "train.lr": 1e-5,
             "log.tensorboard": False,
             "log.console": False,
+            **lora,
         },
     )
     history = tidal.loop.train(cfg)
