@@ -236,7 +236,8 @@ def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
 
         if not hasattr(engines, "actors"):
             raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal or vllm)")
-        return BroadcastSync(trainer, engines, timeout)
+        # colocated engines sleep while the trainers train and wake with no weights: every push is whole
+        return BroadcastSync(trainer, engines, timeout, partial=not cfg.cluster.colocate)
     from tidal.engine.client import EngineClient
     from tidal.sync.base import PushBound
     from tidal.sync.remote import DiskSync, HttpSync

@@ -72,19 +72,30 @@ class EngineServer:
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
 
+    def partial_updates(self) -> bool:
+        """Whether a weight update may name only the tensors that changed (tidal's engine: yes)."""
+        return self.engine.partial_updates
+
     def join_weight_group(self, init_method: str, rank: int, world: int, timeout_s: float) -> bool:
         from tidal.sync.broadcast import join_group
 
         self.weight_group = join_group(init_method, rank, world, timeout_s, self.device)
         return True
 
-    def receive_weights(self, meta: list[tuple[str, tuple[int, ...]]], version: int, bucket_bytes: int) -> tuple:
+    def receive_weights(
+        self, meta: list[tuple[str, tuple[int, ...]]], version: int, bucket_bytes: int, partial: bool = False
+    ) -> tuple:
         """Receive one broadcast of the weights into new tensors, then load them all at once between
-        two engine steps; returns (version, checksum) as the engine reports them."""
+        two engine steps; returns (version, checksum) as the engine reports them. `partial`: the
+        broadcast holds only the tensors that changed; the checksum is then of those."""
+        from tidal.engine.weights import weights_checksum
         from tidal.sync.broadcast import receive_weights
 
         named = receive_weights(self.weight_group, meta, self.engine.dtype, bucket_bytes, self.device)
-        return self.engine.load_weights(named, version)
+        if not partial:
+            return self.engine.load_weights(named, version)
+        got, _ = self.engine.load_weights(named, version, checksum=False, partial=True)
+        return got, weights_checksum(named)
 
     def close(self) -> None:
         self.server.stop()

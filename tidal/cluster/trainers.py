@@ -143,9 +143,9 @@ class TrainerRank:
             return None
         return {n: t.to(CPU, dtype or t.dtype) for n, t in named}  # to the driver, over Ray
 
-    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+    def weight_shapes(self, changed_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of each weight, in `named_weights` order."""
-        return self.actor.trained.weight_shapes()
+        return self.actor.trained.weight_shapes(changed_only)
 
     def state_dict(self) -> dict | None:
         state = self.actor.state_dict()  # a collective: every rank takes part
@@ -171,12 +171,12 @@ class TrainerRank:
         self.weight_group = join_group(init_method, 0, world, timeout_s, self.device)
         return True
 
-    def broadcast_weights(self, dtype: torch.dtype, bucket_bytes: int) -> str | None:
-        """Every rank gathers the weights; rank 0 broadcasts them (as `dtype`) and returns the
-        checksum of what it sent."""
+    def broadcast_weights(self, dtype: torch.dtype, bucket_bytes: int, changed_only: bool = False) -> str | None:
+        """Every rank gathers the weights (`changed_only`: those training changes); rank 0
+        broadcasts them (as `dtype`) and returns the checksum of what it sent."""
         from tidal.sync.broadcast import send_weights
 
-        named = self.actor.named_weights()  # a collective: every rank iterates it
+        named = self.actor.named_weights(changed_only=changed_only)  # a collective: every rank iterates it
         if self.rank != 0:
             for _ in named:
                 pass
@@ -275,8 +275,9 @@ class TrainerGroup:
         ]
         return iter(weights.items())
 
-    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return self._get([self.ranks[0].weight_shapes.remote()], "listing the weights' shapes", self.timeout)[0]
+    def weight_shapes(self, changed_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+        ref = self.ranks[0].weight_shapes.remote(changed_only)
+        return self._get([ref], "listing the weights' shapes", self.timeout)[0]
 
     def state_dict(self) -> dict:
         return self._get([r.state_dict.remote() for r in self.ranks], "gathering the optimizer state")[0]

@@ -87,11 +87,19 @@ def receive_weights(
 
 
 class BroadcastSync:
-    """Trainer ranks (`TrainerGroup`) to engine actors (`EngineGroup`) by broadcast."""
+    """Trainer ranks (`TrainerGroup`) to engine actors (`EngineGroup`) by broadcast.
+
+    Engines that take partial updates (tidal's) get every tensor on the first push (and the first
+    after an engine was restarted), then only those training changes (with LoRA: the merged
+    targeted matrices), each checked by the checksum of what was sent."""
 
     transport = "broadcast"
 
-    def __init__(self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES, partial: bool = True
+    ) -> None:
+        """`partial` False: every push sends every tensor (colocated engines free their weights
+        while the trainers train, so each push must fill them again)."""
         import ray
 
         self.trainers, self.engines = trainers, engines
@@ -99,7 +107,10 @@ class BroadcastSync:
         self.bucket_bytes = bucket_bytes
         self._join()
         self.dtype = ray.get(engines.actors[0].dtype.remote(), timeout=timeout)
-        self.meta: list[tuple[str, tuple[int, ...]]] | None = None
+        accepts = ray.get([a.partial_updates.remote() for a in engines.actors], timeout=timeout)
+        self.partial = partial and all(accepts)
+        self.meta: dict[bool, list[tuple[str, tuple[int, ...]]]] = {}  # changed_only -> (name, shape)s
+        self._pushed = False  # every engine holds a whole push of this trainer's
 
     def _join(self) -> None:
         """A new process group of trainer rank 0 and the engines there are now (also after an
@@ -169,19 +180,24 @@ class BroadcastSync:
         before it serves, then broadcast to every engine."""
         if self.engines.recover():
             self._join()
-        if self.meta is None:
-            self.meta = self.trainers.weight_shapes()
-        sends = [r.broadcast_weights.remote(self.dtype, self.bucket_bytes) for r in self.trainers.ranks]
-        recvs = [a.receive_weights.remote(self.meta, version, self.bucket_bytes) for a in self.engines.actors]
+            self._pushed = False  # a restarted engine loaded the initial weights: it needs them all
+        partial = self.partial and self._pushed
+        if partial not in self.meta:
+            self.meta[partial] = self.trainers.weight_shapes(partial)
+        meta = self.meta[partial]
+        sends = [r.broadcast_weights.remote(self.dtype, self.bucket_bytes, partial) for r in self.trainers.ranks]
+        recvs = [a.receive_weights.remote(meta, version, self.bucket_bytes, partial) for a in self.engines.actors]
         who = [self.trainers.rank_name(i) for i in range(len(sends))] + self.names
+        self._pushed = False  # until every engine confirms this one
         results = self._wait(sends + recvs, who, "the broadcast")
         want = results[0]
         for name, (got_version, got_sum) in zip(self.names, results[len(sends) :], strict=True):
             check_engine(name, self.transport, version, want, got_version, got_sum)
-        n = sum(torch.Size(s).numel() for _, s in self.meta)
+        self._pushed = True
+        n = sum(torch.Size(s).numel() for _, s in meta)
         return {
             "sync/bytes": float(n * self.dtype.itemsize),
-            "sync/tensors": float(len(self.meta)),
+            "sync/tensors": float(len(meta)),
             "engines/restarts": float(self.engines.restarts),
             "engines/resent_requests": float(self.engines.engine.router.resent),
         }

@@ -184,11 +184,12 @@ class TrainedModel:
         context without LoRA."""
         return lora.adapters_off(self.compute) if self.lora else contextlib.nullcontext()
 
-    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, full shape) of each tensor `named_weights` yields, in its order."""
+    def weight_shapes(self, changed_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, full shape) of each tensor `named_weights(changed_only=...)` yields, in its order."""
         meta = ((n, torch.empty(p.shape, device="meta")) for n, p in self.master.named_parameters())
         if self.lora:
-            return [(n, tuple(t.shape)) for n, t in lora.merge_named(meta, lora.scalings(self.master))]
+            merged = lora.merge_named(meta, lora.scalings(self.master), changed_only)
+            return [(n, tuple(t.shape)) for n, t in merged]
         return [(n, tuple(t.shape)) for n, t in meta]
 
     def named_weights(
