@@ -266,7 +266,7 @@ class TrainConfig:
     lora_rank: int = _opt(
         0,
         "LoRA rank r: train low-rank adapters on the base weights, frozen (0 = full fine-tuning); "
-        "LoRA usually wants a higher train.lr (1e-5 to 1e-4)",
+        "LoRA usually wants 10-100x the full fine-tuning train.lr (examples/lora: 1e-3)",
     )
     lora_alpha: float = _opt(32.0, "LoRA scale numerator: each adapter's update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = _opt(0.0, "dropout on the adapters' input while training")
