@@ -12,6 +12,7 @@ from test_fsdp_ranks import ADV, TRAIN, _port
 
 from tidal.config import AlgoConfig
 from tidal.train.actor import Actor
+from tidal.train.update import Sums
 
 LORA = dataclasses.replace(TRAIN, lora_rank=4, lora_alpha=8.0, lr=1e-2)
 ALGO = AlgoConfig(kl_coef=0.1)
@@ -28,6 +29,7 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
     changed = tr.full_weights(None, changed_only=True)
     shapes = tr.weight_shapes()
     tr.save_model(f"{out}.adapter")
+    torch.save(sums, f"{out}.sums{rank}")  # each rank's share of the metric sums
     if rank == 0:
         torch.save({"sums": sums, "extra": extra, "ref": ref, "w": weights, "changed": changed, "shapes": shapes}, out)
     torch.distributed.barrier()
@@ -38,7 +40,8 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp_lora") / "rank0.pt")
     mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out), nprocs=2, join=True)
-    return {**torch.load(out, weights_only=False), "adapter": f"{out}.adapter"}
+    sums = [torch.load(f"{out}.sums{r}", weights_only=False) for r in range(2)]
+    return {**torch.load(out, weights_only=False), "adapter": f"{out}.adapter", "rank_sums": sums}
 
 
 def test_lora_on_two_ranks_is_the_single_process_step(two_ranks, tiny_model_dir):
@@ -54,8 +57,13 @@ def test_lora_on_two_ranks_is_the_single_process_step(two_ranks, tiny_model_dir)
     assert two_ranks["changed"].keys() == dict(actor.named_weights(changed_only=True)).keys()
     assert [n for n, _ in two_ranks["shapes"]] == list(want)
     assert all(tuple(want[n].shape) == s for n, s in two_ranks["shapes"])
-    dist = {**two_ranks["sums"].mean(), **two_ranks["extra"]}
+    merged = Sums()
+    for s in two_ranks["rank_sums"]:  # as the trainer group adds up its ranks' sums
+        merged.merge(s)
+    dist = {**merged.mean(), **two_ranks["extra"]}
     assert dist["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    # the KL to the adapters-off reference, over both ranks' tokens: the single process's
+    assert dist["loss/kl"] == pytest.approx(metrics["loss/kl"], rel=1e-4) and metrics["loss/kl"] > 0
     # after the step, the reference is still the base model
     torch.testing.assert_close(two_ranks["ref"], actor.compute_log_probs(samples, "reference"), atol=1e-6, rtol=0)
     torch.testing.assert_close(two_ranks["ref"], base_lp, atol=1e-6, rtol=0)
