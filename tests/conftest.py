@@ -195,3 +195,36 @@ def run_batch(engine, prompts, params, groups=True):
         return list(await asyncio.gather(*calls))
 
     return shared_loop().run(main(), 600, "run_batch")
+
+
+def record_weight_versions(monkeypatch) -> list:
+    """The set of weight versions of each rollout's samples, one entry per rollout, as the loop runs."""
+    import tidal.loop
+
+    versions: list = []
+    real = tidal.loop.RolloutManager.generate
+
+    def spy(self, records, step):
+        samples = real(self, records, step)
+        versions.append({s.weight_version for s in samples})
+        return samples
+
+    monkeypatch.setattr(tidal.loop.RolloutManager, "generate", spy)
+    return versions
+
+
+def kill_train_step(monkeypatch, nth: int):
+    """The trainer's `nth` train step raises KeyboardInterrupt (a run killed while training);
+    returns a function that undoes it."""
+    from tidal.train.actor import Actor
+
+    real, calls = Actor.train_step, {"n": 0}
+
+    def killed(self, *args):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise KeyboardInterrupt("killed")
+        return real(self, *args)
+
+    monkeypatch.setattr(Actor, "train_step", killed)
+    return lambda: monkeypatch.setattr(Actor, "train_step", real)

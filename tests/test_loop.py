@@ -3,12 +3,11 @@
 import json
 
 import pytest
-from conftest import loop_config
+from conftest import kill_train_step, loop_config, record_weight_versions
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
 from tidal.rollout.failures import TooManyFailedSamples
-from tidal.train.actor import Actor
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
 
@@ -21,15 +20,7 @@ def stable(history):
 
 
 def test_run_writes_metrics_checkpoints_and_versions(tiny_model_dir, tmp_path, monkeypatch):
-    versions = []
-    real = tidal.loop.RolloutManager.generate
-
-    def spy(self, records, step):
-        samples = real(self, records, step)
-        versions.append({s.weight_version for s in samples})
-        return samples
-
-    monkeypatch.setattr(tidal.loop.RolloutManager, "generate", spy)
+    versions = record_weight_versions(monkeypatch)
     history = tidal.loop.train(config(tiny_model_dir, tmp_path, **{"train.num_steps": 3, "train.save_interval": 2}))
     assert [h["step"] for h in history] == [1, 2, 3]
     assert versions == [{0}, {1}, {2}]  # each rollout ran on the weights of the steps before it
@@ -64,20 +55,11 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_p
     full = tidal.loop.train(config(tiny_model_dir, tmp_path / "full", **{"train.save_interval": 2, **extra}))
 
     # crash inside step 4's training, after step 2's checkpoint and step 3's metrics were written
-    calls = {"n": 0}
-    real = Actor.train_step
-
-    def crash_on_fourth(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("killed")
-        return real(self, *args)
-
-    monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
+    restore = kill_train_step(monkeypatch, 4)
     cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2, **extra})
     with pytest.raises(KeyboardInterrupt):
         tidal.loop.train(cut)
-    monkeypatch.setattr(Actor, "train_step", real)
+    restore()
     assert [json.loads(x)["step"] for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
     resumed = tidal.loop.train(cut, resume=True)  # continues from step_2: redoes 3, then 4

@@ -6,31 +6,19 @@ import json
 
 import pytest
 import torch
-from conftest import loop_config, make_model
+from conftest import kill_train_step, loop_config, make_model, record_weight_versions
+from test_loop import stable
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
 from tidal.train.actor import Actor
 from tidal.train.checkpoint import export_checkpoint
 
-VOLATILE = ("time/", "perf/")
 LORA = {"train.lora_rank": 4, "train.lora_alpha": 8.0, "train.lr": 1e-2}
 
 
-def stable(history):
-    return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in history]
-
-
 def test_a_lora_run_rolls_out_with_its_adapters_and_syncs_only_them(tiny_model_dir, tmp_path, monkeypatch):
-    versions = []
-    real = tidal.loop.RolloutManager.generate
-
-    def spy(self, records, step):
-        samples = real(self, records, step)
-        versions.append({s.weight_version for s in samples})
-        return samples
-
-    monkeypatch.setattr(tidal.loop.RolloutManager, "generate", spy)
+    versions = record_weight_versions(monkeypatch)
     # one optimizer step per rollout: the trainer scores each batch with the weights that sampled it
     over = {**LORA, "train.num_steps": 3, "algo.kl_coef": 0.1, "train.global_batch_size": 16}
     history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
@@ -54,20 +42,11 @@ def test_a_lora_run_rolls_out_with_its_adapters_and_syncs_only_them(tiny_model_d
 def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     over = {**LORA, "train.save_interval": 2, "algo.kl_coef": 0.1}
     full = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "full", **over))
-    calls = {"n": 0}
-    real = Actor.train_step
-
-    def crash_on_fourth(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("killed")
-        return real(self, *args)
-
-    monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
+    restore = kill_train_step(monkeypatch, 4)
     cut = loop_config(tiny_model_dir, tmp_path / "cut", **over)
     with pytest.raises(KeyboardInterrupt):
         tidal.loop.train(cut)
-    monkeypatch.setattr(Actor, "train_step", real)
+    restore()
     resumed = tidal.loop.train(cut, resume=True)
     assert [h["step"] for h in resumed] == [1, 2, 3, 4]
     assert stable(resumed) == stable(full)

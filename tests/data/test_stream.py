@@ -139,10 +139,9 @@ def test_prompt_source_picks_the_streamed_reader(tmp_path, tokenizer):
 
 
 def test_a_streamed_run_resumed_after_a_crash_matches_an_uninterrupted_one(tiny_model_dir, tmp_path, monkeypatch):
-    from conftest import loop_config
+    from conftest import kill_train_step, loop_config
 
     import tidal.loop
-    from tidal.train.actor import Actor
 
     path = write_jsonl(tmp_path / "p.jsonl", 10)  # 4 steps x 4 prompts: the stream wraps past an epoch
     over = {
@@ -152,20 +151,11 @@ def test_a_streamed_run_resumed_after_a_crash_matches_an_uninterrupted_one(tiny_
         "train.save_interval": 2,
     }
     full = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "full", **over))
-    real = Actor.train_step
-    calls = {"n": 0}
-
-    def crash_on_fourth(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("killed")
-        return real(self, *args)
-
-    monkeypatch.setattr(Actor, "train_step", crash_on_fourth)
+    restore = kill_train_step(monkeypatch, 4)
     cut = loop_config(tiny_model_dir, tmp_path / "cut", **over)
     with pytest.raises(KeyboardInterrupt):
         tidal.loop.train(cut)
-    monkeypatch.setattr(Actor, "train_step", real)
+    restore()
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step_2" / "state.json").read_text())
     assert state["data"]["streaming"] and state["data"]["samples_consumed"] == 8
     resumed = tidal.loop.train(cut, resume=True)  # from step_2, mid-epoch with a part-drained buffer
