@@ -22,8 +22,10 @@ reference with its adapters off. Each arm runs in its own subprocess, built as `
   any step) and the most RSS seen after each phase of a step (reference, train, push).
 
 Without LoRA the engine shares the trainer's fp32 tensors in place (`InProcessSync(share=True)`),
-so after the first push nothing new crosses; with LoRA every push hands over freshly merged
-matrices (W + s·B·A) of the targeted layers.
+so after the first push nothing new crosses; with LoRA (`lora`) every push hands over freshly
+merged matrices (W + s·B·A) of the targeted layers, which the engine holds beside the trainer's
+W; `lora_unmerged` (`train.lora_merge: false`) has the engine run the trainer's own LoRA layers
+on shared tensors: no merged copy, nothing to push, a slower rollout (its time is recorded).
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ def child(args) -> None:
 
     # nothing is written there: the bench builds the roles, not a run folder
     overrides = {"algo.kl_coef": args.kl_coef, "train.output_dir": "/tmp/bench-lora-unused"}
-    if args.arm == "lora" and args.rank:
+    if args.arm.startswith("lora") and args.rank:
         overrides["train.lora_rank"] = args.rank
-    config = LORA if args.arm == "lora" else QUICKSTART
+    if args.arm == "lora_unmerged":  # the engine runs the trainer's own LoRA layers (train.lora_merge false)
+        overrides["train.lora_merge"] = False
+    config = LORA if args.arm.startswith("lora") else QUICKSTART
     cfg, precision = resolve_precision(build_config(str(config), overrides))
     torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
@@ -90,7 +94,9 @@ def child(args) -> None:
         trainer, a_cfg = roles.trainer, cfg.algo
         first_push = roles.sync.push(0)  # what the loop does before its first rollout
         rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer, roles.engines.loop)
+        t_roll = time.perf_counter()
         batch, _ = collect(source, rollout, 0, a_cfg, cfg.rollout.reward_key)
+        rollout_s = time.perf_counter() - t_roll
         rss_built, peak_built = rss_mb(), peak_rss_mb()
 
         steps, pushes = [], []
@@ -116,6 +122,7 @@ def child(args) -> None:
         model = trainer.trained.master
         result = {
             "arm": args.arm,
+            "rollout_s": rollout_s,  # the one rollout (its length differs if the arms sample differently)
             "train_step_s_median": statistics.median(steps),
             "train_step_s": steps,
             "push_s_median": statistics.median(p["seconds"] for p in pushes),
@@ -152,15 +159,16 @@ def child(args) -> None:
 
 def print_table(by: dict[str, dict]) -> None:
     print(
-        f"\n{'arm':<6}{'peak RSS MB':>12}{'built MB':>9}{'after train':>12}{'opt state MB':>13}{'trainable':>12}"
-        f"{'step s':>8}{'push s':>8}{'sync MB 1st':>12}{'sync MB/step':>13}"
+        f"\n{'arm':<14}{'peak RSS MB':>12}{'built MB':>9}{'after train':>12}{'opt state MB':>13}{'trainable':>12}"
+        f"{'step s':>8}{'push s':>8}{'sync MB 1st':>12}{'sync MB/step':>13}{'rollout s':>10}"
     )
     for name, r in by.items():
         print(
-            f"{name:<6}{r['peak_rss_mb']:>12.0f}{r['rss_built_mb']:>9.0f}{r['rss_after_mb']['train']:>12.0f}"
+            f"{name:<14}{r['peak_rss_mb']:>12.0f}{r['rss_built_mb']:>9.0f}{r['rss_after_mb']['train']:>12.0f}"
             f"{r['optimizer_state_mb']:>13.0f}"
             f"{r['trainable_params']:>12,}{r['train_step_s_median']:>8.2f}{r['push_s_median']:>8.2f}"
             f"{r['sync_bytes_first_push'] / 1e6:>12.0f}{r['sync_bytes_step_push'] / 1e6:>13.0f}"
+            f"{r.get('rollout_s', float('nan')):>10.1f}"
         )
 
 
@@ -170,7 +178,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     p.add_argument("--kl-coef", type=float, default=0.01, help="algo.kl_coef (> 0: the reference is used)")
     p.add_argument("--rank", type=int, default=0, help="LoRA rank (0: examples/lora/config.yaml's)")
-    p.add_argument("--arms", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    arms = ["full", "lora", "lora_unmerged"]
+    p.add_argument("--arms", nargs="+", default=arms, choices=arms)
     p.add_argument("--arm", help=argparse.SUPPRESS)  # set in the child process
     args = p.parse_args()
     if args.arm:
@@ -188,17 +197,22 @@ def main() -> None:
         print(f"{arm}: {by[arm]['train_step_s_median']:.2f} s/step, peak RSS {by[arm]['peak_rss_mb']:.0f} MB")
     print_table(by)
     comparison = None
-    if set(by) == {"full", "lora"}:
-        full, lora = by["full"], by["lora"]
-        comparison = {
-            "peak_rss_saved_mb": full["peak_rss_mb"] - lora["peak_rss_mb"],
-            "lora_over_full_step_time": lora["train_step_s_median"] / full["train_step_s_median"],
-            "same_batch": full["batch_tokens"] == lora["batch_tokens"],
-        }
-        print(
-            f"LoRA saves {comparison['peak_rss_saved_mb']:.0f} MB of peak RSS; step time LoRA/full "
-            f"{comparison['lora_over_full_step_time']:.2f}; same rollout batch in both arms: {comparison['same_batch']}"
-        )
+    if "full" in by:
+        full, comparison = by["full"], {}
+        for name in [a for a in by if a != "full"]:
+            r = by[name]
+            comparison[name] = {
+                "peak_rss_saved_mb": full["peak_rss_mb"] - r["peak_rss_mb"],
+                "step_time_over_full": r["train_step_s_median"] / full["train_step_s_median"],
+                "rollout_time_over_full": r["rollout_s"] / full["rollout_s"],
+                "same_batch": full["batch_tokens"] == r["batch_tokens"],
+            }
+            c = comparison[name]
+            print(
+                f"{name} saves {c['peak_rss_saved_mb']:.0f} MB of peak RSS; step time / full "
+                f"{c['step_time_over_full']:.2f}; rollout time / full {c['rollout_time_over_full']:.2f}; "
+                f"same rollout batch: {c['same_batch']}"
+            )
     settings = {
         "steps": args.steps,
         "warmup": args.warmup,

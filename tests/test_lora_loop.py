@@ -140,3 +140,17 @@ def test_sft_with_lora_learns_and_saves_an_adapter(tiny_model_dir, tmp_path):
     # levels off near 4.5 nats too), so the adapters only bring the NLL steadily down
     assert all(b < a for a, b in zip(nll, nll[1:], strict=False)) and nll[-1] < nll[0] - 0.5, nll
     assert (tmp_path / "run" / "checkpoints" / "step_10" / "adapter_model.safetensors").exists()
+
+
+def test_an_unmerged_lora_run_samples_with_the_trainers_own_adapters(tiny_model_dir, tmp_path):
+    over = {**LORA, "train.lora_merge": False, "train.num_steps": 2, "train.global_batch_size": 16}
+    history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
+    assert [h["sync/bytes"] for h in history] == [0.0, 0.0]  # shared: the adapters are the engine's own
+    assert all(h["actor/rollout_logprob_abs_diff"] < 1e-4 and h["actor/grad_norm"] > 0 for h in history)
+
+
+def test_unmerged_lora_needs_the_in_process_engine(tiny_model_dir, tmp_path):
+    from tidal.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.lora_merge: false shares the trainer's LoRA model"):
+        loop_config(tiny_model_dir, tmp_path, **{**LORA, "train.lora_merge": False, "cluster.engines": 2})

@@ -276,6 +276,12 @@ class TrainConfig:
     lora_adapter: str | None = _opt(
         None, "a saved adapter folder (peft's, or a tidal export --lora adapter) to start the adapters from"
     )
+    lora_merge: bool = _opt(
+        True,
+        "true: engines get the merged W + s*B*A (a plain model's decode speed; the engine holds the merged "
+        "matrices); false: the in-process engine runs the adapters' low-rank path on the trainer's own tensors "
+        "(no second copy of anything, no sync bytes; slower decode)",
+    )
     save_interval: int = _opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _opt(3, "keep the newest N complete checkpoints, delete older ones after a save (0 = all)")
     max_bad_steps: int = _opt(
@@ -1087,6 +1093,17 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     need(t.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
     _validate_lora(t, need)
     _validate_cluster(cfg.cluster, r, for_training, need)
+    need(
+        t.lora_merge
+        or (
+            t.lora_rank > 0
+            and r.engine in ("tidal", "hf")
+            and cfg.cluster.weight_sync in ("auto", "in-process")
+            and not cfg.uses_ray
+        ),
+        "train.lora_merge: false shares the trainer's LoRA model with an in-process engine: it needs train.lora_rank "
+        "> 0, rollout.engine tidal or hf, one engine and no Ray (engines elsewhere get merged weights)",
+    )
     _validate_overlap(cfg, need)
     _validate_eval_and_streaming(cfg, need)
     _validate_debug(cfg, need)

@@ -80,23 +80,28 @@ def test_merged_weights_are_w_plus_scale_b_a_under_the_base_names():
         assert torch.equal(v, merged[k])
 
 
+def engine_gap(actor, core) -> float:
+    """The largest gap between the log-probs an engine core reports for 8 tokens it samples and
+    the trainer's log-probs of those tokens."""
+    from tidal.types import Sample
+
+    outs = {}
+    core.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.8, max_new_tokens=8, seed=3))
+    while core.has_unfinished():
+        for o in core.step():
+            outs[o.request_id] = o
+    out = outs["a"]
+    s = Sample(tokens=[5, 6, 7, 8, *out.token_ids], response_length=len(out.token_ids))
+    s.loss_mask, s.rollout_log_probs = [1] * s.response_length, list(out.log_probs)
+    return float((actor.compute_log_probs([s])[0, : s.response_length] - torch.tensor(out.log_probs)).abs().max())
+
+
 def test_an_engine_with_the_merged_weights_scores_like_the_trainer(tokenizer):
     actor = trained_actor(steps=2)
     engine = LLMEngine(make_model(seed=0), tokenizer, dtype="float32", block_size=4, kv_cache_tokens=256)
     # only the targeted matrices travel: the engine keeps its base weights for the rest
     engine.update_weights_from_tensors(actor.named_weights(changed_only=True), version=1, partial=True)
-    outs = {}
-    engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.8, max_new_tokens=8, seed=3))
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] = o
-    out = outs["a"]
-    from tidal.types import Sample
-
-    s = Sample(tokens=[5, 6, 7, 8, *out.token_ids], response_length=len(out.token_ids))
-    s.loss_mask, s.rollout_log_probs = [1] * s.response_length, list(out.log_probs)
-    trained = actor.compute_log_probs([s])[0, : s.response_length]
-    assert (trained - torch.tensor(out.log_probs)).abs().max() < 1e-4
+    assert engine_gap(actor, engine) < 1e-4
 
 
 def test_a_wrong_target_module_names_the_linear_layers_the_model_has():
@@ -189,5 +194,30 @@ def test_in_process_sync_shares_the_base_weights_once_then_moves_the_merged_matr
         for name, t in actor.named_weights():
             assert torch.equal(held[name], t), name
         assert engine.weight_version == 1
+    finally:
+        engine.close()
+
+
+def test_unmerged_the_engine_runs_the_trainers_own_lora_tensors(tokenizer):
+    """`train.lora_merge: false`: the in-process engine gets the trainer's LoRA layers and shares
+    every tensor (base and adapters): nothing is copied, later pushes name only the adapters,
+    and the engine samples what the trainer scores."""
+    from tidal.engine.async_engine import AsyncEngine
+    from tidal.sync.local import InProcessSync
+
+    actor = Actor(make_model(seed=0), lora_cfg(lora_merge=False), AlgoConfig(), temperature=0.8)
+    core = LLMEngine(make_model(seed=0), tokenizer, dtype="float32", block_size=4, kv_cache_tokens=256)
+    engine = AsyncEngine(core)
+    try:
+        sync = InProcessSync(actor, engine, merged=False, adopt=lambda c: lora.mirror(c.model, actor.model))
+        sync.push(0)
+        held, trained = dict(core.model.named_parameters()), dict(actor.model.named_parameters())
+        assert held.keys() == trained.keys()
+        assert all(held[n].data_ptr() == p.data_ptr() for n, p in trained.items())  # one copy of everything
+        actor.train_step(make_samples(), ADV)
+        m = sync.push(1)
+        assert m == {"sync/bytes": 0.0, "sync/tensors": 28.0}  # the adapters, already the engine's own
+        engine.call(lambda: None, 60)  # the engine thread is idle: the core can be stepped from here
+        assert engine_gap(actor, core) < 1e-4
     finally:
         engine.close()

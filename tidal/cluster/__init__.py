@@ -230,7 +230,15 @@ def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
         from tidal.sync.local import InProcessSync
 
         # the overlapped loop generates while the trainer updates: the engine needs its own copy
-        return InProcessSync(trainer, engines.engine, timeout, share=cfg.overlap.mode == "off")
+        share = cfg.overlap.mode == "off"
+        if cfg.train.lora_rank > 0 and not cfg.train.lora_merge:  # the engine runs the trainer's LoRA layers
+            from tidal.train.lora import mirror
+
+            def adopt(core) -> None:
+                mirror(core.model, trainer.model)
+
+            return InProcessSync(trainer, engines.engine, timeout, share=share, merged=False, adopt=adopt)
+        return InProcessSync(trainer, engines.engine, timeout, share=share)
     if kind == "broadcast":
         from tidal.sync.broadcast import BroadcastSync
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tidal.contracts import Trainer
 from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.weights import weights_checksum
@@ -18,12 +21,25 @@ class InProcessSync:
     An engine that takes partial updates gets every tensor on the first push (sharing the
     trainer's frozen base weights: one copy in memory), then only the tensors training can change
     (with LoRA: the merged targeted matrices). `sync/bytes` counts the bytes the engine did not
-    already hold: copied, or newly shared."""
+    already hold: copied, or newly shared.
+
+    `merged` False (`train.lora_merge`): `adopt(core)` first gives the engine's model the
+    trainer's LoRA layers, and the engine then takes the LoRA model's own tensors (base and
+    adapters, shared: the adapters it computes with are the ones the trainer updates in place)."""
 
     transport = "in-process"
 
-    def __init__(self, trainer: Trainer, engine: AsyncEngine, timeout: float = 300.0, share: bool = True) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        engine: AsyncEngine,
+        timeout: float = 300.0,
+        share: bool = True,
+        merged: bool = True,
+        adopt: Callable[[Any], None] | None = None,
+    ) -> None:
         self.trainer = trainer
+        self.merged, self.adopt = merged, adopt
         self.engine = engine
         self.timeout = timeout
         self.share = share  # False: the engine keeps a copy (it generates while the trainer updates)
@@ -34,7 +50,11 @@ class InProcessSync:
 
     def push(self, version: int) -> dict[str, float]:
         partial = self.partial and self._pushed
-        named = list(self.trainer.named_weights(self.dtype, changed_only=partial))
+        if self.adopt is not None and not self._pushed:
+            adopt, core = self.adopt, self.engine.core
+            self.engine.call(lambda: adopt(core), self.timeout, "giving the engine the trainer's LoRA layers")
+        kw = {} if self.merged else {"merged": False}
+        named = list(self.trainer.named_weights(self.dtype, changed_only=partial, **kw))
         shared = {n: t.data_ptr() for n, t in named if self.share and t.dtype == self.dtype}
         copied = [(n, t) for n, t in named if n not in shared]
         fresh = [(n, t) for n, t in named if n not in shared or self._held.get(n) != shared[n]]
@@ -47,7 +67,7 @@ class InProcessSync:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
         want = None
         if copied:  # the whole model's fingerprint (a partial update leaves the rest as it was)
-            everything = self.trainer.named_weights(self.dtype) if partial else named
+            everything = self.trainer.named_weights(self.dtype, **kw) if partial else named
             want = weights_checksum(everything, self.dtype)
         check_engine("in-process", self.transport, version, want, got_version, got_sum)
         self._held = {**self._held, **shared} if partial else shared

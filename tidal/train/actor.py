@@ -245,10 +245,10 @@ class Actor:
 
     # ---------------------------------------------------------------- weights / state
     def named_weights(
-        self, dtype: torch.dtype | None = None, changed_only: bool = False
+        self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters by name, for weight sync to the engines (see `TrainedModel.named_weights`)."""
-        return self.trained.named_weights(dtype, changed_only)
+        return self.trained.named_weights(dtype, changed_only, merged)
 
     def save_model(self, path: str | Path) -> None:
         """The policy as a Hugging Face folder (fp32 safetensors and config) at `path`; with LoRA,

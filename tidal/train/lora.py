@@ -96,6 +96,20 @@ def apply_lora(
         load_adapter(model, adapter)
 
 
+def mirror(engine_model: torch.nn.Module, trained: torch.nn.Module) -> None:
+    """Give `engine_model` (the base model, as an engine loaded it) the LoRA layers `trained`
+    has, under the same names, so it can take `trained`'s tensors as they are."""
+    import copy
+
+    from peft import inject_adapter_in_model
+
+    if has_lora(engine_model):
+        return
+    config = copy.deepcopy(trained.peft_config[ADAPTER])
+    inject_adapter_in_model(config, engine_model, adapter_name=ADAPTER)
+    engine_model.requires_grad_(False)
+
+
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The model's LoRA layers by module path."""
     from peft.tuners.lora import LoraLayer

@@ -193,7 +193,7 @@ class TrainedModel:
         return [(n, tuple(t.shape)) for n, t in meta]
 
     def named_weights(
-        self, dtype: torch.dtype | None = None, changed_only: bool = False
+        self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True
     ) -> Iterator[tuple[str, Tensor]]:
         """Parameters by name, for weight sync to the engines: the fp32 master weights, or with
         `dtype` bf16 and a bf16 compute copy, that copy's tensors (kept equal to the master's after
@@ -201,9 +201,16 @@ class TrainedModel:
         every rank must call this (each full tensor is gathered from the shards).
 
         With LoRA: the base model's names, each targeted matrix merged (`W + s · B A`, fp32);
-        `changed_only` gives those alone (the rest never changes). Without LoRA `changed_only`
-        changes nothing: every parameter is trained."""
+        `changed_only` gives those alone (the rest never changes); `merged` False gives the LoRA
+        model's own tensors instead (peft's names; `changed_only`: the adapters), for an engine
+        that runs the same LoRA layers. Without LoRA `changed_only` changes nothing: every
+        parameter is trained."""
         self.reshard()
+        if self.lora and not merged and not self.sharded:
+            for name, p in self.master.named_parameters():
+                if p.requires_grad or not changed_only:
+                    yield name, p.detach()
+            return
         if self.lora:
             full = (
                 (n, p.detach().full_tensor() if self.sharded else p.detach()) for n, p in self.master.named_parameters()
