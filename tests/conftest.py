@@ -213,9 +213,10 @@ def record_weight_versions(monkeypatch) -> list:
     return versions
 
 
-def kill_train_step(monkeypatch, nth: int):
-    """The trainer's `nth` train step raises KeyboardInterrupt (a run killed while training);
-    returns a function that undoes it."""
+def train_killed(cfg, monkeypatch, nth: int = 4) -> None:
+    """Run the loop on `cfg` until its `nth` train step, which raises KeyboardInterrupt (a run
+    killed while training); the checkpoints and metrics written before it stay."""
+    import tidal.loop
     from tidal.train.actor import Actor
 
     real, calls = Actor.train_step, {"n": 0}
@@ -227,4 +228,8 @@ def kill_train_step(monkeypatch, nth: int):
         return real(self, *args)
 
     monkeypatch.setattr(Actor, "train_step", killed)
-    return lambda: monkeypatch.setattr(Actor, "train_step", real)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tidal.loop.train(cfg)
+    finally:
+        monkeypatch.setattr(Actor, "train_step", real)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import kill_train_step, loop_config, record_weight_versions
+from conftest import loop_config, record_weight_versions, train_killed
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
@@ -55,11 +55,8 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_model_dir, tmp_p
     full = tidal.loop.train(config(tiny_model_dir, tmp_path / "full", **{"train.save_interval": 2, **extra}))
 
     # crash inside step 4's training, after step 2's checkpoint and step 3's metrics were written
-    restore = kill_train_step(monkeypatch, 4)
     cut = config(tiny_model_dir, tmp_path / "cut", **{"train.save_interval": 2, **extra})
-    with pytest.raises(KeyboardInterrupt):
-        tidal.loop.train(cut)
-    restore()
+    train_killed(cut, monkeypatch)
     assert [json.loads(x)["step"] for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
     resumed = tidal.loop.train(cut, resume=True)  # continues from step_2: redoes 3, then 4

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import kill_train_step, loop_config, make_model, record_weight_versions
+from conftest import loop_config, make_model, record_weight_versions, train_killed
 from test_loop import stable
 from transformers import AutoModelForCausalLM
 
@@ -42,11 +42,8 @@ def test_a_lora_run_rolls_out_with_its_adapters_and_syncs_only_them(tiny_model_d
 def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     over = {**LORA, "train.save_interval": 2, "algo.kl_coef": 0.1}
     full = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "full", **over))
-    restore = kill_train_step(monkeypatch, 4)
     cut = loop_config(tiny_model_dir, tmp_path / "cut", **over)
-    with pytest.raises(KeyboardInterrupt):
-        tidal.loop.train(cut)
-    restore()
+    train_killed(cut, monkeypatch)
     resumed = tidal.loop.train(cut, resume=True)
     assert [h["step"] for h in resumed] == [1, 2, 3, 4]
     assert stable(resumed) == stable(full)

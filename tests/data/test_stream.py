@@ -139,7 +139,7 @@ def test_prompt_source_picks_the_streamed_reader(tmp_path, tokenizer):
 
 
 def test_a_streamed_run_resumed_after_a_crash_matches_an_uninterrupted_one(tiny_model_dir, tmp_path, monkeypatch):
-    from conftest import kill_train_step, loop_config
+    from conftest import loop_config, train_killed
 
     import tidal.loop
 
@@ -151,11 +151,8 @@ def test_a_streamed_run_resumed_after_a_crash_matches_an_uninterrupted_one(tiny_
         "train.save_interval": 2,
     }
     full = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "full", **over))
-    restore = kill_train_step(monkeypatch, 4)
     cut = loop_config(tiny_model_dir, tmp_path / "cut", **over)
-    with pytest.raises(KeyboardInterrupt):
-        tidal.loop.train(cut)
-    restore()
+    train_killed(cut, monkeypatch)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step_2" / "state.json").read_text())
     assert state["data"]["streaming"] and state["data"]["samples_consumed"] == 8
     resumed = tidal.loop.train(cut, resume=True)  # from step_2, mid-epoch with a part-drained buffer

@@ -241,7 +241,7 @@ def load_adapter(model: torch.nn.Module, folder: str | Path) -> None:
     from peft import set_peft_model_state_dict
 
     config, tensors = read_adapter(folder)
-    have = {k: v for k, v in adapter_state(model).items()}
+    have = adapter_state(model)
     given = {k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k: v for k, v in tensors.items()}
     where = Path(folder) / ADAPTER_WEIGHTS
     missing, extra = sorted(have.keys() - given.keys()), sorted(given.keys() - have.keys())
