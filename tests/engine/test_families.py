@@ -1,0 +1,151 @@
+"""LLMEngine on a tiny random model of every family in `families.FAMILIES`: greedy tokens equal
+transformers' `generate`, log-probs equal one full transformers forward (greedy and sampled),
+preemption under a tiny cache changes nothing, and an architecture the engine does not run is
+refused by name. The prompts outgrow the sliding window of the families that have one, and
+share prefixes (one duplicate, one sharing two blocks), so windows and prefix sharing both act."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from families import FAMILIES, WINDOW, hf_forward_greedy_ok, hf_greedy, hf_logprobs, tiny_model
+
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.sampling import SamplingParams
+
+BLOCK = 4
+SHARED = list(range(40, 52))  # 12 tokens: 3 blocks
+PROMPTS = [
+    [1, 5, 9],  # shorter than the window
+    SHARED,
+    SHARED[:8] + [200, 201, 202, 203, 204, 205, 206],  # its first 2 blocks are SHARED's
+    SHARED,  # a duplicate
+    [7, 300, 17, 250, 99, 3, 64, 128, 190, 211, 16, 45, 77, 88, 150, 160, 170, 180, 260, 319],  # 20
+    [11],
+]
+LONG = [[(37 * i + 11 * j) % 317 + 3 for j in range(10)] for i in range(4)]  # 4 x 10 tokens
+N_NEW = 12
+assert max(len(p) for p in PROMPTS) > WINDOW + 10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls run much faster on one thread than on two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.cache
+def reference(family: str):
+    """transformers' model, kept apart from the engine's copy (same seed, same weights)."""
+    return tiny_model(family)
+
+
+@functools.cache
+def reference_greedy(family: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    model = reference(family)
+    toks = hf_greedy(model, list(prompt), n)
+    # the reference agrees with itself: generate's cached steps = argmax of one uncached forward
+    assert hf_forward_greedy_ok(model, list(prompt), toks), f"{family}: transformers' generate != its forward"
+    return toks
+
+
+def engine_for(family: str, **kw) -> LLMEngine:
+    kw.setdefault("block_size", BLOCK)
+    return LLMEngine(tiny_model(family), None, dtype="float32", **kw)
+
+
+def greedy(n: int = N_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_log_probs_match_transformers(family):
+    engine = engine_for(family, kv_cache_tokens=512)
+    outs = engine.generate_batch(PROMPTS, [greedy() for _ in PROMPTS])
+    assert engine.stats()["prefix_hit_blocks"] >= 2  # the duplicate and the shared prefix
+    ref = reference(family)
+    for p, o in zip(PROMPTS, outs, strict=True):
+        assert o.token_ids == reference_greedy(family, tuple(p), N_NEW), f"prompt of {len(p)} tokens"
+        assert o.log_probs == pytest.approx(hf_logprobs(ref, p + o.token_ids, len(p)), abs=1e-4)
+        assert o.finish_reason == "length"
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(family):
+    n = 20
+    engine = engine_for(family, kv_cache_tokens=48)  # 12 blocks; each request grows to 8
+    outs = engine.generate_batch(LONG, [greedy(n) for _ in LONG])
+    assert engine.stats()["preemptions"] > 0
+    for p, o in zip(LONG, outs, strict=True):
+        assert o.token_ids == reference_greedy(family, tuple(p), n)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_log_probs_match_transformers(family):
+    engine = engine_for(family, kv_cache_tokens=512)
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=N_NEW, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    outs = engine.generate_batch(PROMPTS, params)
+    ref = reference(family)
+    for p, o in zip(PROMPTS, outs, strict=True):
+        assert len(o.token_ids) == N_NEW
+        # at temperature 1 with no top-p/top-k the sampling distribution is the plain softmax
+        assert o.log_probs == pytest.approx(hf_logprobs(ref, p + o.token_ids, len(p)), abs=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_reference_agrees_with_itself(family):
+    """Guards the tests above: for every prompt, transformers' `generate` (with its cache) picks
+    the argmax of one uncached forward, so a failure above is the engine's, not the reference's."""
+    for p in PROMPTS:
+        reference_greedy(family, tuple(p), N_NEW)
+    for p in LONG:
+        reference_greedy(family, tuple(p), 20)
+
+
+_ONE_THETA = {"rope_type": "default", "rope_theta": 1_000_000.0}
+# a feature an engine could silently ignore -> the config override that switches it off
+FEATURES = [
+    ("mistral", dict(sliding_window=4096)),
+    ("gemma2", dict(sliding_window=4096)),
+    ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(final_logit_softcapping=None)),
+    ("gemma2", dict(query_pre_attn_scalar=16)),  # = head_dim
+    ("gemma3_text", dict(sliding_window=4096)),
+    ("gemma3_text", dict(query_pre_attn_scalar=16)),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": _ONE_THETA, "full_attention": _ONE_THETA})),
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 1.0})),
+    ("glm4", dict(partial_rotary_factor=1.0)),
+    ("glm4_moe", dict(partial_rotary_factor=1.0)),
+    ("glm4_moe", dict(routed_scaling_factor=1.0)),
+    ("deepseek_v3", dict(rope_interleave=False)),
+    ("deepseek_v3", dict(routed_scaling_factor=1.0)),
+]
+
+
+@pytest.mark.parametrize(("family", "off"), FEATURES, ids=[f"{f}-{next(iter(o))}" for f, o in FEATURES])
+def test_each_feature_changes_the_reference(family, off):
+    """Guards the tests above: switching the feature off changes transformers' own log-probs on
+    the 20-token prompt and its greedy continuation, so an engine that ignored it would fail them."""
+    p = PROMPTS[4]
+    ids = p + reference_greedy(family, tuple(p), N_NEW)
+    with_it = hf_logprobs(reference(family), ids, len(p))
+    without = hf_logprobs(tiny_model(family, **off), ids, len(p))
+    assert max(abs(a - b) for a, b in zip(with_it, without, strict=True)) > 0.05
+
+
+def test_an_unsupported_architecture_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
+    with pytest.raises(ValueError, match="gpt2"):
+        LLMEngine(model, None, dtype="float32", kv_cache_tokens=64, block_size=BLOCK)
