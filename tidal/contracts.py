@@ -55,6 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a seen token's logit divided by it (multiplied when negative)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     ignore_eos: bool = False  # the end-of-sequence token does not stop the request
+    # an MoE model's routing over the request's tokens comes back (`GenerationOutput.routed_experts`)
+    return_routed_experts: bool = False
 
     @property
     def adjusts_logits(self) -> bool:
@@ -139,6 +141,10 @@ class GenerationOutput:
     finish_reason: str = "length"  # "stop" | "length" | "abort"
     text: str = ""
     weight_version: int = 0
+    # with `SamplingParams.return_routed_experts`, an MoE engine's expert choices at every position
+    # of prompt + response whose forward predicts a token: int [len(prompt) + len(response) - 1,
+    # MoE layers, top-k] (an HTTP engine gives [rows, layers x top-k]); None otherwise
+    routed_experts: Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -153,7 +159,12 @@ class RequestOutput(GenerationOutput):
 
     def generation(self) -> GenerationOutput:
         return GenerationOutput(
-            list(self.token_ids), list(self.log_probs), self.finish_reason, self.text, self.weight_version
+            list(self.token_ids),
+            list(self.log_probs),
+            self.finish_reason,
+            self.text,
+            self.weight_version,
+            self.routed_experts,
         )
 
 

@@ -119,7 +119,13 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
         overlapped = None
         if not sft:
             roles.sync.push(start)
-            rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer, roles.engines.loop)
+            rollout = RolloutManager(
+                roles.engines.engine,
+                cfg.rollout,
+                tokenizer,
+                roles.engines.loop,
+                getattr(cfg.algo, "routing_replay", False),
+            )
             if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
                 overlap_state = state.get("overlap") if ckpt is not None else None
                 overlapped = OverlappedRollout(cfg, source, rollout, start, overlap_state)

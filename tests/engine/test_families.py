@@ -6,12 +6,14 @@ share prefixes (one duplicate, one sharing two blocks), so windows and prefix sh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 from families import FAMILIES, WINDOW, hf_forward_greedy_ok, hf_greedy, hf_logprobs, tiny_model
 
+from tidal.engine import model_runner
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 
@@ -147,5 +149,89 @@ def test_an_unsupported_architecture_is_refused_by_name():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(model_runner.UnsupportedModelError) as e:
         LLMEngine(model, None, dtype="float32", kv_cache_tokens=64, block_size=BLOCK)
+    assert str(e.value) == (
+        f"the tidal engine runs {', '.join(model_runner.FAMILIES)} models; config model_type is 'gpt2' "
+        "(rollout.engine: hf runs any transformers model, slower)"
+    )
+
+
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_over_http_tokens_and_log_probs_match_transformers(family):
+    """`tidal serve`'s routes over the engine: the same tokens and log-probs as transformers."""
+    from conftest import run_batch
+
+    from tidal.engine.async_engine import AsyncEngine
+    from tidal.engine.client import HttpEngine
+    from tidal.server import BackgroundServer, build_app
+
+    engine = AsyncEngine(engine_for(family, kv_cache_tokens=512))
+    server = BackgroundServer(build_app(engine, family)).start()
+    try:
+        outs = run_batch(HttpEngine([server.url], timeout=60), PROMPTS, [greedy() for _ in PROMPTS])
+    finally:
+        server.stop()
+        engine.close()
+    ref = reference(family)
+    for p, o in zip(PROMPTS, outs, strict=True):
+        assert o.token_ids == reference_greedy(family, tuple(p), N_NEW)
+        assert o.log_probs == pytest.approx(hf_logprobs(ref, p + o.token_ids, len(p)), abs=1e-4)
+
+
+def transformers_routing(family: str, ids: list[int]) -> torch.Tensor:
+    """The experts transformers' own forward chooses at each position of `ids`."""
+    from tidal import moe
+
+    with torch.no_grad(), moe.capture(reference(family)) as routing:
+        reference(family)(torch.tensor([ids]))
+    return routing.take()
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_engine_returns_the_experts_transformers_chooses(family):
+    """Routing comes back for every position but the last, prefix-shared (the duplicate prompt's
+    blocks were computed by another request) and after preemption (recomputed) alike, in-process
+    and over HTTP (SGLang's `return_routed_experts`, base64 int32)."""
+    from conftest import run_batch
+
+    from tidal.engine.async_engine import AsyncEngine
+    from tidal.engine.client import HttpEngine
+    from tidal.server import BackgroundServer, build_app
+
+    params = [SamplingParams(temperature=0.0, max_new_tokens=N_NEW, ignore_eos=True, return_routed_experts=True)]
+    engine = engine_for(family, kv_cache_tokens=512)
+    outs = engine.generate_batch(PROMPTS, params * len(PROMPTS))
+    assert engine.stats()["prefix_hit_blocks"] >= 2
+    for p, o in zip(PROMPTS, outs, strict=True):
+        ids = p + o.token_ids
+        want = transformers_routing(family, ids[:-1])
+        assert o.routed_experts.shape == want.shape == (len(ids) - 1, *want.shape[1:])
+        # the same set of experts per token and layer (the order of a top-k is not part of it)
+        assert torch.equal(o.routed_experts.sort(-1).values.long(), want.sort(-1).values.long())
+    preempting = engine_for(family, kv_cache_tokens=48)
+    outs = preempting.generate_batch(LONG, [dataclasses.replace(params[0], max_new_tokens=20)] * len(LONG))
+    assert preempting.stats()["preemptions"] > 0
+    for p, o in zip(LONG, outs, strict=True):
+        want = transformers_routing(family, (p + o.token_ids)[:-1])
+        assert torch.equal(o.routed_experts.sort(-1).values.long(), want.sort(-1).values.long())
+    served = AsyncEngine(engine_for(family, kv_cache_tokens=512))
+    server = BackgroundServer(build_app(served, family)).start()
+    try:
+        remote = run_batch(HttpEngine([server.url], timeout=60), PROMPTS, params * len(PROMPTS))
+    finally:
+        server.stop()
+        served.close()
+    local = engine_for(family).generate_batch(PROMPTS, params * len(PROMPTS))
+    for o, r in zip(local, remote, strict=True):
+        assert r.routed_experts.shape == (o.routed_experts.shape[0], o.routed_experts[0].numel())
+        assert torch.equal(r.routed_experts.long(), o.routed_experts.flatten(1).long())
+
+
+def test_a_dense_model_returns_no_routing():
+    engine = engine_for("llama", kv_cache_tokens=512)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, return_routed_experts=True)
+    assert engine.generate_batch([[1, 2, 3]], [params])[0].routed_experts is None

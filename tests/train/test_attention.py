@@ -94,4 +94,8 @@ def test_a_switched_model_gives_transformers_packed_results():
     got = packed_response_hidden(model.base_model, batch)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert use_packed_attention(model)  # switching twice is a no-op
-    assert not use_packed_attention(make_model(attn_implementation="eager"))
+    # eager models switch too (Gemma 2's soft-capping is eager-only), with the same results
+    eager = make_model(attn_implementation="eager")
+    assert use_packed_attention(eager)
+    torch.testing.assert_close(packed_response_hidden(eager.base_model, batch), want, atol=1e-5, rtol=0)
+    assert not use_packed_attention(make_model(attn_implementation="flex_attention"))

@@ -104,6 +104,8 @@ def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
         d["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         d["sampling_seed"] = params.seed
+    if params.ignore_eos:
+        d["ignore_eos"] = True
     return d
 
 
@@ -115,8 +117,24 @@ def _as_version(value: Any, default: int = 0) -> int:
         return default
 
 
-def parse_generate_response(body: dict[str, Any]) -> GenerationOutput:
-    """A `GenerationOutput` from one SGLang-style /generate response object."""
+def encode_routing(routed: torch.Tensor) -> str:
+    """An MoE request's routing as SGLang's `meta_info.routed_experts`: base64 of the int32
+    expert ids, row-major over [positions, layers, top-k]."""
+    return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode_routing(text: str, rows: int) -> torch.Tensor:
+    """`encode_routing`'s inverse as [rows, layers x top-k] (the shape's split is the model's);
+    ValueError when the ids do not fill `rows` rows."""
+    flat = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.int32)
+    if rows < 1 or flat.numel() % rows:
+        raise ValueError(f"meta_info.routed_experts: {flat.numel()} expert ids do not fill {rows} token rows")
+    return flat.view(rows, -1)
+
+
+def parse_generate_response(body: dict[str, Any], prompt_tokens: int | None = None) -> GenerationOutput:
+    """A `GenerationOutput` from one SGLang-style /generate response object (`prompt_tokens`: the
+    request's prompt length, which shapes its routing when the server returns one)."""
     meta = body.get("meta_info", {})
     finish = meta.get("finish_reason") or {}
     reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
@@ -127,6 +145,11 @@ def parse_generate_response(body: dict[str, Any]) -> GenerationOutput:
         finish_reason=reason,
         text=body.get("text", ""),
         weight_version=_as_version(meta.get("weight_version")),
+        routed_experts=(
+            decode_routing(meta["routed_experts"], prompt_tokens + len(body.get("output_ids", [])) - 1)
+            if meta.get("routed_experts") and prompt_tokens is not None
+            else None
+        ),
     )
 
 
@@ -237,10 +260,15 @@ class EngineClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        if params.return_routed_experts:
+            payload["return_routed_experts"] = True
         body = await self._request("POST", "/generate", payload)
         if not isinstance(body, dict):
             raise EngineError(self.base_url + "/generate", f"unexpected response {body!r:.200}")
-        return parse_generate_response(body)
+        try:
+            return parse_generate_response(body, len(input_ids))
+        except ValueError as e:
+            raise EngineError(self.base_url + "/generate", str(e)) from e
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request, or all of them when `rid` is None."""

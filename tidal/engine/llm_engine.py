@@ -165,12 +165,22 @@ class LLMEngine:
             prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.prefix_hits,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
+            routed_experts=self._routing(seq) if seq.params.return_routed_experts else None,
         )
 
+    def _routing(self, seq: Sequence) -> torch.Tensor | None:
+        """`ModelRunner.routing` while every position but the last is in the cache (None for a
+        request aborted while preempted: its routing was never or is no longer computed)."""
+        if self.asleep or not seq.block_table or seq.num_cached < seq.num_tokens - 1:
+            return None
+        return self.runner.routing(seq)
+
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        seq.finish_reason = reason
+        out = self._output(seq)  # before its blocks are freed: the routing is read from them
         self.scheduler.finish(seq, reason)
         del self.seqs[seq.request_id]
-        return self._output(seq)
+        return out
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p = seq.params

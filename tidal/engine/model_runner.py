@@ -1,33 +1,76 @@
 """One forward pass over a mixed batch of prefill and decode tokens, with a paged KV cache.
 
-The transformer's own modules (embeddings, norms, projections, MLPs, rotary embedding) do the
-math, so the numbers are those of the transformers model; only attention is done here, because
-it reads keys and values from cache blocks. The batch is flat: every scheduled sequence
-contributes its uncached tokens. Per layer, the new keys/values of *all* sequences are written to
-their slots first and only then does any sequence attend, so a sequence admitted in the same step
-can read prompt blocks that another one is computing (prefix sharing within a GRPO group).
+The transformers model runs its own forward: embeddings and their scale, norms (Gemma's 1 + w,
+OLMo-2's post-norms, q/k norms), fused or biased projections, each family's rotary layout
+(partial, interleaved, local and global bases), MLPs and MoE blocks, final logit soft-capping.
+So the numbers are the transformers model's, for every family it implements, and nothing here is
+a copy of a model. Only attention is ours: the model is switched to the `tidal_paged` attention
+function, which writes the new keys/values into cache blocks and attends over each sequence's
+cached context, with the pieces the families differ in passed to it by their attention modules:
+the scale, a per-layer sliding window and attention logit soft-capping. The key and value widths
+of each layer are probed from one forward at start, so layers that differ (or MLA's wider keys
+than values) get caches of their own shape.
 
-Supports decoder-only models built like Llama (Llama, Mistral without sliding window, Qwen2,
-Qwen3, SmolLM): `model.model.layers[i].self_attn.{q,k,v,o}_proj`, optional q/k norms.
+The batch is flat: every scheduled sequence contributes its uncached tokens. Per layer, the new
+keys/values of *all* sequences are written to their slots first and only then does any sequence
+attend, so a sequence admitted in the same step can read prompt blocks that another one is
+computing (prefix sharing within a GRPO group).
+
+MoE models: the experts each router chose for every computed token are kept per cache slot
+(`routes`), like the keys and values, so a sequence's routing can be read back over its whole
+context, prefix-shared or recomputed after a preemption.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tidal import moe
+from tidal.attend import attend, causal_mask
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+NAME = "tidal_paged"
+
+# model_type -> what the family needed beyond Llama's pieces (docs/engine.md lists the same)
+FAMILIES = {
+    "llama": "",
+    "mistral": "sliding window",
+    "qwen2": "qkv bias, sliding window (use_sliding_window)",
+    "qwen3": "per-head q/k norm",
+    "gemma2": "(1 + w) norms, embedding scale, sliding/global layers, attention and final logit soft-capping",
+    "gemma3_text": "(1 + w) norms, q/k norm, embedding scale, sliding/global layers with their own rotary base",
+    "phi3": "fused qkv and gate/up projections, partial rotary",
+    "glm4": "fused gate/up, interleaved partial rotary, post-norms",
+    "olmo2": "post-norms, q/k norm over all heads",
+    "qwen3_moe": "MoE: softmax top-k, optional renormalisation",
+    "mixtral": "MoE: softmax top-k, renormalised",
+    "glm4_moe": "MoE: sigmoid group-limited top-k, shared experts, dense-first layers, scaled",
+    "deepseek_v3": "MLA (low-rank q and kv, wider keys than values), MoE as glm4_moe",
+}
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class UnsupportedModelError(ValueError):
+    """The engine cannot run this model; the message names the config key or model type."""
+
+
+def check_supported(config) -> None:
+    """Raise `UnsupportedModelError` naming what the engine does not run."""
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        raise UnsupportedModelError(
+            f"the tidal engine runs {', '.join(FAMILIES)} models; config model_type is {kind!r} "
+            "(rollout.engine: hf runs any transformers model, slower)"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"config is_encoder_decoder: true ({kind}); the engine runs decoder-only models")
 
 
 @dataclass
@@ -41,52 +84,107 @@ class BatchPlan:
     single_tok: Tensor  # [Bd] flat index of the token of each single-token sequence
     single_slots: Tensor  # [Bd, C] cache slots of their contexts (padded with 0)
     single_mask: Tensor  # [Bd, 1, 1, C] True where the slot is part of the context
+    single_pos: Tensor  # [Bd, C] position of each context slot (0 .. C-1)
+    single_qpos: Tensor  # [Bd] position of each single token
     multi: list[tuple[int, int, Tensor, int]]  # (flat start, end, context slots, cached) per prefill
+    windowed: dict[int, Tensor] = field(default_factory=dict)  # single_mask within a sliding window
 
     def to(self, device: torch.device) -> BatchPlan:
-        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name != "multi"}
+        skip = ("multi", "windowed")
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
         return BatchPlan(**moved, multi=multi)
+
+    def decode_mask(self, window: int | None) -> Tensor:
+        """The single tokens' context mask, less the keys a sliding window of `window` hides (a
+        query at position i sees keys j with i - j < window, as transformers masks it)."""
+        if not window:
+            return self.single_mask
+        if window not in self.windowed:
+            near = self.single_pos > (self.single_qpos[:, None] - window)
+            self.windowed[window] = self.single_mask & near[:, None, None, :]
+        return self.windowed[window]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    tidal_step: tuple[ModelRunner, BatchPlan | None] | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """A transformers attention function (query [1, H, T, D], key/value [1, Hkv, T, D]; returns
+    [1, T, H, Dv]). In an engine step (`tidal_step`) it reads and writes the paged cache; called
+    without one (the same model run by transformers itself) it attends over the given keys with
+    the boolean mask transformers built."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if tidal_step is None:
+        if attention_mask is None:  # transformers left it to is_causal
+            attention_mask = causal_mask(query.shape[2], key.shape[2], device=query.device)
+        return attend(query, key, value, attention_mask.bool(), scale, softcap).transpose(1, 2), None
+    runner, plan = tidal_step
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    return runner.attention(module.layer_idx, q, k, v, plan, scale, sliding_window, softcap)[None], None
+
+
+AttentionInterface.register(NAME, paged_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # transformers' own calls get boolean masks
+NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is used as given: skips building one
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> None:
-        cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(
-                f"the tidal engine runs {', '.join(SUPPORTED)} models, not {cfg.model_type!r}; "
-                "use HFEngine (rollout.engine: hf) for other architectures"
-            )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            if cfg.model_type == "mistral":
-                raise ValueError("sliding-window attention is not supported by the tidal engine")
+        check_supported(model.config)
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.layers = model.model.layers
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.cache_dtype = next(model.parameters()).dtype
-        self.cache_shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        self.allocate()
+        model.set_attn_implementation(NAME)
+        _fuse_rms_norms(model)
+        self.routers = moe.routers(model)
         self._offsets = torch.arange(block_size, device=CPU)
+        # per layer: (kv heads, key width, value width), probed from one token
+        self.kv_shapes: dict[int, tuple[int, int, int]] = {}
+        self.k_cache: list[Tensor] = []
+        self.v_cache: list[Tensor] = []
+        self._probe()
+        self.allocate()
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, position_ids=ids, attention_mask=NO_MASK, use_cache=False, tidal_step=(self, None))
+        if not self.kv_shapes:
+            kind = self.model.config.model_type
+            raise UnsupportedModelError(f"{kind}: no attention layer called the engine's attention function")
 
     def allocate(self) -> None:
-        """The KV cache (pages are only resident once a block is written)."""
-        self.k_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.device)
-        self.v_cache = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.device)
+        """The KV cache (pages are only resident once a block is written) and, for an MoE model,
+        the experts chosen at each slot."""
+        slots = self.num_blocks * self.block_size
+        layers = sorted(self.kv_shapes)
+        opts = {"dtype": self.cache_dtype, "device": self.device}
+        self.k_cache = [torch.zeros(slots, self.kv_shapes[i][0], self.kv_shapes[i][1], **opts) for i in layers]
+        self.v_cache = [torch.zeros(slots, self.kv_shapes[i][0], self.kv_shapes[i][2], **opts) for i in layers]
+        self.routes = None
+        if self.routers:
+            shape = moe.routing_shape(self.model)
+            self.routes = torch.zeros(slots, *shape, dtype=torch.int16, device=self.device)
 
     def release(self) -> None:
-        self.k_cache = self.v_cache = torch.empty(0, dtype=self.cache_dtype, device=self.device)
+        self.k_cache, self.v_cache, self.routes = [], [], None
 
     def kv_bytes(self) -> int:
-        n = 1
-        for d in self.cache_shape:
-            n *= d
-        return n * self.cache_dtype.itemsize * 2
+        slots = self.num_blocks * self.block_size
+        per_slot = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes.values())
+        return slots * per_slot * self.cache_dtype.itemsize
 
     @on_host
     def _context_slots(self, seq: Sequence, end: int) -> Tensor:
@@ -119,10 +217,13 @@ class ModelRunner:
         if single_ctx:
             lengths = torch.tensor([len(c) for c in single_ctx])
             single_slots = torch.nn.utils.rnn.pad_sequence(single_ctx, batch_first=True)
-            single_mask = (torch.arange(single_slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+            single_pos = torch.arange(single_slots.shape[1])[None, :].expand(len(single_ctx), -1)
+            single_mask = (single_pos < lengths[:, None])[:, None, None, :]
+            single_qpos = lengths - 1
         else:
-            single_slots = torch.zeros(0, 1, dtype=torch.long)
+            single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
             single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+            single_qpos = torch.zeros(0, dtype=torch.long)
         return BatchPlan(
             input_ids=torch.tensor(ids),
             positions=torch.cat(pos),
@@ -131,70 +232,103 @@ class ModelRunner:
             single_tok=torch.tensor(single_tok, dtype=torch.long),
             single_slots=single_slots,
             single_mask=single_mask,
+            single_pos=single_pos,
+            single_qpos=single_qpos,
             multi=multi,
         )
 
-    def _attention(self, layer_idx: int, q: Tensor, plan: BatchPlan) -> Tensor:
-        """q [T, H, D] → attention output [T, H, D], reading K/V from the cache."""
-        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
-        out = torch.empty_like(q)
+    def attention(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        plan: BatchPlan | None,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> Tensor:
+        """Write the step's new keys/values [T, Hkv, D] of `layer` to their slots, then attend:
+        q [T, H, D] → [T, H, Dv]. Without a plan (the start-up probe) only record the shapes."""
+        if plan is None:
+            self.kv_shapes[layer] = (k.shape[1], k.shape[2], v.shape[2])
+            return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc.index_copy_(0, plan.slots, k.to(kc.dtype))
+        vc.index_copy_(0, plan.slots, v.to(vc.dtype))
+        hkv = kc.shape[1]
+        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
         if plan.single_tok.numel():
             b = plan.single_tok.numel()
             # grouped-query attention with one query token: the G query heads sharing a KV head
             # become G query rows of that head (query head h uses KV head h // G), which is about
             # twice as fast on CPU as sdpa's enable_gqa
-            qd = q[plan.single_tok].view(b, self.num_kv_heads, -1, self.head_dim)  # [B, Hkv, G, D]
-            shape = (*plan.single_slots.shape, *kc.shape[1:])
+            qd = q[plan.single_tok].view(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
             flat = plan.single_slots.view(-1)  # index_select: much faster than advanced indexing on CPU
-            kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
-            vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.single_mask)
-            out[plan.single_tok] = o.reshape(b, -1, self.head_dim)
+            kd = kc.index_select(0, flat).view(*plan.single_slots.shape, *kc.shape[1:]).transpose(1, 2)
+            vd = vc.index_select(0, flat).view(*plan.single_slots.shape, *vc.shape[1:]).transpose(1, 2)
+            o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap)
+            out[plan.single_tok] = o.reshape(b, -1, vc.shape[2])
         for start, end, ctx, cached in plan.multi:
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
             vs = vc.index_select(0, ctx).transpose(0, 1)[None]
-            if cached == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            else:
-                # query i sits at position cached + i and sees keys 0..cached + i
-                qpos = torch.arange(cached, cached + end - start, device=q.device)[:, None]
-                mask = torch.arange(len(ctx), device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
+            mask = causal_mask(end - start, len(ctx), cached, window, q.device)  # query i at cached + i
+            out[start:end] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
         return out
-
-    @staticmethod
-    def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
-        """RMSNorm as one fused op (the module's five small ops cost more than the math on CPU);
-        the same formula, computed in float32 inside the kernel."""
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> Tensor:
-        """Compute the uncached tokens of `seqs`, write their K/V, and return the next-token
-        logits of each sequence [S, V] in float32."""
+        """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
+        and return the next-token logits of each sequence [S, V] in float32."""
         plan = self.plan(seqs)
-        m = self.model.model
-        h = m.embed_tokens(plan.input_ids)[None]  # [1, T, E]
-        cos, sin = m.rotary_emb(h, plan.positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
-        h = h[0]
-        t = h.shape[0]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = self._norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(t, -1, self.head_dim)
-            k = attn.k_proj(x).view(t, -1, self.head_dim)
-            v = attn.v_proj(x).view(t, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.k_cache[i].index_copy_(0, plan.slots, k.to(self.k_cache.dtype))
-            self.v_cache[i].index_copy_(0, plan.slots, v.to(self.v_cache.dtype))
-            o = self._attention(i, q, plan)
-            h = h + attn.o_proj(o.reshape(t, -1))
-            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
-        h = self._norm(m.norm, h[plan.last])
-        return self.model.lm_head(h).float()
+        kw = {
+            "position_ids": plan.positions[None],
+            "logits_to_keep": plan.last,
+            "attention_mask": NO_MASK,
+            "use_cache": False,
+            "tidal_step": (self, plan),
+        }
+        if self.routes is None:
+            out = self.model(plan.input_ids[None], **kw)
+        else:
+            with moe.capture(self.model) as routing:
+                out = self.model(plan.input_ids[None], **kw)
+            self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
+        return out.logits[0].float()
+
+    def routing(self, seq: Sequence) -> Tensor | None:
+        """The experts chosen at positions 0 .. n - 2 of `seq` (every position whose forward
+        predicts a token), [n - 1, moe layers, top-k]; None for a dense model."""
+        if self.routes is None:
+            return None
+        ctx = self._context_slots(seq, seq.num_tokens - 1).to(self.device)
+        return self.routes.index_select(0, ctx).cpu()
+
+
+def _fuse_rms_norms(model: torch.nn.Module) -> None:
+    """Run each RMSNorm module whose output is `w · x / rms(x)` as one fused op (its five small
+    ops cost more than the math on a CPU). Each norm is checked against the fused op on a sample
+    input first, so Gemma's `(1 + w)` norms and anything else of another formula keep their own
+    forward."""
+    gen = torch.Generator(device=CPU).manual_seed(0)
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        if not type(mod).__name__.endswith("RMSNorm") or not isinstance(w, Tensor) or w.dim() != 1:
+            continue
+        if not isinstance(eps, float) or w.is_meta:
+            continue
+        x = torch.randn(3, w.shape[0], generator=gen).to(w.device, w.dtype)
+        with torch.no_grad():
+            fused = F.rms_norm(x, w.shape, w, eps)
+            same = torch.allclose(mod(x), fused, rtol=1e-5, atol=1e-6) and not math.isnan(float(fused.sum()))
+        if same:
+            mod.forward = _fused_forward(mod, eps)
+
+
+def _fused_forward(mod: torch.nn.Module, eps: float):
+    def forward(x: Tensor) -> Tensor:
+        return F.rms_norm(x, mod.weight.shape, mod.weight, eps)
+
+    return forward

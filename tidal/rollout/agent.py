@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from tidal.engine.sampling import SamplingParams
-from tidal.rollout.generate import GenerateContext, finish, load_async_fn, turn_seed
+from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.server.common import ApiError, BadRequest
 from tidal.server.openai import (
     ChatBody,
@@ -198,6 +198,7 @@ class Session:
             self.used += len(fit.env_ids)
         at = len(sample.tokens)
         sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
+        keep_routing(sample, out)
         self.used += len(out.token_ids)
         finish(sample, out.finish_reason)
         record = {"case": fit.case, "at": at, "sampled": len(out.token_ids), "finish_reason": out.finish_reason}

@@ -87,6 +87,15 @@ def load_async_fn(name: str, where: str, signature: str) -> Callable:
     return fn
 
 
+def keep_routing(sample: Sample, out: GenerationOutput) -> None:
+    """Give `sample` the MoE routing the engine returned for its latest call (routing replay):
+    it covers every token of the sample but the last when the call's prompt was the sample's
+    tokens so far; a call that saw other tokens leaves the sample without one."""
+    if out.routed_experts is not None:
+        fits = out.routed_experts.shape[0] == len(sample.tokens) - 1
+        sample.routed_experts = out.routed_experts if fits else None
+
+
 def finish(sample: Sample, finish_reason: str) -> Sample:
     sample.status = FINISH_STATUS[finish_reason]
     sample.metadata["finish_reason"] = finish_reason
@@ -108,6 +117,7 @@ async def single_turn(ctx: GenerateContext, sample: Sample, sampling: SamplingPa
         )
     out = await ctx.generate(sample.tokens, sampling)
     sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
+    keep_routing(sample, out)
     if done and ctx.tokenizer is not None:  # decode the whole: a character may straddle the segments
         sample.response = ctx.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     return finish(sample, out.finish_reason)

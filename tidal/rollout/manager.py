@@ -93,8 +93,16 @@ class RolloutManager:
     `generate` is for synchronous callers (the loop): it runs `agenerate` on `loop`, the rollout
     role's long-lived event loop (one of its own when none is given)."""
 
-    def __init__(self, engine: Engine, cfg: RolloutConfig, tokenizer=None, loop: LoopThread | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        cfg: RolloutConfig,
+        tokenizer=None,
+        loop: LoopThread | None = None,
+        routed_experts: bool = False,
+    ) -> None:
         self.engine = engine
+        self.routed_experts = routed_experts  # ask the engine for MoE routing (algo.routing_replay)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.loop = loop if loop is not None else LoopThread()
@@ -120,6 +128,7 @@ class RolloutManager:
             stop_token_ids=list(c.stop_token_ids),
             stop=list(c.stop),
             seed=seed,
+            return_routed_experts=self.routed_experts,
         )
 
     def generate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:

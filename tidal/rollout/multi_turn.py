@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.engine.sampling import SamplingParams
-from tidal.rollout.generate import GenerateContext, finish, turn_seed
+from tidal.rollout.generate import GenerateContext, finish, keep_routing, turn_seed
 from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
 from tidal.types import Sample, Status
 from tidal.utils import load_object
@@ -192,6 +192,7 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, sampling: SamplingPara
         )
         out = await ctx.generate(sample.tokens, params)
         sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
+        keep_routing(sample, out)
         conversation.append({"role": "assistant", "content": out.text})
         sample.metadata["turns"] = turn + 1
         if out.finish_reason != "stop":

@@ -41,7 +41,7 @@ from pydantic import Field
 
 from tidal.config import ServerConfig
 from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import decode_tensors
+from tidal.engine.client import decode_tensors, encode_routing
 from tidal.engine.sampling import SamplingParams
 from tidal.server.common import (
     ApiError,
@@ -87,6 +87,7 @@ class GenerateBody(Body):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False  # an MoE model's expert choices, as SGLang gives them
     rid: str | list[str] | None = None
     stream: bool = False
 
@@ -233,6 +234,7 @@ def _samples(
         for j in range(n):
             out[0].append(prompt)
             out[1].append(_params(sp, top, prefix, j))
+            out[1][-1].return_routed_experts = body.return_routed_experts
             out[2].append(sp)
             out[3].append(name if n == 1 else f"{name}_{j}" if body.rid is not None else uuid.uuid4().hex)
     check_budget(cfg, out[0], out[1])
@@ -275,6 +277,8 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts
                 meta["output_top_logprobs"] = [
                     [[lp, t, piece(t, with_text)] for t, lp in alts] for alts in (out.top_logprobs or [])
                 ]
+        if body.return_routed_experts and out.routed_experts is not None:
+            meta["routed_experts"] = encode_routing(out.routed_experts)
         return {"text": text, "output_ids": list(out.token_ids), "meta_info": meta}
 
     @api.get("/health")

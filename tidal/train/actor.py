@@ -19,7 +19,7 @@ from tidal.config import AlgoConfig, TrainConfig
 from tidal.hardware import CPU, to_device
 from tidal.train import lora
 from tidal.train.estimate import response_mask
-from tidal.train.logits import token_log_probs, token_log_probs_and_entropy
+from tidal.train.logits import output_head, token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
 from tidal.train.objective import PolicyObjective
 from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
@@ -98,7 +98,7 @@ class Actor:
         """(log-probs, entropy) [B, R] of the response tokens, 0 past each response; the entropy
         carries a gradient only when it is a loss term, otherwise it is a metric. Logits are
         computed `train.logits_chunk_tokens` tokens at a time (see `tidal.train.logits`)."""
-        head = model.get_output_embeddings()
+        head = output_head(model)
         if self.trained.sharded and model is self.compute:  # FSDP2: through the root's forward
             logits, valid = self.trained.root_logits(batch)
             logp, ent = log_probs_and_entropy(logits, batch["response_ids"][valid], self.temperature, entropy_grad)
@@ -130,7 +130,7 @@ class Actor:
     def _log_probs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> Tensor:
         width = max(max(s.response_length for s in samples), 1)
         out = torch.zeros(len(samples), width, device=self.device)
-        head = model.get_output_embeddings()
+        head = output_head(model)
         mine = self.share(list(range(len(samples)))) if self.share is not None else list(range(len(samples)))
         plan = [[mine[p] for p in pos] for pos in self.fwd.plan([samples[i] for i in mine])] if mine else []
         n = self.most_micro_batches(len(plan)) if self.most_micro_batches is not None else len(plan)

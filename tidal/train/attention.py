@@ -9,13 +9,16 @@ real token never attends to the padding after it, and padded queries are dropped
 no gradient), attends with `is_causal` (in fp32 on CPU), and gathers the result back into the row.
 On SmolLM2's heads, a 692-token row of 8 samples: forward + backward 23.8 ms -> 8.6 ms per layer.
 
-`use_packed_attention(model)` switches an sdpa model to it. Calls without a `tidal_layout`
-keyword (padded batches, generation) and sliding-window or soft-capped layers go to transformers'
-sdpa with its usual mask, so the switched model computes everything else exactly as before.
+`use_packed_attention(model)` switches an sdpa model to it. Sliding-window and soft-capped layers
+attend in the same padded view with their window's mask and the cap (`tidal.attend`). Calls
+without a `tidal_layout` keyword (padded batches, generation) go to transformers' sdpa with its
+usual mask (soft-capped ones to `attend` with that mask), so the switched model computes
+everything else exactly as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tidal.attend import attend, causal_mask
 from tidal.hardware import CPU, on_host
 
 NAME = "tidal_packed"
@@ -110,21 +114,31 @@ def packed_attention(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """A transformers attention function (query [1, H, S, D], key/value [1, KV, S, D]; returns
-    [1, S, H, D]). Falls back to sdpa with `attention_mask` without a layout, for sliding-window
-    layers and for soft-capped logits."""
+    [1, S, H, D]). Without a layout it attends with transformers' `attention_mask`."""
+    if kwargs.get("s_aux") is not None:  # attention sinks: not part of `attend`'s formula
+        raise NotImplementedError(f"{type(module).__name__}: tidal's packed attention has no attention sinks")
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if tidal_layout is None or sliding or kwargs.get("softcap") is not None or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    softcap = kwargs.get("softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if tidal_layout is None or query.shape[0] != 1:
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        # sdpa has no soft-capping: transformers' boolean mask (None: plain causal) with `attend`
+        mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
+        return attend(query, key, value, mask.to(query.device).bool(), scale, softcap).transpose(1, 2), None
     lay = tidal_layout
     q, k, v = (_to_padded(x, lay) for x in (query, key, value))
     gqa = q.shape[1] != k.shape[1]
-    if q.device.type == CPU:  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
-        with torch.autocast(CPU, enabled=False):
+    with torch.autocast(CPU, enabled=False) if q.device.type == CPU else contextlib.nullcontext():
+        if q.device.type == CPU:  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
+            q, k, v = q.float(), k.float(), v.float()
+        if sliding or softcap is not None:  # each padded sample attends causally within its window
+            mask = causal_mask(lay.length, lay.length, 0, sliding, q.device)
+            out = attend(q, k, v, mask, scale, softcap)
+        else:
             out = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
             )
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
     h, d = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
     return out[None].to(query.dtype), None
@@ -135,13 +149,14 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the fallback path gets sdpa'
 
 
 def use_packed_attention(model: torch.nn.Module) -> bool:
-    """Switch an sdpa model (and its submodels) to `packed_attention`; True if it now uses it.
-    Other implementations (eager, flash) are left alone."""
+    """Switch an sdpa or eager model (and its submodels) to `packed_attention`; True if it now
+    uses it. Eager models are those whose attention sdpa cannot compute (Gemma 2's soft-capping),
+    which `attend` does. Other implementations (flash, custom) are left alone."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl == NAME:
         return True
-    if impl != "sdpa":
+    if impl not in ("sdpa", "eager"):
         return False
     model.set_attn_implementation(NAME)
     return model.config._attn_implementation == NAME

@@ -74,6 +74,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
+class SoftCappedHead(torch.nn.Module):
+    """An output projection with final logit soft-capping (Gemma 2): z = c · tanh(head(h) / c)."""
+
+    def __init__(self, head: torch.nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that turns `model`'s last hidden states into its logits: the output projection,
+    soft-capped where the config says so (`final_logit_softcapping`, as the model's own forward
+    does after the projection). A capped head has no `weight`, so its logits are computed whole."""
+    head = model.get_output_embeddings()
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return SoftCappedHead(head, float(cap)) if cap else head
+
+
 def token_log_probs_and_entropy(
     hidden: Tensor,
     head: torch.nn.Module,
