@@ -59,6 +59,56 @@ def make_model(vocab_size: int = 320, seed: int = 0, **overrides):
     return model.eval()
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+
+
+def make_moe_model(family: str = "qwen3_moe", seed: int = 0, vocab_size: int = 320):
+    """A tiny random MoE causal LM of `family` (3 layers, top-2): Qwen3-MoE (8 experts, layer 0
+    dense), Mixtral (4 experts, all MoE), GLM-4.5-MoE and DeepSeek-V3 (8 experts in 2 groups, one
+    group chosen, layer 0 dense, a random score-correction bias). Weights with std 0.2, so routing
+    is far from uniform and a different choice of experts changes the output."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    grouped = dict(n_routed_experts=8, moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1)
+    cfg = {
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **common, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True, head_dim=8
+        ),
+        "mixtral": lambda: MixtralConfig(**common, num_local_experts=4, head_dim=8),
+        "glm4_moe": lambda: Glm4MoeConfig(**common, **grouped, head_dim=8, n_shared_experts=1),
+        "deepseek_v3": lambda: DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},  # multi-head latent attention: as many kv heads as heads
+            **grouped,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+    }[family]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):  # zeros after init: make the choice differ from the weights
+                m.e_score_correction_bias.normal_(0.0, 0.1)
+    return model.eval()
+
+
 def hf_greedy(model, prompt, n):
     """transformers' greedy continuation of `prompt` (n tokens, cut after the eos id 2)."""
     out = model.generate(

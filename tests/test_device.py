@@ -49,6 +49,28 @@ def test_the_trainer_step_makes_every_tensor_on_its_device(dtype, packing):
     assert any(not torch.equal(a, b) for a, b in zip(before, actor.params, strict=True))
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_trainer_step_under_routing_replay_makes_every_tensor_on_its_device(packing):
+    from tests.conftest import make_moe_model
+    from tidal import moe
+    from tidal.train.actor import Actor
+
+    samples = make_samples()
+    recorder = make_moe_model("qwen3_moe")
+    with torch.no_grad(), moe.capture(recorder) as rec:
+        for s in samples:
+            recorder(torch.tensor([s.tokens]))
+            s.set_routed_experts(moe.routing_record(rec.take()[:-1]))
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, lr=1e-3, dtype="float32", packing=packing)
+    actor = Actor(make_moe_model("qwen3_moe"), cfg, AlgoConfig(routing_replay=True), device=hardware.CPU)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    with torch.device("meta"):
+        old = actor.compute_log_probs(samples)
+        m = actor.train_step(samples, adv, old)
+    assert old.device.type == "cpu" and torch.isfinite(old).all()
+    assert m["actor/grad_norm"] > 0
+
+
 def test_the_engine_prefills_decodes_and_samples_on_its_device():
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.sampling import SamplingParams

@@ -221,6 +221,11 @@ class AlgoConfig:
     is_level: str = _opt("token", "importance ratio level: token | sequence | geometric")
     is_low: float | None = _opt(None, "lower ratio bound of the correction (null = none)")
     is_high: float = _opt(2.0, "upper ratio bound of the correction")
+    routing_replay: bool = _opt(
+        False,
+        "MoE models: the trainer's forwards use the experts the engine chose for each token (routing replay, R3); "
+        "the routing weights still come from the trainer's router",
+    )
 
 
 @dataclass
@@ -799,6 +804,38 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) ->
     need(a.is_low is None or 0 <= a.is_low < a.is_high, f"algo.is_low: must be in [0, is_high) or null, got {a.is_low}")
 
 
+# config.json keys that give an MoE model's expert count (transformers' names across families)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _declares_experts(model: str) -> bool | None:
+    """Whether the model folder's config.json (or its text_config) names more than one expert;
+    None when there is no readable config.json (the trainer checks the loaded model)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    parts = [cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}]
+    return any(isinstance(p.get(k), int) and p.get(k) > 1 for p in parts for k in EXPERT_COUNT_KEYS)
+
+
+def _validate_routing_replay(a: AlgoConfig, t: TrainConfig, need) -> None:
+    if not a.routing_replay:
+        return
+    need(
+        a.mode == "rl", "algo.routing_replay: replays the rollout engine's expert choices, which algo.mode sft has not"
+    )
+    need(
+        t.model != "smollm2" and _declares_experts(t.model) is not False,
+        f"algo.routing_replay: needs an MoE model (its config.json names num_experts, num_local_experts or "
+        f"n_routed_experts); train.model {t.model!r} is dense",
+    )
+
+
 def _validate_cluster(c: ClusterConfig, r: RolloutConfig, for_training: bool, need) -> None:
     need(c.device in DEVICES, f"cluster.device: one of {', '.join(DEVICES)}, got {c.device!r}")
     need(c.trainers >= 1, f"cluster.trainers: must be >= 1, got {c.trainers}")
@@ -1063,6 +1100,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         "rollout.stop_token_ids: must be a list of integers",
     )
     _validate_algo(a, r, for_training, need)
+    _validate_routing_replay(a, t, need)
     need(t.num_steps >= 1, f"train.num_steps: must be >= 1, got {t.num_steps}")
     need(t.global_batch_size >= 1, "train.global_batch_size: must be >= 1")
     need(

@@ -124,7 +124,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                 cfg.rollout,
                 tokenizer,
                 roles.engines.loop,
-                getattr(cfg.algo, "routing_replay", False),
+                cfg.algo.routing_replay,
             )
             if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
                 overlap_state = state.get("overlap") if ckpt is not None else None

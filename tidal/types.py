@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +28,54 @@ class InputError(ValueError):
     `tidal eval` print it without a traceback and exit 1."""
 
 
+NO_RECORD = -1  # a routed-experts entry at a token position the engine did not record
+_NO_RECORD_BYTES = NO_RECORD.to_bytes(2, "little", signed=True)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts each MoE layer chose at each token position, as the engine computed them
+    (routing replay, `algo.routing_replay`).
+
+    `shape` is (positions, moe_layers, top_k); `data` holds that many int16 values, C order,
+    little-endian: entry [p, l, j] is the j-th expert MoE layer l chose for the hidden state at
+    token position p, in the router's own order. A position with any entry `NO_RECORD` (-1) has
+    no record: the trainer routes it itself. Bytes rather than a tensor keep this module free of
+    torch, pickle compactly (Ray) and encode as base64 (`to_dict`): 4k positions × 48 layers ×
+    top-8 is 3 MB, 4 MB as text. `tidal.moe.routing_record` / `routing_tensor` convert."""
+
+    shape: tuple[int, int, int]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if len(shape) != 3 or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in shape):
+            raise ValueError(f"routed experts: shape must be 3 non-negative ints, got {self.shape!r}")
+        if len(self.data) != 2 * math.prod(shape):
+            raise ValueError(f"routed experts: shape {shape} needs {2 * math.prod(shape)} bytes, got {len(self.data)}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def positions(self) -> int:
+        return self.shape[0]
+
+    def padded(self, positions: int) -> RoutedExperts:
+        """The same record over `positions` >= self.positions, the new positions with no record."""
+        extra = positions - self.shape[0]
+        if extra < 0:
+            raise ValueError(f"routed experts: cannot pad {self.shape[0]} positions down to {positions}")
+        return RoutedExperts(
+            (positions, *self.shape[1:]), self.data + _NO_RECORD_BYTES * (extra * self.shape[1] * self.shape[2])
+        )
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "int16": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RoutedExperts:
+        return cls(tuple(d["shape"]), base64.b64decode(d["int16"]))
+
+
 @dataclass
 class Sample:
     """One prompt + one sampled response, token-exact.
@@ -38,6 +89,13 @@ class Sample:
     A multi-turn sample grows with `append_policy` (sampled ids, as the engine returned them) and
     `append_env` (ids the environment adds), which keep all four aligned. Text is for humans and
     rewards: tokens are never re-encoded from it.
+
+    `routed_experts` (MoE models, None otherwise): the experts the engine's MoE layers chose at
+    token positions 0 .. len(tokens) - 2, every position whose forward predicts a next token, so
+    its shape is (len(tokens) - 1, moe_layers, top_k). Set it with `set_routed_experts` (the
+    engine's record of the final request, which covers the whole sample up to its last sampled
+    token); `append_policy` / `append_env` extend it with positions that have no record, so it
+    always covers len(tokens) - 1 positions and the trainer routes the unrecorded ones itself.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -54,6 +112,7 @@ class Sample:
     weight_version: int = 0
     metadata: dict = field(default_factory=dict)
     token_versions: list[int] = field(default_factory=list)
+    routed_experts: RoutedExperts | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -92,6 +151,8 @@ class Sample:
     def _extend(self, ids: list[int], mask: list[int], logps: list[float], versions: list[int], text: str) -> None:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"sample {self.index}: token ids must be non-negative ints")
+        if self.routed_experts is not None:  # the new positions were not computed by the recorded forward
+            self.routed_experts = self.routed_experts.padded(len(self.tokens) + len(ids) - 1)
         self.tokens.extend(ids)
         self.response_length += len(ids)
         self.loss_mask.extend(mask)
@@ -107,15 +168,35 @@ class Sample:
                 f"expected response_length={self.response_length}"
             )
 
+    def set_routed_experts(self, routing: RoutedExperts | None) -> None:
+        """Set the engine's record of the experts chosen at positions 0 .. m - 1, where m is at
+        most len(tokens) - 1 (no forward computes the last token); the positions after m get no
+        record. None clears it. Raises ValueError, leaving the sample unchanged, when m is larger."""
+        if routing is None:
+            self.routed_experts = None
+            return
+        n = max(len(self.tokens) - 1, 0)
+        if routing.positions > n:
+            raise ValueError(
+                f"sample {self.index}: routed experts cover {routing.positions} positions, "
+                f"but a sample of {len(self.tokens)} tokens has {n} that predict a next token"
+            )
+        self.routed_experts = routing.padded(n)
+
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """A JSON-ready dict (routed experts as shape + base64 int16, see `RoutedExperts`)."""
+        d = asdict(dataclasses.replace(self, routed_experts=None))  # asdict would keep raw bytes, not JSON
         d["status"] = self.status.value
+        d["routed_experts"] = None if self.routed_experts is None else self.routed_experts.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Sample:
         d = dict(d)
         d["status"] = Status(d.get("status", Status.COMPLETED))
+        routing = d.get("routed_experts")
+        if isinstance(routing, dict):
+            d["routed_experts"] = RoutedExperts.from_dict(routing)
         return cls(**d)
 
     def validate(self) -> None:
@@ -129,3 +210,8 @@ class Sample:
                 continue
             if got != n:
                 raise ValueError(f"sample {self.index}: {name} has {got} entries, expected response_length={n}")
+        if self.routed_experts is not None and self.routed_experts.positions != max(len(self.tokens) - 1, 0):
+            raise ValueError(
+                f"sample {self.index}: routed_experts covers {self.routed_experts.positions} positions, "
+                f"expected len(tokens) - 1 = {len(self.tokens) - 1}"
+            )

@@ -42,6 +42,7 @@ from tidal.config import RolloutConfig
 from tidal.contracts import Engine, GenerationOutput
 from tidal.data.dataset import PromptRecord
 from tidal.engine.sampling import SamplingParams
+from tidal.moe import routing_record
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
@@ -92,8 +93,11 @@ def keep_routing(sample: Sample, out: GenerationOutput) -> None:
     it covers every token of the sample but the last when the call's prompt was the sample's
     tokens so far; a call that saw other tokens leaves the sample without one."""
     if out.routed_experts is not None:
-        fits = out.routed_experts.shape[0] == len(sample.tokens) - 1
-        sample.routed_experts = out.routed_experts if fits else None
+        routed = out.routed_experts
+        if routed.dim() == 2:  # over HTTP: [positions, layers x top-k], split by the trainer's model
+            routed = routed[:, None, :]
+        fits = routed.shape[0] == len(sample.tokens) - 1
+        sample.set_routed_experts(routing_record(routed) if fits else None)
 
 
 def finish(sample: Sample, finish_reason: str) -> Sample:

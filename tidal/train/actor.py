@@ -7,6 +7,7 @@ the trainer role of `tidal.contracts.Trainer`; on a cluster each rank runs one o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,10 +16,12 @@ import torch
 from torch import Tensor
 
 from tidal.algo import log_probs_and_entropy, log_probs_from_logits
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.config import AlgoConfig, ConfigError, TrainConfig
 from tidal.hardware import CPU, to_device
+from tidal.moe import routing_shape
 from tidal.train import lora
 from tidal.train.estimate import response_mask
+from tidal.train.forward import replaying
 from tidal.train.logits import output_head, token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
 from tidal.train.objective import PolicyObjective
@@ -61,7 +64,9 @@ class Actor:
             adapter, model = model, reference
         self.base = None if isinstance(model, torch.nn.Module) else str(reference or model)
         module = model if isinstance(model, torch.nn.Module) else load_causal_lm(model)
-        self.trained = TrainedModel(module, train, pad_id, device=device, adapter=adapter)
+        if algo.routing_replay and routing_shape(module) is None:
+            raise ConfigError(f"algo.routing_replay: needs an MoE model (one with top-k routers); {model!r} has none")
+        self.trained = TrainedModel(module, train, pad_id, device=device, adapter=adapter, routing=algo.routing_replay)
         self.device = self.trained.device
         ref = None
         if algo.kl_coef > 0 and not self.trained.lora:  # `reference`: the initial model when resuming
@@ -125,9 +130,12 @@ class Actor:
         model = {"policy": self.compute, "reference": self.ref, "teacher": self.teacher}[which]
         if model is None:
             raise RuntimeError(f"{which} log-probs requested but no {which} model is configured")
-        return self._log_probs(model, samples)
+        # the teacher is another model: the policy's recorded experts mean nothing to it
+        return self._log_probs(model, samples, replay=which != "teacher")
 
-    def _log_probs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> Tensor:
+    def _log_probs(self, model: torch.nn.Module, samples: Sequence[Sample], replay: bool = True) -> Tensor:
+        """[N, R] log-probs under `model`; with `replay`, a batch's recorded experts, where it has
+        them (`algo.routing_replay`), route its forward (`tidal.train.forward.replaying`)."""
         width = max(max(s.response_length for s in samples), 1)
         out = torch.zeros(len(samples), width, device=self.device)
         head = output_head(model)
@@ -137,18 +145,19 @@ class Actor:
         for k in range(n):  # FSDP2 ranks run as many forward passes as the busiest one
             idx = plan[k] if k < len(plan) else [0]
             batch = self.fwd.collate([samples[i] for i in idx])
-            if self.trained.sharded and model is self.compute:
-                logp, _ = self._score(model, batch)
-                if k < len(plan):
-                    out[idx, : logp.shape[1]] = logp.float()
-                continue
-            with self.trained.autocast():
-                hidden, valid = self.trained.response_hidden(model, batch)
-                labels = batch["response_ids"][valid]
-                if self.dtype == "autocast":
-                    logp = log_probs_from_logits(head(hidden), labels, self.temperature)
-                else:
-                    logp = token_log_probs(hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens)
+            with replaying(model, batch) if replay else contextlib.nullcontext():
+                if self.trained.sharded and model is self.compute:
+                    logp, _ = self._score(model, batch)
+                    if k < len(plan):
+                        out[idx, : logp.shape[1]] = logp.float()
+                    continue
+                with self.trained.autocast():
+                    hidden, valid = self.trained.response_hidden(model, batch)
+                    labels = batch["response_ids"][valid]
+                    if self.dtype == "autocast":
+                        logp = log_probs_from_logits(head(hidden), labels, self.temperature)
+                    else:
+                        logp = token_log_probs(hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens)
             if k < len(plan):
                 out[idx, : valid.shape[1]] = to_grid(logp, valid)
         self.trained.reshard()

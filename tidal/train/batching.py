@@ -7,18 +7,20 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from tidal.hardware import on_host
+from tidal.moe import routing_tensor
 from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import packed_layout, shared_prefix_layout
 from tidal.types import Sample
 
 
 @on_host
-def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def collate(samples: Sequence[Sample], pad_id: int = 0, routing: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad samples into a batch.
 
     Returns `input_ids`/`attention_mask` [B, L] over prompt + response, `prompt_lengths` [B],
     `response_ids`, `loss_mask`, `rollout_log_probs` [B, R] over response tokens only (R the
     longest response). Masks come from lengths, never from the pad id (pad may equal eos).
+    `routing`: also the samples' recorded experts over the B * L flattened tokens (`routing_fields`).
     """
     b = len(samples)
     width = max(len(s.tokens) for s in samples)
@@ -27,7 +29,46 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
     for i, s in enumerate(samples):
         ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         attn[i, : len(s.tokens)] = 1
-    return {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
+    out = {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
+    if routing:  # sample i's position p is flattened token i * width + p
+        slots = [i * width + torch.arange(max(len(s.tokens) - 1, 0)) for i, s in enumerate(samples)]
+        out.update(routing_fields(samples, slots, b * width))
+    return out
+
+
+@on_host
+def routing_fields(samples: Sequence[Sample], slots: Sequence[torch.Tensor], total: int) -> dict[str, torch.Tensor]:
+    """The samples' recorded experts laid out like the forward's `total` flattened tokens (what
+    the MoE routers see), for `tidal.moe.replay`: `routed_experts` [total, moe_layers, top_k]
+    (int16) and `routed_mask` [total] (bool, True where a record is replayed).
+
+    `slots[i]` [len(tokens_i) - 1]: the flattened token that computes sample i's position p, for
+    p = 0 .. len - 2 (-1 where another sample's copy computes it: a shared prompt). Each
+    sample's last token, the padding and the positions the engine did not record
+    (`RoutedExperts`) keep the model's own routing."""
+    shape = None
+    routed = mask = None
+    for i, s in enumerate(samples):
+        if s.routed_experts is None:
+            raise ValueError(
+                f"sample {s.index} (micro-batch position {i}): algo.routing_replay is on but it carries no "
+                "routed_experts (the engine did not record its routing)"
+            )
+        rec = routing_tensor(s.routed_experts)
+        if rec.shape[0] != len(s.tokens) - 1 or (shape is not None and rec.shape[1:] != shape):
+            raise ValueError(
+                f"sample {s.index}: routed_experts has shape {tuple(rec.shape)}, expected "
+                f"[{len(s.tokens) - 1}, {', '.join(map(str, shape or rec.shape[1:]))}] like the others"
+            )
+        if routed is None:
+            shape = rec.shape[1:]
+            routed = torch.zeros((total, *shape), dtype=torch.int16)
+            mask = torch.zeros(total, dtype=torch.bool)
+        slot = slots[i]
+        keep = slot >= 0
+        routed[slot[keep]] = rec[keep]
+        mask[slot[keep]] = (rec[keep] >= 0).flatten(1).all(dim=1)
+    return {"routed_experts": routed, "routed_mask": mask}
 
 
 @on_host
@@ -88,7 +129,9 @@ PACKING_ATTN_IMPLEMENTATIONS = frozenset({"sdpa", "eager", PACKED_ATTENTION})
 
 
 @on_host
-def collate_packed(samples: Sequence[Sample], pad_id: int = 0, share_prompts: bool = False) -> dict[str, torch.Tensor]:
+def collate_packed(
+    samples: Sequence[Sample], pad_id: int = 0, share_prompts: bool = False, routing: bool = False
+) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row with no padding.
 
     Returns `input_ids`/`position_ids` [1, S] (S the total token count; positions restart at 0 for
@@ -101,6 +144,9 @@ def collate_packed(samples: Sequence[Sample], pad_id: int = 0, share_prompts: bo
     `layout` (returned too), the attention layout of `tidal.train.attention.shared_prefix_layout`:
     only `packed_attention` computes it exactly. A group of 4 with 45-token prompts and 35-token
     responses becomes 185 row tokens instead of 320, with the same log-probs and gradients.
+
+    `routing`: also the samples' recorded experts over the S row tokens (`routing_fields`); a
+    shared prompt is replayed with the routing of the sample that stores it.
     """
     if not samples:
         raise ValueError("collate_packed: no samples")
@@ -143,6 +189,13 @@ def collate_packed(samples: Sequence[Sample], pad_id: int = 0, share_prompts: bo
     }
     if share_prompts:
         out["layout"] = shared_prefix_layout(rows, owned, len(ids))
+    if routing:
+        slots = []
+        for i, s in enumerate(samples):  # a position sample i does not own is computed by another sample
+            row = torch.full((len(s.tokens),), -1, dtype=torch.long)
+            row[owned[i]] = torch.tensor(rows[i], dtype=torch.long)[owned[i]]
+            slots.append(row[:-1])
+        out.update(routing_fields(samples, slots, len(ids)))
     return out
 
 

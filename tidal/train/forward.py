@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
 from tidal.config import TrainConfig
 from tidal.hardware import CPU, to_device
+from tidal.moe import replay, routing_shape
 from tidal.train.attention import use_packed_attention
 from tidal.train.batching import (
     collate,
@@ -26,11 +28,18 @@ class Forward:
     each response token (packed into one row when the model supports it, else right-padded)."""
 
     def __init__(
-        self, cfg: TrainConfig, model: torch.nn.Module, pad_id: int = 0, device: str | torch.device = CPU
+        self,
+        cfg: TrainConfig,
+        model: torch.nn.Module,
+        pad_id: int = 0,
+        device: str | torch.device = CPU,
+        routing: bool = False,
     ) -> None:
+        """`routing`: micro-batches carry the samples' recorded experts (`algo.routing_replay`)."""
         self.cfg = cfg
         self.pad_id = pad_id
         self.device = torch.device(device)
+        self.routing = routing
         self.packing = cfg.packing and supports_packing(model)
         # the row's samples attended as a padded batch: exact, and 2-3x faster on CPU; it also lets
         # a group's samples share one copy of their prompt in the row
@@ -52,11 +61,24 @@ class Forward:
     def collate(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         """The micro-batch's tensors, built on the host and copied to the model's device."""
         if self.packing:
-            return to_device(collate_packed(samples, self.pad_id, self.share_prompts), self.device)
-        return to_device(collate(samples, self.pad_id), self.device)
+            return to_device(collate_packed(samples, self.pad_id, self.share_prompts, self.routing), self.device)
+        return to_device(collate(samples, self.pad_id, self.routing), self.device)
 
     def hidden(self, base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, R, H] hidden states at the positions that predict response tokens."""
         if "position_ids" in batch:
             return packed_response_hidden(base_model, batch)
         return padded_response_hidden(base_model, batch)
+
+
+def replaying(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    """A context in which `model`'s forwards on `batch`, and backwards that recompute them
+    (activation checkpointing), route with the batch's recorded experts (`tidal.moe.replay`);
+    a no-op context for a batch without them."""
+    if "routed_experts" not in batch:
+        return contextlib.nullcontext()
+    routed = batch["routed_experts"]
+    shape = routing_shape(model)
+    if shape is not None and routed.shape[1:] != shape and routed[0].numel() == shape[0] * shape[1]:
+        routed = routed.reshape(-1, *shape)  # an HTTP engine's flat [layers x top-k] per position
+    return replay(model, routed, batch["routed_mask"])

@@ -50,9 +50,11 @@ class TrainedModel:
         device: str | torch.device = CPU,
         adapter: str | Path | None = None,
         trainable: tuple[str, ...] = (),
+        routing: bool = False,
     ) -> None:
         """With `cfg.lora_rank` > 0 the model gets LoRA adapters (`tidal.train.lora`), started from
-        the `adapter` folder when given, and only they (and the `trainable` modules, whole) train."""
+        the `adapter` folder when given, and only they (and the `trainable` modules, whole) train.
+        `routing`: micro-batches carry the samples' recorded experts (`algo.routing_replay`)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
@@ -71,7 +73,7 @@ class TrainedModel:
                 self.master.enable_input_require_grads()
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
-        self.fwd = Forward(cfg, self.compute, pad_id, self.device)
+        self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
         self.sharded = False
         self.loss_scale = 1.0
 
@@ -85,7 +87,7 @@ class TrainedModel:
         if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
             self.mixed = None
             self.compute = self.master
-            self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device)
+            self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device, self.fwd.routing)
         bf16 = self.dtype == "bfloat16"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         layers = getattr(getattr(self.master, "base_model", self.master), "layers", [])

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from tidal.config import TrainConfig
 from tidal.hardware import CPU, is_cuda
+from tidal.train.forward import replaying
 from tidal.train.model import TrainedModel
 from tidal.types import RunStopped, Sample
 
@@ -237,12 +238,16 @@ def optimizer_steps(
         bad_loss = False
         with model.one_cast_per_update():
             for idx in plan:
-                loss = micro_loss(model.fwd.collate([samples[i] for i in idx]), idx, norm, sums)
-                bad_loss = bad_loss or not bool(torch.isfinite(loss.detach()).all())
-                (loss * model.loss_scale if model.loss_scale != 1.0 else loss).backward()
+                batch = model.fwd.collate([samples[i] for i in idx])
+                with replaying(model.compute, batch):  # the backward too: checkpointing recomputes the forward
+                    loss = micro_loss(batch, idx, norm, sums)
+                    bad_loss = bad_loss or not bool(torch.isfinite(loss.detach()).all())
+                    (loss * model.loss_scale if model.loss_scale != 1.0 else loss).backward()
             for _ in range(extra):
                 idx = chunk[:1]
-                (0.0 * micro_loss(model.fwd.collate([samples[i] for i in idx]), idx, norm, Sums())).backward()
+                batch = model.fwd.collate([samples[i] for i in idx])
+                with replaying(model.compute, batch):
+                    (0.0 * micro_loss(batch, idx, norm, Sums())).backward()
         norms.append(optimizer.step(any_rank(bad_loss) if any_rank is not None else bad_loss))
         model.after_step()
     return sums, norms, skipped
