@@ -13,6 +13,7 @@ BENCHES = (
     "overlap",
     "no_barrier",
     "lora",
+    "routing_replay",
 )
 
 

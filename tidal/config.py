@@ -823,9 +823,14 @@ def _declares_experts(model: str) -> bool | None:
     return any(isinstance(p.get(k), int) and p.get(k) > 1 for p in parts for k in EXPERT_COUNT_KEYS)
 
 
-def _validate_routing_replay(a: AlgoConfig, t: TrainConfig, need) -> None:
+def _validate_routing_replay(a: AlgoConfig, t: TrainConfig, r: RolloutConfig, need) -> None:
     if not a.routing_replay:
         return
+    need(
+        r.engine in ("tidal", "remote", "sglang"),
+        f"algo.routing_replay: rollout.engine {r.engine!r} does not return the experts it chose; "
+        "tidal's engine (in-process or `tidal serve`) and SGLang (--enable-return-routed-experts) do",
+    )
     need(
         a.mode == "rl", "algo.routing_replay: replays the rollout engine's expert choices, which algo.mode sft has not"
     )
@@ -1100,7 +1105,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         "rollout.stop_token_ids: must be a list of integers",
     )
     _validate_algo(a, r, for_training, need)
-    _validate_routing_replay(a, t, need)
+    _validate_routing_replay(a, t, r, need)
     need(t.num_steps >= 1, f"train.num_steps: must be >= 1, got {t.num_steps}")
     need(t.global_batch_size >= 1, "train.global_batch_size: must be >= 1")
     need(

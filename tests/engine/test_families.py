@@ -235,3 +235,23 @@ def test_a_dense_model_returns_no_routing():
     engine = engine_for("llama", kv_cache_tokens=512)
     params = SamplingParams(temperature=0.0, max_new_tokens=4, return_routed_experts=True)
     assert engine.generate_batch([[1, 2, 3]], [params])[0].routed_experts is None
+
+
+def test_mla_caches_its_latents_not_per_head_keys_and_values():
+    """DeepSeek-V3's cache holds kv_lora_rank + rope dims per token and layer (`LatentCache`),
+    not heads x (qk + v head dims); the tokens above are computed from it."""
+    engine = engine_for("deepseek_v3", kv_cache_tokens=64)
+    c = engine.model.config
+    assert engine.runner.latent and set(engine.runner.latent) == set(range(c.num_hidden_layers))
+    per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4  # fp32
+    assert engine.runner.kv_bytes() == 64 * per_token
+    expanded = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    assert per_token < expanded * 4
+
+
+def test_a_bidirectional_configuration_is_refused_naming_its_key():
+    with pytest.raises(model_runner.UnsupportedModelError) as e:
+        LLMEngine(tiny_model("gemma3_text", use_bidirectional_attention=True), None, dtype="float32")
+    assert str(e.value) == (
+        "config use_bidirectional_attention: true (gemma3_text); the engine runs causal decoder-only models"
+    )

@@ -1,8 +1,9 @@
 """The trainer scores the engine's samples as the engine did, for every model family: a tiny
 random model of each family samples 8 responses (two groups sharing a prompt, seeded, temperature
 1) in tidal's engine, and the trainer's log-probs of the same tokens, packed (the group's prompt
-stored once) and padded, equal the engine's within 1e-4 in fp32. Sliding windows (prompts and
-responses outgrow them), soft-capping and MoE routing are all inside that comparison."""
+stored once) and padded, equal the engine's within 1e-4 in fp32, for the MoE families also with
+the engine's routing replayed. Sliding windows (prompts and responses outgrow them),
+soft-capping and MoE routing are all inside that comparison."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from families import FAMILIES, tiny_model
 from tidal.config import AlgoConfig, TrainConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
+from tidal.moe import routing_record
 from tidal.train.actor import Actor
 from tidal.types import Sample
 
@@ -28,10 +30,13 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def engine_samples(family: str) -> list[Sample]:
+def engine_samples(family: str, routing: bool = False) -> list[Sample]:
     engine = LLMEngine(tiny_model(family), None, dtype="float32", block_size=4, kv_cache_tokens=512)
     prompts = [p for p in PROMPTS for _ in range(GROUP)]
-    params = [SamplingParams(temperature=1.0, max_new_tokens=14, seed=i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=14, seed=i, return_routed_experts=routing)
+        for i in range(len(prompts))
+    ]
     outs = engine.generate_batch(prompts, params)
     samples = []
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
@@ -46,6 +51,8 @@ def engine_samples(family: str) -> list[Sample]:
                 index=i,
             )
         )
+        if routing:
+            samples[-1].set_routed_experts(routing_record(o.routed_experts))
     return samples
 
 
@@ -65,4 +72,15 @@ def test_the_trainer_scores_engine_samples_as_the_engine_did(family, packing):
     assert sum(s.response_length for s in samples) > 8 * 8  # most responses outgrow the windows
     cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", packing=packing)
     actor = Actor(tiny_model(family), cfg, AlgoConfig(), temperature=1.0)
+    assert gap(actor, samples) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_with_routing_replay_too(family, packing):
+    """The engine's recorded experts, replayed by the trainer (`algo.routing_replay`)."""
+    samples = engine_samples(family, routing=True)
+    assert all(s.routed_experts is not None for s in samples)
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", packing=packing)
+    actor = Actor(tiny_model(family), cfg, AlgoConfig(routing_replay=True), temperature=1.0)
     assert gap(actor, samples) < 1e-4

@@ -220,3 +220,9 @@ def test_routing_replay_needs_an_moe_model(tmp_path, tiny_model_dir):
     make_moe_model("qwen3_moe").save_pretrained(moe_dir)
     cfg = loop_config(moe_dir, tmp_path / "run", **{"algo.routing_replay": True})
     assert cfg.algo.routing_replay is True
+    with pytest.raises(ConfigError) as e:
+        loop_config(moe_dir, tmp_path / "run", **{"algo.routing_replay": True, "rollout.engine": "vllm"})
+    assert (
+        "algo.routing_replay: rollout.engine 'vllm' does not return the experts it chose; tidal's engine "
+        "(in-process or `tidal serve`) and SGLang (--enable-return-routed-experts) do"
+    ) in str(e.value)

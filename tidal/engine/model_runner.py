@@ -8,8 +8,16 @@ a copy of a model. Only attention is ours: the model is switched to the `tidal_p
 function, which writes the new keys/values into cache blocks and attends over each sequence's
 cached context, with the pieces the families differ in passed to it by their attention modules:
 the scale, a per-layer sliding window and attention logit soft-capping. The key and value widths
-of each layer are probed from one forward at start, so layers that differ (or MLA's wider keys
-than values) get caches of their own shape.
+of each layer are probed from one forward at start, so layers that differ get caches of their
+own shape.
+
+Multi-head latent attention (DeepSeek-V3) caches its latents, not keys and values: the attention
+module hands the step's compressed KV and rotated shared key to its cache's `update`, and expands
+what that returns into per-head keys and values. `LatentCache` is that cache: it writes the
+step's latents to their slots and returns the latents of every slot the step's sequences read
+(their union), so the cache holds kv_lora_rank + rope dims per token (576 for DeepSeek-V3)
+instead of 128 heads x (192 + 128); attention then reads each sequence's context out of the
+expanded union.
 
 The batch is flat: every scheduled sequence contributes its uncached tokens. Per layer, the new
 keys/values of *all* sequences are written to their slots first and only then does any sequence
@@ -69,8 +77,9 @@ def check_supported(config) -> None:
             f"the tidal engine runs {', '.join(FAMILIES)} models; config model_type is {kind!r} "
             "(rollout.engine: hf runs any transformers model, slower)"
         )
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"config is_encoder_decoder: true ({kind}); the engine runs decoder-only models")
+    for key in ("is_encoder_decoder", "use_bidirectional_attention"):
+        if getattr(config, key, False):
+            raise UnsupportedModelError(f"config {key}: true ({kind}); the engine runs causal decoder-only models")
 
 
 @dataclass
@@ -87,13 +96,18 @@ class BatchPlan:
     single_pos: Tensor  # [Bd, C] position of each context slot (0 .. C-1)
     single_qpos: Tensor  # [Bd] position of each single token
     multi: list[tuple[int, int, Tensor, int]]  # (flat start, end, context slots, cached) per prefill
+    # latent layers (MLA): the slots every sequence reads, and the contexts as rows of that union
+    union: Tensor | None = None  # [U]
+    single_union: Tensor | None = None  # [Bd, C] like single_slots
+    multi_union: list[Tensor] = field(default_factory=list)  # like multi's context slots
     windowed: dict[int, Tensor] = field(default_factory=dict)  # single_mask within a sliding window
 
     def to(self, device: torch.device) -> BatchPlan:
-        skip = ("multi", "windowed")
+        skip = ("multi", "multi_union", "windowed")
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
-        return BatchPlan(**moved, multi=multi)
+        multi_union = [ctx.to(device, non_blocking=True) for ctx in self.multi_union]
+        return BatchPlan(**moved, multi=multi, multi_union=multi_union)
 
     def decode_mask(self, window: int | None) -> Tensor:
         """The single tokens' context mask, less the keys a sliding window of `window` hides (a
@@ -133,9 +147,33 @@ def paged_attention(
     return runner.attention(module.layer_idx, q, k, v, plan, scale, sliding_window, softcap)[None], None
 
 
+class LatentCache:
+    """The cache an MLA attention module (DeepSeek-V3) calls with its latents, [1, 1, T, rank]
+    compressed KV and [1, 1, T, rope] rotated key: `update` stores the step's at their slots and
+    returns those of `plan.union`, which the module expands into keys and values. In the start-up
+    probe (no plan) it records the latent widths and hands the latents back."""
+
+    def __init__(self, runner: ModelRunner, plan: BatchPlan | None) -> None:
+        self.runner, self.plan = runner, plan
+
+    def update(self, kv: Tensor, k_rot: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        r, plan = self.runner, self.plan
+        if plan is None:
+            r.latent[layer_idx] = (1, kv.shape[-1], k_rot.shape[-1])
+            return kv, k_rot
+        kc, vc = r.k_cache[layer_idx], r.v_cache[layer_idx]
+        kc.index_copy_(0, plan.slots, kv[0, 0, :, None].to(kc.dtype))
+        vc.index_copy_(0, plan.slots, k_rot[0, 0, :, None].to(vc.dtype))
+        return (
+            kc.index_select(0, plan.union)[None].transpose(1, 2).to(kv.dtype),
+            vc.index_select(0, plan.union)[None].transpose(1, 2).to(k_rot.dtype),
+        )
+
+
 AttentionInterface.register(NAME, paged_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # transformers' own calls get boolean masks
 NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4D mask is used as given: skips building one
+LATENT_FAMILIES = ("deepseek_v3",)  # attention modules that cache latents through `Cache.update`
 
 
 class ModelRunner:
@@ -152,6 +190,7 @@ class ModelRunner:
         self._offsets = torch.arange(block_size, device=CPU)
         # per layer: (kv heads, key width, value width), probed from one token
         self.kv_shapes: dict[int, tuple[int, int, int]] = {}
+        self.latent: dict[int, tuple[int, int, int]] = {}  # MLA layers: (1, latent rank, rope dims)
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self._probe()
@@ -160,10 +199,19 @@ class ModelRunner:
     @torch.inference_mode()
     def _probe(self) -> None:
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.model(input_ids=ids, position_ids=ids, attention_mask=NO_MASK, use_cache=False, tidal_step=(self, None))
+        kw = {"position_ids": ids, "attention_mask": NO_MASK, "tidal_step": (self, None), **self._cache(None)}
+        self.model(input_ids=ids, **kw)
+        self.kv_shapes.update(self.latent)  # an MLA layer caches its latents
         if not self.kv_shapes:
             kind = self.model.config.model_type
             raise UnsupportedModelError(f"{kind}: no attention layer called the engine's attention function")
+
+    def _cache(self, plan: BatchPlan | None) -> dict:
+        """The forward's cache arguments: a `LatentCache` for a model with MLA layers (each
+        attention module hands its cache what it wants kept), none otherwise."""
+        if self.model.config.model_type in LATENT_FAMILIES:
+            return {"past_key_values": LatentCache(self, plan), "use_cache": True}
+        return {"use_cache": False}
 
     def allocate(self) -> None:
         """The KV cache (pages are only resident once a block is written) and, for an MoE model,
@@ -224,6 +272,14 @@ class ModelRunner:
             single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
             single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
             single_qpos = torch.zeros(0, dtype=torch.long)
+        latent = {}
+        if self.latent:  # every slot read this step, once; contexts as rows of it
+            union = torch.unique(torch.cat([self._context_slots(s, s.num_tokens) for s in seqs]))
+            latent = {
+                "union": union,
+                "single_union": torch.searchsorted(union, single_slots),
+                "multi_union": [torch.searchsorted(union, ctx) for _, _, ctx, _ in multi],
+            }
         return BatchPlan(
             input_ids=torch.tensor(ids),
             positions=torch.cat(pos),
@@ -235,6 +291,7 @@ class ModelRunner:
             single_pos=single_pos,
             single_qpos=single_qpos,
             multi=multi,
+            **latent,
         )
 
     def attention(
@@ -253,9 +310,14 @@ class ModelRunner:
         if plan is None:
             self.kv_shapes[layer] = (k.shape[1], k.shape[2], v.shape[2])
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc.index_copy_(0, plan.slots, k.to(kc.dtype))
-        vc.index_copy_(0, plan.slots, v.to(vc.dtype))
+        if layer in self.latent:  # k, v: the expanded union of the step's contexts (`LatentCache`)
+            kc, vc = k, v
+            single_src, multi_src = plan.single_union, plan.multi_union
+        else:
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.index_copy_(0, plan.slots, k.to(kc.dtype))
+            vc.index_copy_(0, plan.slots, v.to(vc.dtype))
+            single_src, multi_src = plan.single_slots, [ctx for _, _, ctx, _ in plan.multi]
         hkv = kc.shape[1]
         out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
         if plan.single_tok.numel():
@@ -264,12 +326,12 @@ class ModelRunner:
             # become G query rows of that head (query head h uses KV head h // G), which is about
             # twice as fast on CPU as sdpa's enable_gqa
             qd = q[plan.single_tok].view(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
-            flat = plan.single_slots.view(-1)  # index_select: much faster than advanced indexing on CPU
-            kd = kc.index_select(0, flat).view(*plan.single_slots.shape, *kc.shape[1:]).transpose(1, 2)
-            vd = vc.index_select(0, flat).view(*plan.single_slots.shape, *vc.shape[1:]).transpose(1, 2)
+            flat = single_src.reshape(-1)  # index_select: much faster than advanced indexing on CPU
+            kd = kc.index_select(0, flat).view(*single_src.shape, *kc.shape[1:]).transpose(1, 2)
+            vd = vc.index_select(0, flat).view(*single_src.shape, *vc.shape[1:]).transpose(1, 2)
             o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap)
             out[plan.single_tok] = o.reshape(b, -1, vc.shape[2])
-        for start, end, ctx, cached in plan.multi:
+        for (start, end, _, cached), ctx in zip(plan.multi, multi_src, strict=True):
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
             vs = vc.index_select(0, ctx).transpose(0, 1)[None]
@@ -286,8 +348,8 @@ class ModelRunner:
             "position_ids": plan.positions[None],
             "logits_to_keep": plan.last,
             "attention_mask": NO_MASK,
-            "use_cache": False,
             "tidal_step": (self, plan),
+            **self._cache(plan),
         }
         if self.routes is None:
             out = self.model(plan.input_ids[None], **kw)
