@@ -1,7 +1,9 @@
-"""The HTTP server of the engine (`tidal serve`): SGLang's native API (`tidal.server.sglang`) and
-OpenAI's (`tidal.server.openai`) over one `AsyncEngine`.
+"""The HTTP server of the engine (`tidal serve`): SGLang's native API (`tidal.server.sglang`),
+OpenAI's (`tidal.server.openai`) and Anthropic's Messages API (`tidal.server.anthropic`) over one
+`AsyncEngine`.
 
-- **Errors** have one shape everywhere: `{"error": {"message", "type", "param", "code"}}`.
+- **Errors** have one shape everywhere: `{"error": {"message", "type", "param", "code"}}`, but
+  Anthropic's `{"type": "error", "error": {"type", "message"}}` on its route, `/v1/messages`.
 - **Auth**: with an API key (`--api-key` or `TIDAL_API_KEY`), every route but `/health` needs
   `Authorization: Bearer <key>` (or `X-API-Key`); a server bound to a non-loopback address
   without one warns loudly at start.
@@ -28,11 +30,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.config import API_KEY_ENV, ServerConfig
 from tidal.engine.async_engine import AsyncEngine
-from tidal.server import openai, sglang
+from tidal.server import anthropic, openai, sglang
 from tidal.server.common import RETRY_AFTER_S, ApiError, Busy, Texts, error_response
 
 __all__ = ["BackgroundServer", "ServerConfig", "build_app", "serve"]
@@ -65,17 +68,25 @@ def _format_validation_error(exc: RequestValidationError) -> tuple[str, str | No
     return "; ".join(f"{'.'.join(loc) or 'body'}: {msg}" for loc, msg in kept.items()), first
 
 
+def error_for(path: str, status: int, message: str, kind: str | None = None, param: str | None = None) -> JSONResponse:
+    """An error in the shape the route's clients read: Anthropic's on `/v1/messages`, else the one
+    shape (`tidal.server.common`)."""
+    if anthropic.speaks_anthropic(path):
+        return anthropic.error_response(status, message)
+    return error_response(status, message, kind, param)
+
+
 def add_error_handlers(app: FastAPI) -> None:
-    """Answer every error of `app` in the one shape (`tidal.server.common`)."""
+    """Answer every error of `app` in its route's shape (`error_for`)."""
 
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError):
+    async def _on_validation(request: Request, exc: RequestValidationError):
         message, field = _format_validation_error(exc)
-        return error_response(400, message, param=field)
+        return error_for(request.url.path, 400, message, param=field)
 
     @app.exception_handler(ApiError)
-    async def _on_api_error(_: Request, exc: ApiError):
-        response = error_response(exc.status, str(exc), exc.kind, exc.param)
+    async def _on_api_error(request: Request, exc: ApiError):
+        response = error_for(request.url.path, exc.status, str(exc), exc.kind, exc.param)
         if isinstance(exc, Busy):
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
@@ -83,11 +94,11 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
         what = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, f"{request.method} {request.url.path}: {what}")
+        return error_for(request.url.path, exc.status_code, f"{request.method} {request.url.path}: {what}")
 
     @app.exception_handler(Exception)
-    async def _on_error(_: Request, exc: Exception):
-        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+    async def _on_error(request: Request, exc: Exception):
+        return error_for(request.url.path, 500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
 def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
@@ -98,6 +109,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     texts = Texts(engine.tokenizer, engine.max_model_len, cfg)  # one budget for text being tokenised
     app.include_router(sglang.router(engine, model_name, cfg, texts))
     app.include_router(openai.router(engine, model_name, cfg, texts))
+    app.include_router(anthropic.router(engine, model_name, cfg, texts))
     app.add_middleware(Guard, cfg=cfg)
     return app
 
@@ -118,12 +130,14 @@ class Guard:
             given = headers.get("authorization", "")
             given = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
-                response = error_response(401, "authorization: a valid API key is required", "authentication_error")
+                response = error_for(
+                    scope["path"], 401, "authorization: a valid API key is required", "authentication_error"
+                )
                 return await response(scope, receive, send)
         size = headers.get("content-length")
         limit = cfg.max_weights_body_bytes if scope["path"] in WEIGHT_ROUTES else cfg.max_body_bytes
         if size is not None and size.isdigit() and int(size) > limit:
-            response = error_response(413, f"body: {size} bytes; this server takes at most {limit}")
+            response = error_for(scope["path"], 413, f"body: {size} bytes; this server takes at most {limit}")
             return await response(scope, receive, send)
         if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, more = b"", True
@@ -134,7 +148,7 @@ class Guard:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
                 if len(body) > limit:
-                    response = error_response(413, f"body: more than {limit} bytes")
+                    response = error_for(scope["path"], 413, f"body: more than {limit} bytes")
                     return await response(scope, receive, send)
             replayed = False
 

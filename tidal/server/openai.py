@@ -153,11 +153,20 @@ async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None, t
     """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
     rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
     tokenised as one text (within `texts`' limits when given: `tidal serve`'s)."""
+    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
+    return await render_prompt(tok, raw, body.tools, body.tool_choice, texts)
+
+
+async def render_prompt(
+    tok: Any, raw: list[dict], tools: list[dict] | None, tool_choice: Any, texts: Texts | None = None
+) -> list[int]:
+    """The prompt ids of chat messages (OpenAI's form, as dicts) and tools: what every chat route
+    (OpenAI's, Anthropic's, the agent door's) renders, so one conversation is one prompt whichever
+    API it came through."""
     if tok is None:
         raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
-    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        messages, tools = render_messages(raw, body.tools, body.tool_choice, template_takes_tools(tok))
+        messages, tools = render_messages(raw, tools, tool_choice, template_takes_tools(tok))
     except ValueError as e:
         raise BadRequest(str(e)) from None
     try:
