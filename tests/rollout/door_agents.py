@@ -46,6 +46,43 @@ async def tool_agent(client, prompt, label, max_tokens=200):
     return float(str(label) in (message.content or ""))
 
 
+ANTHROPIC_TOOLS = [
+    {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+    for f in (t["function"] for t in TOOLS)
+]
+
+
+def anthropic_client(client):
+    """An `anthropic` client on the same session: the session's URL without `/v1` (the package
+    adds `/v1/messages`), its token as the API key."""
+    import anthropic
+
+    base_url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    return anthropic.AsyncAnthropic(base_url=base_url, api_key=client.api_key, max_retries=0)
+
+
+async def anthropic_tool_agent(client, prompt, label, max_tokens=200):
+    """`tool_agent` written against Anthropic's Messages API."""
+    async with anthropic_client(client) as claude:
+        messages = [{"role": "user", "content": prompt}]
+        for _ in range(2):
+            resp = await claude.messages.create(
+                model="policy", max_tokens=max_tokens, messages=messages, tools=ANTHROPIC_TOOLS
+            )
+            messages.append({"role": "assistant", "content": resp.content})
+            uses = [b for b in resp.content if b.type == "tool_use"]
+            if uses:
+                results = []
+                for use in uses:
+                    result = str(use.input["a"] + use.input["b"]) if use.name == "add" else "unknown tool"
+                    results.append({"type": "tool_result", "tool_use_id": use.id, "content": result})
+                messages.append({"role": "user", "content": results})
+            else:
+                messages.append({"role": "user", "content": "That is wrong, try again."})
+    text = "".join(b.text for b in resp.content if b.type == "text")
+    return float(str(label) in text)
+
+
 async def rebuilding_agent(client, prompt, label):
     """Keeps its own history: the model's calls rebuilt from their parsed arguments (new ids, its
     own JSON), as agent frameworks with their own message types do."""

@@ -1,5 +1,6 @@
 """The agent door: the rule turning a session's calls into samples (extend, realign, new sample)
-on exact token lists, an `openai` agent with tool calls through a scripted engine, the door's
+on exact token lists, an `openai` agent with tool calls through a scripted engine (and an
+`anthropic` one making the same samples), the door's
 sessions, budget and shutdown, and an agent that trains a tiny model token-exactly."""
 
 from __future__ import annotations
@@ -196,6 +197,29 @@ def test_a_rewritten_call_starts_a_new_sample(mode):
         assert s.reward == 1.0 and s.group_index == 0
 
 
+@pytest.mark.parametrize(
+    "first",
+    [CALL, COMPACT, "The sum is 4."],  # a call, a call the template would re-serialise, no call
+    ids=["call", "compact_call", "no_call"],
+)
+def test_an_anthropic_agent_makes_the_openai_agents_samples(first):
+    pytest.importorskip("anthropic")
+    answers = [ids(first) + [2], ids("The sum is 5.") + [2]]
+    openai_samples, openai_engine = rollout(lambda p, k: answers[k], "tool_agent")
+    samples, engine = rollout(lambda p, k: answers[k], "anthropic_tool_agent")
+    # the engine was given the same ids, call for call: one renderer, answers sent back as sampled
+    assert [c[0] for c in engine.calls] == [c[0] for c in openai_engine.calls]
+    assert len(samples) == len(openai_samples) == 1
+    s, o = samples[0], openai_samples[0]
+    assert [c["case"] for c in s.metadata["agent_calls"]] == [c["case"] for c in o.metadata["agent_calls"]]
+    assert [c["case"] for c in s.metadata["agent_calls"]] == ["new", "extend"]
+    assert (s.tokens, s.prompt_length, s.loss_mask) == (o.tokens, o.prompt_length, o.loss_mask)
+    assert (s.rollout_log_probs, s.token_versions) == (o.rollout_log_probs, o.token_versions)
+    assert (s.reward, s.status) == (o.reward, o.status) == (1.0, Status.COMPLETED)
+    p0 = engine.calls[0][0]
+    check_layout(s, [(answers[0], True), (engine.calls[1][0][len(p0) + len(answers[0]) :], False), (answers[1], True)])
+
+
 def test_ragged_fan_out_in_all_mode_is_a_clear_error():
     def reply(prompt, k):  # prompt 0's call is re-rendered (2 samples), prompt 1's is not (1 sample)
         if TOK.decode(prompt).count("<tool_response>") == 0:
@@ -262,11 +286,26 @@ def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
                 stream = await http.post(
                     url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {session.token}"}
                 )
+                body = {"max_tokens": 5, "messages": FIRST, "stream": True}
+                messages_stream = await http.post(url + "/messages", json=body, headers={"x-api-key": session.token})
+                messages_key = await http.post(url + "/messages", json=body, headers={"x-api-key": "nope"})
         finally:
             await door.close()
-        return ok, wrong_key, no_session, stream
+        return ok, wrong_key, no_session, stream, messages_stream, messages_key
 
-    ok, wrong_key, no_session, stream = asyncio.run(run())
+    ok, wrong_key, no_session, stream, messages_stream, messages_key = asyncio.run(run())
+    # Anthropic's route answers in Anthropic's shape
+    assert messages_stream.status_code == 400 and messages_stream.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "stream: the agent door answers whole responses; send stream: false",
+        },
+    }
+    assert messages_key.status_code == 401 and messages_key.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "authorization: the session's token is its API key"},
+    }
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tidal-policy"
     assert wrong_key.status_code == 401
     assert wrong_key.json()["error"] == {

@@ -8,6 +8,11 @@ the token is also the API key). The agent returns the trajectory's reward (a num
 or None, and then `rollout.reward` scores the samples. An agent that runs another program hands
 it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
 
+The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
+`anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a
+request there is translated to the chat it stands for (`tidal.server.anthropic.translate`) and is
+then a chat call like any other, so one conversation makes the same samples through either API.
+
 Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
 functions of `tidal.server.openai`), sampled by the engine with the rollout's sampling (the
 request's temperature, top_p and penalties are ignored: the trainer needs the behaviour
@@ -33,6 +38,7 @@ from fastapi import FastAPI, Request
 
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
+from tidal.server.anthropic import MessagesBody, assistant_chat_message, message, translate
 from tidal.server.common import ApiError, BadRequest
 from tidal.server.openai import (
     ChatBody,
@@ -42,6 +48,7 @@ from tidal.server.openai import (
     chat_prompt,
     check_chat,
     models_list,
+    render_prompt,
     stops_of,
     text_of,
     uses_tools,
@@ -155,9 +162,48 @@ class Session:
         prompt = await chat_prompt(self.ctx.tokenizer, body, raw)
         stops = [*self.sampling.stop, *stops_of(body)]
         async with self.lock:
-            return await self._call(body, prompt, max_tokens, stops)
+            out, engine_ids = await self._call(prompt, max_tokens, stops, body.stop_token_ids or [])
+            text = text_of(out, stops)
+            message, reason = assistant_message(text, uses_tools(body), out.finish_reason)
+            self.answers.append((message, out.text))
+        logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.log_probs, [], 0) if body.logprobs else None
+        completion = len(out.token_ids)
+        return {
+            "id": f"chatcmpl-{self.token[:8]}-{self.calls}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model or MODEL_NAME,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": {
+                "prompt_tokens": len(engine_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(engine_ids) + completion,
+            },
+        }
 
-    async def _call(self, body: ChatBody, prompt: list[int], max_tokens: int | None, stops: list[str]) -> dict:
+    async def messages(self, body: MessagesBody) -> dict:
+        """Anthropic's `/v1/messages`: translated to the chat the OpenAI route renders, then sampled
+        and recorded as a chat call is (the same rule, the same prompt ids for one conversation)."""
+        body.warn_unknown("agent door /v1/messages")
+        if body.stream:
+            raise BadRequest("stream: the agent door answers whole responses; send stream: false")
+        chat, tools = translate(body)
+        raw = [self.as_sampled(m) for m in chat]
+        prompt = await render_prompt(self.ctx.tokenizer, raw, tools, None)
+        requested = list(body.stop_sequences or [])
+        stops = [*self.sampling.stop, *requested]
+        async with self.lock:
+            out, engine_ids = await self._call(prompt, body.max_tokens, stops, [])
+            answer = message(out, stops, requested, tools is not None, body.model or MODEL_NAME, len(engine_ids))
+            # kept as the chat message its blocks translate to, so that sent back it is known
+            self.answers.append((assistant_chat_message(answer["content"]), out.text))
+        return answer
+
+    async def _call(
+        self, prompt: list[int], max_tokens: int | None, stops: list[str], stop_token_ids: list[int]
+    ) -> tuple[Any, list[int]]:
+        """Sample an answer to `prompt` and record it on the session's samples; (the engine's
+        output, the ids the engine was given)."""
         sample = self.samples[-1]
         # before anything is sampled there is nothing to realign: the dataset prompt is extended or replaced
         drift = self.ctx.cfg.agent_max_drift_tokens if self.trained() else 0
@@ -178,7 +224,7 @@ class Session:
             max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
             seed=turn_seed(self.sampling.seed, self.calls),
             stop=stops,
-            stop_token_ids=[*self.sampling.stop_token_ids, *(body.stop_token_ids or [])],
+            stop_token_ids=[*self.sampling.stop_token_ids, *stop_token_ids],
         )
         self.calls += 1
         out = await self.ctx.generate(engine_ids, sp)
@@ -203,24 +249,7 @@ class Session:
         finish(sample, out.finish_reason)
         record = {"case": fit.case, "at": at, "sampled": len(out.token_ids), "finish_reason": out.finish_reason}
         sample.metadata.setdefault("agent_calls", []).append(record)
-
-        text = text_of(out, stops)
-        message, reason = assistant_message(text, uses_tools(body), out.finish_reason)
-        self.answers.append((message, out.text))
-        logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.log_probs, [], 0) if body.logprobs else None
-        completion = len(out.token_ids)
-        return {
-            "id": f"chatcmpl-{self.token[:8]}-{self.calls}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or MODEL_NAME,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
-            "usage": {
-                "prompt_tokens": len(engine_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(engine_ids) + completion,
-            },
-        }
+        return out, engine_ids
 
 
 # ---------------------------------------------------------------------------- the door
@@ -250,6 +279,10 @@ class AgentDoor:
         @app.post("/s/{token}/v1/chat/completions")
         async def chat(token: str, body: ChatBody, request: Request) -> dict:
             return await self.session(token, request).chat(body)
+
+        @app.post("/s/{token}/v1/messages")
+        async def messages(token: str, body: MessagesBody, request: Request) -> dict:
+            return await self.session(token, request).messages(body)
 
         return app
 
