@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from conftest import hf_greedy, make_model
 from test_openai_client import TOOLS, USER, ScriptedCore, Served, chat_prompt
@@ -54,7 +55,7 @@ def scripted():
     s.engine = AsyncEngine(s.core)
     s.server = BackgroundServer(build_app(s.engine, "tiny")).start()
     s.url = s.server.url
-    s.client = __import__("openai").OpenAI(base_url=s.url + "/v1", api_key="none")
+    s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
     s = with_clients(s)
     yield s
     s.close()
