@@ -133,7 +133,10 @@ class JudgeReward:
             if response.status_code in _RETRY_STATUS and not last:
                 continue
             if response.status_code != 200:
-                raise JudgeError(f"judge {self.url} answered HTTP {response.status_code}: {response.text[:200]!r}")
+                tried = f" ({attempt + 1} tries)" if attempt else ""
+                raise JudgeError(
+                    f"judge {self.url} answered HTTP {response.status_code}{tried}: {response.text[:200]!r}"
+                )
             try:
                 return response.json()["choices"][0]["message"]["content"] or ""
             except (ValueError, KeyError, IndexError, TypeError) as e:
