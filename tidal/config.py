@@ -110,7 +110,38 @@ class RolloutConfig:
     api_key_file: str | None = _opt(
         None, "remote, sglang: a file whose first line is the servers' API key (the path is recorded, never the key)"
     )
-    reward: str = _opt("math", "math | exact_match | a dotted path to `async def reward(sample)`")
+    reward: str = _opt(
+        "math",
+        "math | exact_match | code_tests | judge (an LLM judge: rollout.judge_*) | a dotted path to "
+        "`async def reward(sample)`",
+    )
+    group_reward: str = _opt(
+        "",
+        "a dotted path / file.py:fn to `async def group_reward(samples) -> list[float | dict]`, called once per "
+        "prompt's group (pairwise or ranking judges); scores instead of rollout.reward",
+    )
+    judge_url: str = _opt(
+        "", "judge: OpenAI-compatible base URL of the judge model (rollout.reward judge), e.g. http://127.0.0.1:8000/v1"
+    )
+    judge_model: str = _opt("judge", "judge: the `model` field of the judge's requests")
+    judge_prompt_template: str = _opt(
+        "Rate how well the response answers the question, from 0 (wrong) to 1 (fully correct).\n\n"
+        "Question:\n{prompt}\n\nReference answer:\n{label}\n\nResponse:\n{response}\n\n"
+        "End your reply with the score alone, a number from 0 to 1.",
+        "judge: the judge's user message, a format string with {prompt}, {response} and {label} (double other braces)",
+    )
+    judge_max_tokens: int = _opt(256, "judge: most tokens of the judge's answer")
+    judge_timeout: float = _opt(60.0, "judge: seconds one judge request may take before it is retried")
+    judge_retries: int = _opt(2, "judge: tries again after a timeout, a lost connection, HTTP 429 or 5xx")
+    judge_concurrency: int = _opt(16, "judge: most judge requests in flight at once")
+    judge_score_regex: str = _opt(
+        "",
+        "judge: the score is the last match of this regex in the answer (its first group if it has one); "
+        "empty: the last number. Clipped to [0, 1]",
+    )
+    judge_api_key_env: str = _opt(
+        "TIDAL_JUDGE_API_KEY", "judge: environment variable holding the judge's API key (sent only when set)"
+    )
     reward_key: str = _opt("score", "key of the scalar to train on when the reward returns a dict")
     reward_timeout: float = _opt(60.0, "seconds one reward call may take before it is retried or the sample fails")
     reward_workers: int = _opt(
@@ -212,6 +243,11 @@ class AlgoConfig:
     teacher: str | None = _opt(None, "model folder of a teacher for on-policy distillation (same tokenizer)")
     distill_coef: float = _opt(1.0, "weight of the per-token teacher-minus-student log-prob in the advantage")
     dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts")
+    dynamic_sampling_filter: str = _opt(
+        "",
+        "dynamic_sampling: a dotted path / file.py:fn to `fn(group: list[Sample]) -> bool` keeping a group or not, "
+        "instead of the built-in rule (rewards not all equal)",
+    )
     max_sampling_rounds: int = _opt(3, "rollout rounds per step to fill the batch when dynamic_sampling is on")
     oversample: float = _opt(1.0, "prompts asked per round, as a multiple of the groups still missing")
     overlong_buffer: int = _opt(0, "DAPO soft overlong penalty over the last N tokens before max_new_tokens (0 = off)")
@@ -757,6 +793,41 @@ def read_secrets(cfg: Config) -> None:
     r.api_key = os.environ.get(API_KEY_ENV) or None
 
 
+def _validate_rewards(r: RolloutConfig, need) -> None:
+    """rollout.group_reward against rollout.reward, and the judge's options when the judge scores."""
+    if r.group_reward:
+        need(_is_dotted(r.group_reward), f"rollout.group_reward: a dotted path or file.py:fn, got {r.group_reward!r}")
+        # rollout.reward always has a value (math by default), so "both set" means changed from it
+        need(
+            r.reward == "math",
+            f"rollout.group_reward: scores instead of rollout.reward; set one of them, not both "
+            f"(rollout.reward is {r.reward!r})",
+        )
+    if r.reward != "judge":
+        return
+    need(
+        r.judge_url.startswith(("http://", "https://")),
+        f"rollout.judge_url: rollout.reward judge needs the judge's http(s):// base URL, got {r.judge_url!r}",
+    )
+    try:
+        r.judge_prompt_template.format(prompt="", response="", label="")
+    except (KeyError, IndexError, ValueError) as e:
+        need(
+            False,
+            f"rollout.judge_prompt_template: a format string with only {{prompt}}, {{response}} and {{label}} "
+            f"(write other braces twice), failed with {type(e).__name__}: {e}",
+        )
+    if r.judge_score_regex:
+        try:
+            re.compile(r.judge_score_regex)
+        except re.error as e:
+            need(False, f"rollout.judge_score_regex: not a regular expression ({e})")
+    need(r.judge_max_tokens >= 1, f"rollout.judge_max_tokens: must be >= 1, got {r.judge_max_tokens}")
+    need(r.judge_timeout > 0, f"rollout.judge_timeout: must be > 0 seconds, got {r.judge_timeout}")
+    need(r.judge_retries >= 0, f"rollout.judge_retries: must be >= 0, got {r.judge_retries}")
+    need(r.judge_concurrency >= 1, f"rollout.judge_concurrency: must be >= 1, got {r.judge_concurrency}")
+
+
 def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) -> None:
     need(a.mode in ("rl", "sft"), f"algo.mode: rl or sft, got {a.mode!r}")
     need(
@@ -785,6 +856,14 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) ->
     need(a.critic_lr > 0, f"algo.critic_lr: must be > 0, got {a.critic_lr}")
     need(a.value_clip is None or a.value_clip > 0, "algo.value_clip: must be > 0 or null")
     need(a.teacher is None or Path(a.teacher).is_dir(), f"algo.teacher: {a.teacher!r} is not a model folder")
+    need(
+        not a.dynamic_sampling_filter or _is_dotted(a.dynamic_sampling_filter),
+        f"algo.dynamic_sampling_filter: a dotted path or file.py:fn, got {a.dynamic_sampling_filter!r}",
+    )
+    need(
+        not a.dynamic_sampling_filter or a.dynamic_sampling,
+        "algo.dynamic_sampling_filter: only used by dynamic sampling; set algo.dynamic_sampling true",
+    )
     need(a.max_sampling_rounds >= 1, f"algo.max_sampling_rounds: must be >= 1, got {a.max_sampling_rounds}")
     need(a.oversample >= 1, f"algo.oversample: must be >= 1, got {a.oversample}")
     need(
@@ -1093,6 +1172,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         f"rollout.kv_cache_tokens: 0 (sized from the workload) or >= 16, got {r.kv_cache_tokens}",
     )
     need(r.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {r.max_num_seqs}")
+    _validate_rewards(r, need)
     need(r.reward_timeout > 0, "rollout.reward_timeout: must be > 0 seconds")
     need(r.reward_workers >= 0, f"rollout.reward_workers: must be >= 0 (0 = threads), got {r.reward_workers}")
     need(r.reward_retries >= 0, f"rollout.reward_retries: must be >= 0, got {r.reward_retries}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +15,7 @@ from tidal.data.source import DataSource
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
+from tidal.utils import load_object
 
 
 def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) -> dict[str, float]:
@@ -47,16 +49,30 @@ def shaped_rewards(samples: list[Sample], algo: AlgoConfig, reward_key: str, max
     return rewards
 
 
+def _user_keeps(keep: Callable[[list[Sample]], bool], name: str, group: list[Sample]) -> bool:
+    """`algo.dynamic_sampling_filter`'s verdict on one group; a non-bool answer is refused, since a
+    truthy tensor or count would silently keep groups the user meant to drop."""
+    verdict = keep(group)
+    if not isinstance(verdict, bool):
+        raise TypeError(
+            f"algo.dynamic_sampling_filter: {name} returned {type(verdict).__name__}, expected a bool "
+            "(True keeps the group)"
+        )
+    return verdict
+
+
 def collect(
     source: DataSource, rollout: RolloutManager, step: int, algo: AlgoConfig, reward_key: str
 ) -> tuple[list[Sample], dict[str, float]]:
     """One step's samples. With `algo.dynamic_sampling` (DAPO), groups whose rewards are all equal
-    carry no signal and are dropped; more prompts are sampled (up to `max_sampling_rounds` rounds)
-    until `rollout_batch_size` groups remain. If the rounds run out, the batch is topped up with
-    dropped groups (their group-relative advantage is 0) and the shortfall is logged."""
+    carry no signal and are dropped (or, with `algo.dynamic_sampling_filter`, the groups that user
+    function says no to; it sees each group's scored samples, failed ones included); more prompts
+    are sampled (up to `max_sampling_rounds` rounds) until `rollout_batch_size` groups remain. If
+    the rounds run out, the batch is topped up with dropped groups and the shortfall is logged."""
     r = rollout.cfg
     if not algo.dynamic_sampling:
         return rollout.generate(source.next_batch(), step), {}
+    keep = load_object(algo.dynamic_sampling_filter, callable_required=True) if algo.dynamic_sampling_filter else None
     need = r.rollout_batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
@@ -69,9 +85,11 @@ def collect(
         n = group_size(samples)
         rewards = shaped_rewards(samples, algo, reward_key, r.response_budget)
         valid = torch.tensor([s.status != Status.FAILED for s in samples])
-        signal = groups_with_signal(rewards, n, valid)
+        signal = groups_with_signal(rewards, n, valid) if keep is None else None
         for g in range(len(samples) // n):
-            (kept if signal[g] else dropped).append(samples[g * n : (g + 1) * n])
+            group = samples[g * n : (g + 1) * n]
+            ok = bool(signal[g]) if keep is None else _user_keeps(keep, algo.dynamic_sampling_filter, group)
+            (kept if ok else dropped).append(group)
     filled = max(0, need - len(kept))
     groups = kept[:need] + dropped[:filled]
     out = []

@@ -22,10 +22,10 @@ from tidal.data.dataset import PromptRecord
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.failures import ErrorLog
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, load_async_fn, single_turn
-from tidal.rollout.rewards import check_reward_key, get_reward_fn, score_rollout
+from tidal.rollout.rewards import GroupRewardFn, RewardFn, check_reward_key, get_reward_fn, score_rollout
 from tidal.types import Sample, Status
 
-__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "load_generate_fn", "sample_seed"]
+__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "load_generate_fn", "load_rewards", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,20 @@ def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
     return fn
 
 
+def load_rewards(cfg: RolloutConfig) -> tuple[RewardFn | None, GroupRewardFn | None]:
+    """(per-sample reward, group reward) from the config; exactly one of them is set:
+    `rollout.group_reward` when given, else `rollout.reward` (``judge`` builds the LLM judge)."""
+    if cfg.group_reward:
+        from tidal.rollout.group_reward import load_group_reward
+
+        return None, load_group_reward(cfg.group_reward)
+    if cfg.reward == "judge":
+        from tidal.rollout.judge import JudgeReward
+
+        return JudgeReward(cfg), None
+    return get_reward_fn(cfg.reward, cfg.reward_workers), None
+
+
 def _is_partial(out: list[Sample]) -> bool:
     return len(out) == 1 and out[0].status == Status.ABORTED and out[0].metadata.get("finish_reason") == "abort"
 
@@ -107,7 +121,7 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.loop = loop if loop is not None else LoopThread()
         self._own_loop = loop is None
-        self.reward_fn = get_reward_fn(cfg.reward, cfg.reward_workers)
+        self.reward_fn, self.group_reward_fn = load_rewards(cfg)
         self.reward_errors = ErrorLog()
         self.generate_fn = load_generate_fn(cfg.generate)
         self.extra: dict = {}  # shared state of built-in generate functions (tools, the agent door)
@@ -166,7 +180,7 @@ class RolloutManager:
                 s.index = len(samples)
                 samples.append(s)
         group_size(samples)  # refuse ragged fan-out before anyone trains on it
-        await score_rollout(samples, self.reward_fn, self.cfg, self.reward_errors)
+        await score_rollout(samples, self.reward_fn, self.cfg, self.reward_errors, self.group_reward_fn)
         check_reward_key(samples, self.cfg.reward_key)  # a dict reward must hold the key trained on
         for s in samples:
             if s.status == Status.FAILED:  # nothing trustworthy to learn from

@@ -21,6 +21,7 @@ from tidal.utils import load_object
 __all__ = [
     "BUILTIN_REWARDS",
     "BUILTIN_SAMPLE_REWARDS",
+    "GroupRewardFn",
     "RewardFn",
     "check_reward_key",
     "exact_match",
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 RewardFn = Callable[[Sample], Awaitable[float | dict]]
+GroupRewardFn = Callable[[list[Sample]], Awaitable[list[float | dict]]]
 
 # A number in free text. The look-behind keeps us from starting inside a word ("x2", "H2O") or
 # after a decimal point, and makes "8-3" read as 8 and 3 rather than 8 and -3. Alternatives are
@@ -334,19 +336,34 @@ async def score_samples(
     return sum(failed)
 
 
-async def score_rollout(samples: list[Sample], reward_fn: RewardFn, cfg: RolloutConfig, errors: ErrorLog) -> int:
-    """Score a rollout step's samples that have no reward yet (a generate function may have set
-    one) with `score_samples` under the `RolloutConfig` limits (timeout, retries, backoff); then
-    log the step's error summary and apply `rollout.max_failed_ratio` to all of `samples` (raises
-    `TooManyFailedSamples`). Returns the number of samples the reward marked FAILED."""
-    failed = await score_samples(
-        [s for s in samples if s.reward is None],
-        reward_fn,
-        timeout=cfg.reward_timeout,
-        retries=cfg.reward_retries,
-        backoff=cfg.reward_backoff,
-        errors=errors,
-    )
+async def score_rollout(
+    samples: list[Sample],
+    reward_fn: RewardFn | None,
+    cfg: RolloutConfig,
+    errors: ErrorLog,
+    group_fn: GroupRewardFn | None = None,
+) -> int:
+    """Score a rollout step's samples under the `RolloutConfig` limits (timeout, retries, backoff);
+    then log the step's error summary and apply `rollout.max_failed_ratio` to all of `samples`
+    (raises `TooManyFailedSamples`). Returns the number of samples the reward marked FAILED.
+
+    With `group_fn` (`rollout.group_reward`) every group is scored by one call of it
+    (`tidal.rollout.group_reward.score_groups`), over rewards a generate function set; otherwise
+    `reward_fn` scores, with `score_samples`, the samples that have no reward yet (a generate
+    function may have set one). A reward that bounds its own calls (``own_limits``: the judge, with
+    its own timeout and retries per request) is not wrapped in `rollout.reward_timeout` and retries.
+    """
+    limits = {"timeout": cfg.reward_timeout, "retries": cfg.reward_retries, "backoff": cfg.reward_backoff}
+    if group_fn is not None:
+        from tidal.rollout.group_reward import score_groups
+
+        failed = await score_groups(samples, group_fn, errors=errors, **limits)
+    else:
+        if reward_fn is None:
+            raise ValueError("score_rollout needs a reward_fn or a group_fn")
+        if getattr(reward_fn, "own_limits", False):
+            limits.update(timeout=None, retries=0)
+        failed = await score_samples([s for s in samples if s.reward is None], reward_fn, errors=errors, **limits)
     errors.flush()
     check_failed_ratio(samples, cfg.max_failed_ratio)
     return failed

@@ -1,0 +1,146 @@
+"""The LLM-judge reward (`rollout.reward: judge`): each sample's prompt, response and label are
+written into `rollout.judge_prompt_template` and sent as one chat message to an OpenAI-compatible
+server (`rollout.judge_url`, e.g. another `tidal serve`); the score is read from the answer.
+
+Requests are greedy (temperature 0), at most `rollout.judge_concurrency` in flight. A request that
+times out (`rollout.judge_timeout`), loses its connection or gets HTTP 429/5xx is tried again up to
+`rollout.judge_retries` times after ``rollout.reward_backoff * 2**k`` seconds; one that still fails,
+any other HTTP error, or an answer with no score fails that sample only (status FAILED, the error
+naming the judge's URL), like any failed reward. The API key is read from the environment variable
+named by `rollout.judge_api_key_env` and only ever put in the Authorization header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import weakref
+
+import httpx
+
+from tidal.config import RolloutConfig
+from tidal.rollout.rewards import _TEXT_NUMBER_RE, parse_number
+from tidal.types import Sample
+
+__all__ = ["JudgeError", "JudgeReward", "read_score"]
+
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class JudgeError(RuntimeError):
+    """The judge answered, but not with a score: an HTTP error, a malformed body, no number."""
+
+
+def read_score(answer: str, regex: str = "") -> float | None:
+    """The score in a judge's answer, clipped to [0, 1]; None when there is none.
+
+    With `regex` the last match counts (its first group when it has groups); without, the last
+    number in the text (integers, decimals, fractions such as ``3/4``)."""
+    if regex:
+        matches = list(re.finditer(regex, answer))
+        if not matches:
+            return None
+        last = matches[-1]
+        text = last.group(1) if last.re.groups else last.group(0)
+        value = parse_number(text or "")
+    else:
+        last = None
+        for last in _TEXT_NUMBER_RE.finditer(answer):  # noqa: B007 - only the final match is wanted
+            pass
+        value = None if last is None else parse_number((last.group("sign") or "") + last.group("body"))
+    if value is None:
+        return None
+    return min(1.0, max(0.0, float(value)))
+
+
+class JudgeReward:
+    """``await judge(sample) -> float``: one judge request per sample (see the module docstring).
+
+    It bounds its own calls (``own_limits``), so `score_rollout` does not add
+    `rollout.reward_timeout` and `rollout.reward_retries` on top of the judge's own."""
+
+    own_limits = True
+    __name__ = "judge"
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        self.url = cfg.judge_url.rstrip("/")
+        self.model = cfg.judge_model
+        self.template = cfg.judge_prompt_template
+        self.max_tokens = cfg.judge_max_tokens
+        self.timeout = cfg.judge_timeout
+        self.retries = cfg.judge_retries
+        self.backoff = cfg.reward_backoff
+        self.regex = cfg.judge_score_regex
+        self.concurrency = cfg.judge_concurrency
+        key = os.environ.get(cfg.judge_api_key_env) if cfg.judge_api_key_env else None
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # An httpx client and a semaphore belong to the event loop they were made on; tests and
+        # evaluation may score on more than one loop, so each loop gets its own pair.
+        self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:  # never the headers: they hold the key
+        return f"JudgeReward(url={self.url!r}, model={self.model!r})"
+
+    def _state(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.get(loop)
+        if state is None:
+            limits = httpx.Limits(max_connections=self.concurrency)
+            client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout, limits=limits)
+            state = self._per_loop[loop] = (client, asyncio.Semaphore(self.concurrency))
+        return state
+
+    def request(self, sample: Sample) -> dict:
+        """The chat-completions body asking the judge about `sample`."""
+        content = self.template.format(prompt=sample.prompt, response=sample.response, label=sample.label)
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+        }
+
+    async def __call__(self, sample: Sample) -> float:
+        answer = await self.ask(self.request(sample))
+        score = read_score(answer, self.regex)
+        if score is None:
+            how = f"a match of {self.regex!r}" if self.regex else "a number"
+            raise JudgeError(f"judge {self.url} answered without a score ({how}): {answer[-200:]!r}")
+        return score
+
+    async def ask(self, body: dict) -> str:
+        """POST `body` to ``<url>/chat/completions`` with retries; the answer's text."""
+        client, semaphore = self._state()
+        tries = self.retries + 1
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+            last = attempt == tries - 1
+            try:
+                async with semaphore:  # not held while backing off
+                    response = await client.post(f"{self.url}/chat/completions", json=body)
+            except httpx.TimeoutException as e:
+                if last:
+                    raise TimeoutError(
+                        f"judge {self.url} did not answer within {self.timeout:g} s ({tries} tries)"
+                    ) from e
+                continue
+            except httpx.TransportError as e:
+                if last:
+                    raise ConnectionError(f"judge {self.url} unreachable ({tries} tries): {e!r}") from e
+                continue
+            if response.status_code in _RETRY_STATUS and not last:
+                continue
+            if response.status_code != 200:
+                tried = f" ({attempt + 1} tries)" if attempt else ""
+                raise JudgeError(
+                    f"judge {self.url} answered HTTP {response.status_code}{tried}: {response.text[:200]!r}"
+                )
+            try:
+                return response.json()["choices"][0]["message"]["content"] or ""
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise JudgeError(
+                    f"judge {self.url} answered with no choices[0].message.content: {response.text[:200]!r}"
+                ) from e
+        raise AssertionError("unreachable: the last try returns or raises")
