@@ -3,6 +3,7 @@
     python -m bench engine                          # 16 prompts x 8 samples, 128 new tokens
     python -m bench engine --prompts 8 --samples 2 8 16 --max-new-tokens 64
     python -m bench engine --impls tidal vllm hf_generate --rounds 2   # vLLM: in .venv-vllm
+    python -m bench engine --model moe --prompts 8 --samples 4 --max-new-tokens 64 --rounds 2
 
 Each measurement runs in its own subprocess (so peak memory is that run's alone), alternating
 the engines, after one warm-up batch in the same process. Workload: `env:arithmetic` prompts
@@ -15,6 +16,13 @@ bf16 where the CPU computes it natively, else fp32). The engines:
 - `vllm`: `VLLMCore` (vLLM's in-process engine, eager, `processed_logprobs`) stepped until the
   batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:
   this one, else `.venv-vllm` (scripts/setup_vllm.sh), else `--vllm-python`.
+
+`--model moe` runs the same workload on a Qwen3-MoE of random weights built here once (no
+checkpoint to download): SmolLM2's tokenizer and vocabulary, hidden 576, 16 layers, 9 query / 3
+KV heads, 8 experts of width 768, top-2, renormalised (`MOE_CONFIG`), in the model cache beside
+SmolLM2. Its samples rarely meet EOS, so both engines decode every sample to `--max-new-tokens`.
+Both engines run transformers' own expert modules (`Qwen3MoeExperts`, whose default experts
+implementation is `grouped_mm`).
 
 Both paged engines get the same KV budget (`--kv-cache-tokens`, tidal's default 32768).
 
@@ -29,12 +37,65 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 IMPLS = ("hf_generate", "tidal", "vllm")
+MODELS = ("smollm2", "moe")
+
+# a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
+MOE_CONFIG = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 1536,  # dense MLP width: unused (every layer is sparse)
+    "norm_topk_prob": True,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
+MOE_SEED = 0
+
+
+def moe_model() -> Path:
+    """The bench's Qwen3-MoE folder (`MOE_CONFIG`, weights drawn from `MOE_SEED` by transformers'
+    own init, SmolLM2's tokenizer), built on first use beside the converted SmolLM2."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tidal.convert import default_cache_dir, ensure_model
+    from tidal.utils import atomic_directory
+
+    out = default_cache_dir() / f"bench-qwen3-moe-random-seed{MOE_SEED}"
+    if (out / "config.json").exists():
+        return out
+    smollm2 = ensure_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    config = Qwen3MoeConfig(**MOE_CONFIG, **ids)
+    torch.manual_seed(MOE_SEED)
+    model = Qwen3MoeForCausalLM(config).float()
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+    return out
+
+
+def bench_model(name: str) -> Path:
+    """The local folder of `--model`."""
+    from tidal.convert import ensure_model
+
+    return moe_model() if name == "moe" else ensure_model("smollm2")
 
 
 def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
@@ -175,10 +236,8 @@ def child(args) -> None:
     """One measurement in this process; prints a JSON line."""
     from transformers import AutoTokenizer
 
-    from tidal.convert import ensure_model
-
     torch.set_num_threads(args.threads)
-    model_dir = ensure_model("smollm2")
+    model_dir = bench_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = _prompts(tok, args.prompts, args.level)
     if args.impl == "hf_generate":
@@ -209,6 +268,7 @@ def child(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="tidal engine vs vLLM vs transformers generate on a GRPO rollout")
+    p.add_argument("--model", default="smollm2", choices=MODELS, help="SmolLM2-135M, or the random Qwen3-MoE")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, nargs="+", default=[8], help="samples per prompt (several: a sweep)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -220,6 +280,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
     p.add_argument("--kv-cache-tokens", type=int, default=32768, help="the paged engines' KV budget")
     p.add_argument("--vllm-python", help="a Python with vLLM for the vllm runs (default: this, else .venv-vllm)")
+    p.add_argument("--tag", help="a word for the result file name (a workload other than the reference one)")
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--child-samples", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -228,6 +289,8 @@ def main() -> None:
     from tidal.hardware import resolve_dtype
 
     args.dtype = resolve_dtype(args.dtype, "bench engine --dtype").dtype  # the children run exactly this
+    model_dir = bench_model(args.model)  # built here once, not by two children at a time
+    print(f"model: {model_dir}", flush=True)
 
     python = {impl: _vllm_python(args.vllm_python) if impl == "vllm" else sys.executable for impl in args.impls}
     rows = []
@@ -235,7 +298,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for impl in args.impls:  # alternating, each in a fresh process
                 cmd = [python[impl], "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
-                for k in ("prompts", "max_new_tokens", "level", "seed", "threads", "dtype", "kv_cache_tokens"):
+                for k in ("model", "prompts", "max_new_tokens", "level", "seed", "threads", "dtype", "kv_cache_tokens"):
                     cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
                 r = run_measurement(cmd, f"{impl} (samples {n})")
                 r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
@@ -266,6 +329,14 @@ def main() -> None:
         print(f"samples {n}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios[n].items()))
     settings = {k: v for k, v in vars(args).items() if k not in ("impl", "child_samples")}
     payload = {"machine": machine(), "settings": settings, "rows": rows, "ratios": ratios}
-    # a run with vLLM keeps its own file: the tidal/transformers result stays the reference one
-    path = write_result(f"engine-{'vllm-' if 'vllm' in args.impls else ''}{args.dtype}", payload)
+    # a run with vLLM, of another model or tagged keeps its own file: the SmolLM2 tidal/transformers
+    # result stays the reference one
+    parts = [
+        "engine",
+        args.model if args.model != "smollm2" else "",
+        "vllm" if "vllm" in args.impls else "",
+        args.tag or "",
+        args.dtype,
+    ]
+    path = write_result("-".join(x for x in parts if x), payload)
     print(f"wrote {path}")
