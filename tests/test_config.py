@@ -390,6 +390,13 @@ def test_validate_group_size_for_grpo():
     assert errors_of(cfg) == [
         "rollout.n_samples_per_prompt: dr_grpo compares samples within a group, so it needs >= 2 (got 1)"
     ]
+    # a generate function that may fan a prompt out makes its own groups (ragged groups)
+    cfg.rollout.generate = "my_module:fan_out"
+    validate(cfg)
+    cfg.rollout.generate = "agent"
+    cfg.rollout.agent = "my_agents:agent"
+    cfg.rollout.agent_samples = "all"
+    validate(cfg)
 
 
 def test_validate_micro_batch_larger_than_global():

@@ -139,6 +139,40 @@ def test_evaluate_set_groups_samples_by_prompt_and_counts_correct_at_the_thresho
     assert (m["prompts"], m["samples"], m["failed_ratio"], m["truncated_ratio"]) == (3, 12, 1 / 12, 0)
 
 
+class RaggedRollout(FakeRollout):
+    """Prompt p of the set fans out into sizes[p] samples (a generate function's fan-out); a
+    sample's reward is rewards[p * 10 + its position in the call]."""
+
+    def __init__(self, sizes, rewards):
+        super().__init__(1, rewards)
+        self.sizes, self.done = sizes, 0
+
+    def generate(self, records, step, first_index=0):
+        from tidal.types import Sample
+
+        out = []
+        for g in range(len(records)):
+            for _ in range(self.sizes[self.done]):
+                s = Sample(tokens=[1, 2], response_length=1, index=len(out), group_index=g)
+                s.reward = self.rewards[self.done * 10 + len(out)]
+                out.append(s)
+            self.done += 1
+        return out
+
+
+def test_evaluate_set_scores_ragged_groups_per_prompt(monkeypatch):
+    import tidal.eval
+    from tidal.eval import evaluate_set
+
+    monkeypatch.setattr(tidal.eval, "PROMPTS_PER_CALL", 2)
+    # prompt 0: [1.0]; prompt 1: [0, 1, 1]; prompt 2 (a second call): [0, 0]
+    rewards = {0: 1.0, 11: 0.0, 12: 1.0, 13: 1.0, 20: 0.0, 21: 0.0}
+    m = evaluate_set(RaggedRollout([1, 3, 2], rewards), [object()] * 3, "ragged", [2], 0.9, "score")
+    assert m["pass@1"] == pytest.approx((1 + 2 / 3 + 0) / 3)  # each prompt over its own n
+    assert "pass@2" not in m  # prompt 0 has a single sample
+    assert (m["prompts"], m["samples"]) == (3, 6)
+
+
 def test_results_table_has_a_row_per_set():
     table = results_table(
         {"arithmetic": {"prompts": 6, "mean_reward": 0.5, "pass@1": 0.5}, "gsm": {"prompts": 2, "mean_reward": 1.0}}

@@ -840,8 +840,13 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, for_training: bool, need) ->
     )
     need(a.loss_agg in AGGREGATE_MODES, f"algo.loss_agg: one of {', '.join(AGGREGATE_MODES)}, got {a.loss_agg!r}")
     grouped = a.advantage in ("grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline")
+    # a user generate function, or the agent door keeping all its samples, may return several samples
+    # per call: its groups (of any size, see tidal.algo.Groups) can compare samples with n = 1
+    fans_out = r.generate not in ("single_turn", "tools", "agent") or (
+        r.generate == "agent" and r.agent_samples == "all"
+    )
     need(
-        r.n_samples_per_prompt >= 2 or not for_training or not grouped or a.mode == "sft",
+        r.n_samples_per_prompt >= 2 or fans_out or not for_training or not grouped or a.mode == "sft",
         f"rollout.n_samples_per_prompt: {a.advantage} compares samples within a group, so it needs >= 2 "
         f"(got {r.n_samples_per_prompt})",
     )

@@ -34,7 +34,7 @@ from tidal.config import Config, DataConfig, EvalConfig, EvalSet, RolloutConfig
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
-from tidal.rollout.manager import RolloutManager, group_size
+from tidal.rollout.manager import RolloutManager, group_sizes
 from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
 
@@ -73,19 +73,20 @@ def evaluate_set(
 ) -> dict[str, float]:
     """Sample `rollout.cfg.n_samples_per_prompt` responses to each record (through the run's
     generate function) and score them; returns the set's metrics (unprefixed: `mean_reward`,
-    `pass@k`, `response_length`, ...). pass@k's n is a prompt's group size."""
+    `pass@k`, `response_length`, ...). pass@k's n is each prompt's group size (groups may differ in size)."""
     step = set_seed_step(name)
     samples: list[Sample] = []
-    per_prompt: list[int] = []  # correct samples of each prompt
-    n = 0
+    per_prompt: list[tuple[int, int]] = []  # (samples, correct samples) of each prompt
     for i in range(0, len(records), PROMPTS_PER_CALL):
         # seeds index samples by their prompt's position, so chunking changes no sample
         chunk = rollout.generate(
             records[i : i + PROMPTS_PER_CALL], step, first_index=i * rollout.cfg.n_samples_per_prompt
         )
-        n = group_size(chunk)  # samples come group after group, one group per prompt
         correct = [s.status != Status.FAILED and scalar_reward(s, reward_key) >= threshold for s in chunk]
-        per_prompt += [sum(correct[g : g + n]) for g in range(0, len(chunk), n)]
+        start = 0
+        for size in group_sizes(chunk):  # one group per prompt, of any size (a fan-out generate)
+            per_prompt.append((size, sum(correct[start : start + size])))
+            start += size
         samples += chunk
     rewards = [scalar_reward(s, reward_key) for s in samples]
     metrics = {
@@ -93,9 +94,11 @@ def evaluate_set(
         "samples": float(len(samples)),
         "mean_reward": statistics.fmean(rewards),
     }
+    # pass@k is estimated per prompt from its own n; reported only when every prompt has k samples
+    fewest = min((n for n, _ in per_prompt), default=0)
     for k in sorted({1, *pass_k}):
-        if k <= n:
-            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in per_prompt)
+        if k <= fewest:
+            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for n, c in per_prompt)
     metrics["response_length"] = statistics.fmean(s.response_length for s in samples)
     metrics["truncated_ratio"] = sum(s.status == Status.TRUNCATED for s in samples) / len(samples)
     metrics["failed_ratio"] = sum(s.status == Status.FAILED for s in samples) / len(samples)

@@ -227,7 +227,9 @@ def rl_step(
 
     t1 = time.perf_counter()
     rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.response_budget)
-    group = group_size(samples)  # n_samples_per_prompt, times the fan-out of a generate function
+    # n_samples_per_prompt times a generate function's fan-out: an int, or each group's size when
+    # the fan-out differs from prompt to prompt (ragged groups; every estimator takes either)
+    group = group_size(samples)
     valid = torch.tensor([s.status != Status.FAILED for s in samples])
     # extra forward passes, each only when the algorithm needs it
     need_logp = a_cfg.kl_in_reward or trainer.has_teacher

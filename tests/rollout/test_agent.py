@@ -20,7 +20,7 @@ from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
 from tidal.rollout.agent import Alignment, align
 from tidal.rollout.generate import GenerateContext, turn_seed
-from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.rollout.manager import RolloutManager, group_sizes, sample_seed
 from tidal.types import Status
 from tidal.utils import load_object
 
@@ -220,14 +220,16 @@ def test_an_anthropic_agent_makes_the_openai_agents_samples(first):
     check_layout(s, [(answers[0], True), (engine.calls[1][0][len(p0) + len(answers[0]) :], False), (answers[1], True)])
 
 
-def test_ragged_fan_out_in_all_mode_is_a_clear_error():
+def test_ragged_fan_out_in_all_mode_gives_ragged_groups():
     def reply(prompt, k):  # prompt 0's call is re-rendered (2 samples), prompt 1's is not (1 sample)
         if TOK.decode(prompt).count("<tool_response>") == 0:
             return ids(COMPACT if "2 + 3" in TOK.decode(prompt) else CALL) + [2]
         return ids("5") + [2]
 
-    with pytest.raises(ValueError, match="groups differ in size .* must return the same number of samples"):
-        rollout(reply, "rebuilding_agent", prompts=("What is 2 + 3?", "What is 1 + 4?"), agent_samples="all")
+    samples, _ = rollout(reply, "rebuilding_agent", prompts=("What is 2 + 3?", "What is 1 + 4?"), agent_samples="all")
+    # each prompt's group holds however many samples its trajectory made; index is the batch position
+    assert group_sizes(samples) == [2, 1]
+    assert [(s.group_index, s.index) for s in samples] == [(0, 0), (0, 1), (1, 2)]
 
 
 def test_the_budget_caps_the_trajectory_and_ends_it_truncated():

@@ -14,7 +14,7 @@ from tidal.config import RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
 from tidal.rollout.generate import GenerateContext, single_turn, turn_seed
-from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.rollout.manager import RolloutManager, group_size, group_sizes, sample_seed
 from tidal.rollout.multi_turn import call_tool, tool_spec
 from tidal.types import Sample, Status
 
@@ -295,7 +295,9 @@ def test_user_generate_functions_by_path_and_per_prompt_row():
     assert [(s.group_index, s.index, s.reward, s.tokens) for s in samples] == [
         (0, i, float(i % 2), [1, 2, 3, 4]) for i in range(4)
     ]
-    with pytest.raises(ValueError, match=r"groups differ in size \(\{0: 4, 1: 2\}\)"):
-        RolloutManager(Echo(), cfg).generate(rows, step=0)  # row 1 names single_turn: one sample each
+    # row 1 names single_turn (one sample per call): ragged groups of 4 and 2, numbered in order
+    ragged = RolloutManager(Echo(), cfg).generate(rows, step=0)
+    assert group_sizes(ragged) == [4, 2] and group_size(ragged) == [4, 2]
+    assert [(s.group_index, s.index) for s in ragged] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 4), (1, 5)]
     with pytest.raises(ValueError, match=r"rollout.generate: 'test_multi_turn:add' must be `async def generate"):
         RolloutManager(Echo(), RolloutConfig(generate="test_multi_turn:add"))

@@ -6,9 +6,11 @@ tested on CPU and reused by any trainer backend.
 """
 
 from tidal.algo.advantages import (
+    Groups,
     discounted_returns,
     distillation_advantages,
     gae,
+    group_ids,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -37,6 +39,7 @@ from tidal.algo.shaping import groups_with_signal, overlong_penalty
 
 __all__ = [
     "AGGREGATE_MODES",
+    "Groups",
     "IS_LEVELS",
     "IS_MODES",
     "KL_KINDS",
@@ -47,6 +50,7 @@ __all__ = [
     "distillation_advantages",
     "entropy_from_logits",
     "gae",
+    "group_ids",
     "groups_with_signal",
     "grpo_advantages",
     "importance_weights",

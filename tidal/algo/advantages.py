@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+# How the samples of a batch fall into groups (one group per prompt, laid out group after group):
+# an int for groups that all have that many samples, or each group's size in order (ragged groups).
+Groups = int | Sequence[int]
+
 __all__ = [
+    "Groups",
     "discounted_returns",
     "distillation_advantages",
     "gae",
+    "group_ids",
     "grpo_advantages",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
@@ -20,59 +28,63 @@ __all__ = [
 
 def grpo_advantages(
     rewards: Tensor,
-    group_size: int,
+    group_size: Groups,
     std_normalize: bool = True,
     eps: float = 1e-6,
     valid: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages (GRPO), one scalar per sample.
 
-    `rewards` has shape [N] laid out group after group: samples ``g*group_size ... (g+1)*group_size-1``
-    answer the same prompt. For a sample i in group g with valid members V_g:
+    `rewards` has shape [N] laid out group after group; `group_size` is either an int (samples
+    ``g*group_size ... (g+1)*group_size-1`` answer the same prompt) or the list of each group's
+    size in order, which may differ from group to group (ragged groups, e.g. a generate function
+    that fans a prompt out into a varying number of samples). For a sample i in group g with valid
+    members V_g:
 
         A_i = r_i - mean_g                          (std_normalize=False, "Dr. GRPO")
         A_i = (r_i - mean_g) / (std_g + eps)        (std_normalize=True)
 
     where mean_g = sum_{j in V_g} r_j / |V_g| and std_g is the unbiased standard deviation
-    sqrt(sum_{j in V_g} (r_j - mean_g)^2 / (|V_g| - 1)).
+    sqrt(sum_{j in V_g} (r_j - mean_g)^2 / (|V_g| - 1)). Each group uses only its own members, so
+    with ragged groups a prompt's advantages do not depend on how many samples other prompts got.
 
     Entries with ``valid=False`` (e.g. failed generations) are left out of their group's mean and
     std and get advantage exactly 0; their reward may be anything, NaN included. A group with fewer
-    than two valid members has std taken as 0, and since its lone member equals the mean its
-    advantage is exactly 0 (no NaN from the 0/0 of an unbiased std over one value).
+    than two valid members (a 1-sample group included) has std taken as 0, and since its lone
+    member equals the mean its advantage is exactly 0 (no NaN from the 0/0 of an unbiased std over
+    one value).
 
     Raises:
-        ValueError: `rewards` is not 1-D, `group_size` < 1, N is not a multiple of `group_size`,
-            or `valid` does not have the shape of `rewards`.
+        ValueError: `rewards` is not 1-D, a group size is < 1, the sizes do not cover N (an int
+            that does not divide N, a list that does not sum to N), or `valid` does not have the
+            shape of `rewards`.
     """
     check_grouped(rewards, group_size, valid)
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     # float64 internally: with float32, three rewards of 0.1 give a mean that differs from 0.1 by
     # ~1e-9 and a "std" of the same size, which eps=1e-6 only partly hides. Groups are tiny.
-    r = rewards.detach().to(torch.float64).view(-1, group_size)
-    if valid is None:
-        mask = torch.ones_like(r, dtype=torch.bool)
-    else:
-        mask = valid.to(device=r.device, dtype=torch.bool).view(-1, group_size)
+    r = rewards.detach().to(torch.float64)
+    ids, n_groups = group_ids(group_size, r.shape[0], r.device)
+    mask = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(device=r.device, dtype=torch.bool)
     zero = r.new_zeros(())
 
     # torch.where, not r * mask: an invalid entry may hold NaN and NaN * 0 is still NaN.
-    count = mask.sum(dim=1, keepdim=True).to(r.dtype)
-    mean = torch.where(mask, r, zero).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    count = _segment_sum(mask.to(r.dtype), ids, n_groups)[ids]
+    mean = _segment_sum(torch.where(mask, r, zero), ids, n_groups)[ids] / count.clamp(min=1)
     centered = torch.where(mask, r - mean, zero)
     if not std_normalize:
-        return centered.view(-1).to(out_dtype)
+        return centered.to(out_dtype)
 
     # Unbiased variance; clamping the denominator makes a 0- or 1-member group's std 0 instead of
     # NaN, and its centered values are already 0, so the result is exactly 0 there.
-    var = centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    var = _segment_sum(centered.square(), ids, n_groups)[ids] / (count - 1).clamp(min=1)
     std = torch.where(count >= 2, var.sqrt(), zero)
     denom = std + eps
     # Only reachable with eps=0 on a zero-spread group, where every centered value is 0 anyway:
     # report 0 rather than 0/0 = NaN.
     adv = torch.where(denom > 0, centered / torch.where(denom > 0, denom, 1.0), zero)
-    return adv.view(-1).to(out_dtype)
+    return adv.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,9 +121,9 @@ def _check_unit_interval(value: float, name: str) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
-def check_grouped(rewards: Tensor, group_size: int, valid: Tensor | None = None) -> None:
-    """Raise ValueError unless `rewards` is [N] with N a multiple of `group_size` and `valid`, if
-    given, has its shape."""
+def check_grouped(rewards: Tensor, group_size: Groups, valid: Tensor | None = None) -> None:
+    """Raise ValueError unless `rewards` is [N], `group_size` splits N into groups (an int that
+    divides N, or sizes >= 1 that sum to N) and `valid`, if given, has its shape."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     _check_groups(rewards.shape[0], group_size)
@@ -119,47 +131,79 @@ def check_grouped(rewards: Tensor, group_size: int, valid: Tensor | None = None)
         raise ValueError(f"valid has shape {tuple(valid.shape)}, expected {tuple(rewards.shape)}")
 
 
-def _check_groups(n: int, group_size: int) -> None:
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if n % group_size != 0:
-        raise ValueError(f"{n} rewards cannot be split into groups of {group_size} (not divisible)")
+def _check_groups(n: int, group_size: Groups) -> None:
+    if isinstance(group_size, int):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if n % group_size != 0:
+            raise ValueError(f"{n} rewards cannot be split into groups of {group_size} (not divisible)")
+        return
+    sizes = [int(k) for k in group_size]
+    if any(k < 1 for k in sizes):
+        raise ValueError(f"group_size: every group size must be >= 1, got {sizes}")
+    if sum(sizes) != n:
+        raise ValueError(f"group_size: group sizes {sizes} sum to {sum(sizes)}, not to the {n} rewards")
+
+
+def group_ids(group_size: Groups, n: int, device: torch.device | str | None = None) -> tuple[Tensor, int]:
+    """(ids, G): the group of each of the N samples as an int64 [N] tensor (0, 0, 1, 1, 1, ...) and
+    the number of groups G, for groups laid out one after the other with the sizes `group_size`
+    gives (an int: all groups that size). The index the segment sums below scatter into.
+
+    Raises:
+        ValueError: the sizes do not split N (see `check_grouped`).
+    """
+    _check_groups(n, group_size)
+    if isinstance(group_size, int):
+        g = n // group_size
+        return torch.arange(g, device=device).repeat_interleave(group_size), g
+    sizes = torch.tensor([int(k) for k in group_size], dtype=torch.long, device=device)
+    return torch.arange(len(sizes), device=device).repeat_interleave(sizes), len(sizes)
+
+
+def _segment_sum(x: Tensor, ids: Tensor, n_groups: int) -> Tensor:
+    """[G] per-group sums of the [N] values `x` (index_add: one kernel, no loop over groups)."""
+    return x.new_zeros(n_groups).index_add_(0, ids, x)
 
 
 # ---------------------------------------------------------------------------------------------
 # Per-sample estimators
 
 
-def rloo_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
+def rloo_advantages(rewards: Tensor, group_size: Groups, valid: Tensor | None = None) -> Tensor:
     """Leave-one-out (RLOO) advantages, one scalar per sample.
 
-    `rewards` [N] is laid out group after group like in `grpo_advantages`. For a valid sample i in
-    group g with valid members V_g (|V_g| = n >= 2):
+    `rewards` [N] is laid out group after group like in `grpo_advantages` (`group_size` an int, or
+    each group's size: ragged groups). For a valid sample i in group g with valid members V_g
+    (|V_g| = n >= 2):
 
         A_i = r_i - sum_{j in V_g, j != i} r_j / (n - 1)
             = n / (n - 1) * (r_i - mean_g)
 
-    i.e. the baseline for each sample is the mean of the *other* samples of its prompt, which does
-    not depend on r_i and so keeps the estimator unbiased. A group with fewer than two valid
-    members has no "others" and gives 0. Entries with ``valid=False`` get exactly 0 and their reward
-    (NaN included) is ignored. The result is detached, in the reward dtype (float32 for integers).
+    i.e. the baseline for each sample is the mean of the *other* valid samples of its prompt, which
+    does not depend on r_i and so keeps the estimator unbiased. With ragged groups n is each
+    group's own count of valid members. A group with fewer than two valid members (a 1-sample
+    group included) has no "others" and gives 0. Entries with ``valid=False`` get exactly 0 and
+    their reward (NaN included) is ignored. The result is detached, in the reward dtype (float32
+    for integers).
 
     Raises:
-        ValueError: `rewards` is not 1-D, `group_size` < 1, N is not a multiple of `group_size`,
+        ValueError: `rewards` is not 1-D, the group sizes do not split N (see `check_grouped`),
             or `valid` does not have the shape of `rewards`.
     """
     check_grouped(rewards, group_size, valid)
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     # float64 for the same reason as grpo_advantages: equal rewards must cancel to exactly 0-ish.
-    r = rewards.detach().to(torch.float64).view(-1, group_size)
-    keep = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(r.device, torch.bool).view(r.shape)
+    r = rewards.detach().to(torch.float64)
+    ids, n_groups = group_ids(group_size, r.shape[0], r.device)
+    keep = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(r.device, torch.bool)
     zero = r.new_zeros(())
     r = torch.where(keep, r, zero)  # NaN rewards of invalid entries are replaced before any sum
-    count = keep.sum(dim=1, keepdim=True).to(r.dtype)
-    others_mean = (r.sum(dim=1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    count = _segment_sum(keep.to(r.dtype), ids, n_groups)[ids]
+    others_mean = (_segment_sum(r, ids, n_groups)[ids] - r) / (count - 1).clamp(min=1)
     adv = torch.where(keep & (count >= 2), r - others_mean, zero)
-    return adv.view(-1).to(out_dtype)
+    return adv.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +356,7 @@ def reinforce_pp_advantages(
 
 def reinforce_pp_baseline_advantages(
     rewards: Tensor,
-    group_size: int,
+    group_size: Groups,
     mask: Tensor,
     token_kl: Tensor | None = None,
     valid: Tensor | None = None,
@@ -327,7 +371,9 @@ def reinforce_pp_baseline_advantages(
 
     Rows with ``valid=False`` are excluded from both the group mean and the whitening statistics
     and come out all 0 (their reward and token_kl may be NaN). A group of one valid member has
-    R' = 0, so only its KL term remains.
+    R' = 0, so only its KL term remains. `group_size` is an int or each group's size (ragged
+    groups): the baseline is each prompt's own mean over however many valid samples it has (a
+    1-sample group gets R' = 0), and the whitening is over the whole batch as before.
 
     Returns:
         [B, T] detached, 0 at masked positions and on invalid rows.

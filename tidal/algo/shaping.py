@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.algo.advantages import check_grouped
+from tidal.algo.advantages import Groups, check_grouped, group_ids
 
 __all__ = ["groups_with_signal", "overlong_penalty"]
 
@@ -40,27 +40,30 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float =
     return torch.where(length <= soft, torch.zeros_like(length), torch.where(length <= max_len, ramp, full))
 
 
-def groups_with_signal(rewards: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
+def groups_with_signal(rewards: Tensor, group_size: Groups, valid: Tensor | None = None) -> Tensor:
     """Which groups carry a learning signal: their valid rewards are not all equal (DAPO dynamic sampling).
 
         keep_g = |V_g| >= 2  and  max_{j in V_g} r_j != min_{j in V_g} r_j
 
-    with V_g the valid members of group g (samples g*group_size ... (g+1)*group_size-1). A group
-    whose rewards are all equal has all-zero group-relative advantages and contributes no gradient,
-    so DAPO drops it and samples more prompts. Invalid rewards (NaN included) are ignored; a group
-    with fewer than two valid members is False.
+    with V_g the valid members of group g: samples g*group_size ... (g+1)*group_size-1 for an int
+    `group_size`, or, for a list of group sizes (ragged groups), the next `group_size[g]` samples.
+    A group whose rewards are all equal has all-zero group-relative advantages and contributes no
+    gradient, so DAPO drops it and samples more prompts. Invalid rewards (NaN included) are
+    ignored; a group with fewer than two valid members (a 1-sample group included) is False.
 
     Returns:
-        [N / group_size] bool.
+        [G] bool, one per group.
 
     Raises:
-        ValueError: `rewards` is not 1-D, `group_size` < 1, N is not a multiple of `group_size`,
+        ValueError: `rewards` is not 1-D, the group sizes do not split N (see `check_grouped`),
             or `valid` does not have the shape of `rewards`.
     """
     check_grouped(rewards, group_size, valid)
-    r = rewards.detach().to(torch.float64).view(-1, group_size)
-    keep = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(r.device, torch.bool).view(r.shape)
+    r = rewards.detach().to(torch.float64)
+    ids, n_groups = group_ids(group_size, r.shape[0], r.device)
+    keep = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(r.device, torch.bool)
     # Invalid members are pushed to +-inf so they never decide the min or the max.
-    hi = torch.where(keep, r, -torch.inf).amax(dim=1)
-    lo = torch.where(keep, r, torch.inf).amin(dim=1)
-    return (keep.sum(dim=1) >= 2) & (hi != lo)
+    hi = r.new_full((n_groups,), -torch.inf).scatter_reduce_(0, ids, torch.where(keep, r, -torch.inf), "amax")
+    lo = r.new_full((n_groups,), torch.inf).scatter_reduce_(0, ids, torch.where(keep, r, torch.inf), "amin")
+    count = torch.zeros(n_groups, dtype=torch.long, device=r.device).index_add_(0, ids, keep.long())
+    return (count >= 2) & (hi != lo)

@@ -9,18 +9,23 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.algo import groups_with_signal, overlong_penalty
+from tidal.algo import Groups, groups_with_signal, overlong_penalty
 from tidal.config import AlgoConfig
 from tidal.data.source import DataSource
-from tidal.rollout.manager import RolloutManager, group_size
+from tidal.rollout.manager import RolloutManager, group_sizes
 from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
 
-def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: Groups) -> dict[str, float]:
+    """The step's reward and response metrics; `group` is the batch's groups (an int, or each
+    group's size). `reward/solved_groups` is the share of groups, whatever their sizes, whose
+    rewards are all equal (at least two samples, max == min: no group-relative signal)."""
     lengths = [s.response_length for s in samples]
-    by_group = rewards.view(-1, group)
+    # solved = ~(spread or < 2 samples): a 1-sample group is never solved (the std of one value,
+    # NaN, never equalled 0), and a NaN reward counts as spread (as its NaN std did)
+    unsolved = groups_with_signal(rewards, group) | (torch.as_tensor(_sizes(group, len(samples))) < 2)
     # a dict reward's numeric entries are logged as rewards/<key> (mean over samples that have it)
     parts: dict[str, list[float]] = {}
     for s in samples:
@@ -32,12 +37,16 @@ def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: int) ->
         **{k: statistics.fmean(v) for k, v in parts.items()},
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "reward/solved_groups": float((by_group.std(dim=1) == 0).float().mean()),
+        "reward/solved_groups": float((~unsolved).float().mean()),
         "response/length_mean": statistics.fmean(lengths),
         "response/length_max": float(max(lengths)),
         "response/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         "response/failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
     }
+
+
+def _sizes(group: Groups, n: int) -> list[int]:
+    return [group] * (n // group) if isinstance(group, int) else list(group)
 
 
 def shaped_rewards(samples: list[Sample], algo: AlgoConfig, reward_key: str, max_new_tokens: int) -> torch.Tensor:
@@ -76,30 +85,33 @@ def collect(
     need = r.rollout_batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
-    drawn = rounds = 0
+    drawn = rounds = groups_drawn = 0
     while len(kept) < need and rounds < algo.max_sampling_rounds:
         prompts = math.ceil((need - len(kept)) * algo.oversample)
         samples = rollout.generate(source.next_batch(prompts), step, first_index=drawn)
         drawn += len(samples)
         rounds += 1
-        n = group_size(samples)
+        sizes = group_sizes(samples)  # whole groups are kept or dropped, whatever their sizes
+        groups_drawn += len(sizes)
         rewards = shaped_rewards(samples, algo, reward_key, r.response_budget)
         valid = torch.tensor([s.status != Status.FAILED for s in samples])
-        signal = groups_with_signal(rewards, n, valid) if keep is None else None
-        for g in range(len(samples) // n):
-            group = samples[g * n : (g + 1) * n]
+        signal = groups_with_signal(rewards, sizes, valid) if keep is None and samples else None
+        start = 0
+        for g, size in enumerate(sizes):
+            group = samples[start : start + size]
+            start += size
             ok = bool(signal[g]) if keep is None else _user_keeps(keep, algo.dynamic_sampling_filter, group)
             (kept if ok else dropped).append(group)
     filled = max(0, need - len(kept))
     groups = kept[:need] + dropped[:filled]
     out = []
     for g, group in enumerate(groups):  # renumber: the trainer sees one contiguous batch
-        for j, s in enumerate(group):
-            s.group_index, s.index = g, g * n + j
+        for s in group:
+            s.group_index, s.index = g, len(out)
             out.append(s)
     metrics = {
         "dynamic_sampling/rounds": float(rounds),
-        "dynamic_sampling/groups_sampled": float(drawn // n),
+        "dynamic_sampling/groups_sampled": float(groups_drawn),
         "dynamic_sampling/groups_kept": float(len(kept)),
         "dynamic_sampling/filled_without_signal": float(filled),
     }

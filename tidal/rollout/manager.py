@@ -25,7 +25,15 @@ from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, l
 from tidal.rollout.rewards import GroupRewardFn, RewardFn, check_reward_key, get_reward_fn, score_rollout
 from tidal.types import Sample, Status
 
-__all__ = ["FINISH_STATUS", "RolloutManager", "group_size", "load_generate_fn", "load_rewards", "sample_seed"]
+__all__ = [
+    "FINISH_STATUS",
+    "RolloutManager",
+    "group_size",
+    "group_sizes",
+    "load_generate_fn",
+    "load_rewards",
+    "sample_seed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +45,32 @@ def sample_seed(base: int, step: int, index: int) -> int:
     return x % (1 << 63)
 
 
-def group_size(samples: list[Sample]) -> int:
-    """The samples per group of a batch laid out group after group; ValueError when groups are not
-    contiguous or differ in size (advantages compare equal-sized groups)."""
-    sizes: dict[int, int] = {}
-    order: list[int] = []
+def group_sizes(samples: list[Sample]) -> list[int]:
+    """The size of each group of a batch laid out group after group, in order; groups may differ in
+    size (a generate function may return any number of samples for a prompt). ValueError when a
+    group's samples are not contiguous (the estimators read groups as runs of the batch)."""
+    sizes: list[int] = []
+    seen: set[int] = set()
+    last: int | None = None
     for s in samples:
-        if not order or order[-1] != s.group_index:
-            if s.group_index in sizes:
+        if s.group_index != last:
+            if s.group_index in seen:
                 raise ValueError(f"samples of group {s.group_index} are not contiguous")
-            order.append(s.group_index)
-        sizes[s.group_index] = sizes.get(s.group_index, 0) + 1
-    distinct = set(sizes.values())
-    if len(distinct) > 1:
-        raise ValueError(
-            f"groups differ in size ({dict(sorted(sizes.items()))}): a generate function that fans a "
-            "prompt out must return the same number of samples for every prompt of a batch"
-        )
-    return distinct.pop() if distinct else 0
+            seen.add(s.group_index)
+            sizes.append(0)
+            last = s.group_index
+        sizes[-1] += 1
+    return sizes
+
+
+def group_size(samples: list[Sample]) -> int | list[int]:
+    """The samples per group as the estimators take it (`tidal.algo.Groups`): an int when every
+    group of the batch has that many (0 for no samples), else each group's size in order (ragged
+    groups). ValueError when groups are not contiguous."""
+    sizes = group_sizes(samples)
+    if len(set(sizes)) <= 1:
+        return sizes[0] if sizes else 0
+    return sizes
 
 
 def _tools(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> Awaitable[Sample]:
@@ -179,7 +195,7 @@ class RolloutManager:
             for s in out:
                 s.index = len(samples)
                 samples.append(s)
-        group_size(samples)  # refuse ragged fan-out before anyone trains on it
+        group_sizes(samples)  # groups must be contiguous runs for the estimators
         await score_rollout(samples, self.reward_fn, self.cfg, self.reward_errors, self.group_reward_fn)
         check_reward_key(samples, self.cfg.reward_key)  # a dict reward must hold the key trained on
         for s in samples:

@@ -187,10 +187,9 @@ class OverlappedRollout:
                 self.wave_metrics.pop(w, None)
             engine_idle, self.engine_idle = self.engine_idle, 0.0
         samples = []
-        n = len(groups[0])
-        for g, group in enumerate(groups):
-            for j, s in enumerate(group):
-                s.group_index, s.index = g, g * n + j
+        for g, group in enumerate(groups):  # groups may differ in size: index is the batch position
+            for s in group:
+                s.group_index, s.index = g, len(samples)
                 samples.append(s)
         metrics.update(staleness_metrics(samples, step, self.k))
         if self.cfg.overlap.partial_loss == "mask":

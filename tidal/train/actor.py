@@ -25,7 +25,15 @@ from tidal.train.forward import replaying
 from tidal.train.logits import output_head, token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
 from tidal.train.objective import PolicyObjective
-from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
+from tidal.train.update import (
+    Optimizer,
+    Sums,
+    batch_normalizers,
+    group_runs,
+    optimizer_batches,
+    optimizer_steps,
+    step_norm_metrics,
+)
 from tidal.types import Sample
 
 
@@ -171,7 +179,8 @@ class Actor:
         old_log_probs: Tensor | None = None,
         ref_log_probs: Tensor | None = None,
     ) -> dict[str, float]:
-        """One rollout batch → len(samples) / global_batch_size optimizer steps.
+        """One rollout batch → len(samples) / global_batch_size optimizer steps (with ragged groups:
+        one per batch of whole prompts, see `tidal.train.update.optimizer_batches`).
 
         `advantages` [N, R] or [N] (None in sft mode); `old_log_probs` [N, R] when already computed
         (else recomputed if there is more than one update, and taken from the current forward
@@ -195,7 +204,7 @@ class Actor:
         obj = self.objective
         if obj.name != "sft" and advantages is None:
             raise ValueError("train_step: advantages are required outside sft mode")
-        n_updates = len(samples) // gbs
+        n_updates = len(optimizer_batches(group_runs(samples), gbs))  # whole prompts when groups are ragged
         mask_all = response_mask(samples)
         if advantages is not None and advantages.dim() == 1:  # one per sample: shared by its tokens
             advantages = advantages[:, None].expand_as(mask_all)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from tidal.algo import (
+    Groups,
     distillation_advantages,
     gae,
     grpo_advantages,
@@ -58,7 +59,7 @@ def compute_advantages(
     samples: Sequence[Sample],
     rewards: Tensor,
     valid: Tensor,
-    group_size: int,
+    group_size: Groups,
     log_probs: Tensor | None = None,
     ref_log_probs: Tensor | None = None,
     values: Tensor | None = None,
@@ -68,6 +69,8 @@ def compute_advantages(
 
     Args:
         rewards: [N] scalar rewards, group after group; `valid` [N] False for failed samples.
+        group_size: the samples per group, or each group's size in order when groups differ in
+            size (ragged groups: a generate function's fan-out varies by prompt).
         log_probs: [N, R] policy log-probs of the sampled tokens (needed for KL shaping and
             distillation; padded with zeros).
         ref_log_probs: [N, R] reference-model log-probs, when `algo.kl_coef > 0`.
@@ -78,7 +81,8 @@ def compute_advantages(
     (reinforce_plus_plus*, ppo) take it per token; group estimators subtract its sum over the
     response from the sample's reward before comparing within the group.
 
-    A user estimator `fn(rewards, mask, group_size, samples)` returns [N] or [N, R] advantages.
+    A user estimator `fn(rewards, mask, group_size, samples)` returns [N] or [N, R] advantages;
+    its `group_size` is an int when all groups have that size, else the list of group sizes.
     """
     # a failed sample is never trained on, whatever its loss mask says
     mask = response_mask(samples) * valid[:, None].to(torch.float32)

@@ -4,6 +4,15 @@ one optimizer step as the sum of its micro-batches' gradients.
 Every loss term of a micro-batch is divided by the counts of the whole optimizer batch (tokens,
 sequences), so the accumulated gradient is exactly the full-batch loss's gradient however the
 batch is cut into micro-batches, packed, or shared among trainer ranks.
+
+Optimizer batches (`optimizer_batches`): when every group of a step has the same size, the step's
+samples are cut into runs of `train.global_batch_size`, as they always were. When groups differ in
+size (ragged groups), each batch is whole prompts: groups are taken in order while they fit in
+`global_batch_size` samples, and a group larger than that is a batch alone; a prompt's samples are
+never split across optimizer steps. The normalisers count each batch as it is: `token_mean`
+divides by its trained tokens, `seq_mean_*` by its sequences with a trained token, and
+`seq_mean_token_sum_norm` (Dr. GRPO) by its number of sequences times `max_len`, so a ragged batch
+smaller than `global_batch_size` is the mean over what it holds, not over absent samples.
 """
 
 from __future__ import annotations
@@ -27,7 +36,12 @@ log = logging.getLogger("tidal")
 
 
 def batch_normalizers(mask: Tensor, mode: str, max_len: int) -> dict[str, float]:
-    """The global counts `aggregate` divides by, for one optimizer batch's [B, R] mask."""
+    """The global counts `aggregate` divides by, for one optimizer batch's [B, R] mask: the B rows
+    actually in the batch (with ragged groups B varies from batch to batch).
+
+        seq_mean_token_sum_norm:  num_seqs = B, max_len            (Dr. GRPO's constant)
+        otherwise:                num_tokens = sum(mask), num_seqs = #rows with a trained token
+    """
     if mode == "seq_mean_token_sum_norm":
         return {"num_seqs": float(mask.shape[0]), "max_len": max_len}
     return {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(dim=1) > 0).sum())}
@@ -192,6 +206,50 @@ class BadStepsError(RunStopped):
     """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
 
 
+def group_runs(samples: Sequence[Sample]) -> list[int]:
+    """The lengths of the runs of consecutive samples sharing a `group_index` (the batch's groups,
+    in order; SFT samples, all in group 0, are one run)."""
+    runs: list[int] = []
+    last = None
+    for i, s in enumerate(samples):
+        if i == 0 or s.group_index != last:
+            runs.append(0)
+            last = s.group_index
+        runs[-1] += 1
+    return runs
+
+
+def optimizer_batches(sizes: Sequence[int], gbs: int) -> list[list[int]]:
+    """The sample indices of each optimizer step for a batch whose groups have sizes `sizes` (laid
+    out group after group).
+
+    Equal sizes: consecutive runs of `gbs` samples, [0, gbs), [gbs, 2 gbs), ... (a group may span
+    two steps, as it always could). Ragged sizes: whole groups in order, greedily, while the batch
+    stays within `gbs` samples; a group larger than `gbs` is a batch of its own. Every sample is in
+    exactly one batch and no group is split.
+
+    Raises:
+        ValueError: equal sizes whose total is not a multiple of `gbs`.
+    """
+    n = sum(sizes)
+    if len(set(sizes)) <= 1:
+        if n % gbs:
+            raise ValueError(f"train_step: {n} samples is not a multiple of global_batch_size {gbs}")
+        return [list(range(u * gbs, (u + 1) * gbs)) for u in range(n // gbs)]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    start = 0
+    for size in sizes:
+        if current and len(current) + size > gbs:
+            batches.append(current)
+            current = []
+        current.extend(range(start, start + size))
+        start += size
+    if current:
+        batches.append(current)
+    return batches
+
+
 MicroLoss = Callable[[dict[str, Tensor], list[int], dict[str, float], Sums], Tensor]
 
 
@@ -208,7 +266,8 @@ def optimizer_steps(
     most_micro_batches: Callable[[int], int] | None = None,
     any_rank: Callable[[bool], bool] | None = None,
 ) -> tuple[Sums, list[float], int]:
-    """Run len(samples) / gbs optimizer steps over `samples` ([N, R] loss `mask`).
+    """Run one optimizer step per batch of `optimizer_batches` over `samples` ([N, R] loss `mask`):
+    len(samples) / gbs steps when groups are equal, whole prompts up to `gbs` samples when ragged.
 
     For each optimizer batch: the global `normalizers` of its mask, then the micro-batches of its
     `active` samples (those whose loss can be non-zero; default all), restricted by `share` to this
@@ -223,11 +282,8 @@ def optimizer_steps(
 
     A step with a non-finite loss on any rank (`any_rank(flag)`: true on every rank when it is on
     one; default this process's flag) is skipped, see `Optimizer.step`; its norm is NaN."""
-    if len(samples) % gbs:
-        raise ValueError(f"train_step: {len(samples)} samples is not a multiple of global_batch_size {gbs}")
     sums, norms, skipped = Sums(), [], 0
-    for u in range(len(samples) // gbs):
-        chunk = list(range(u * gbs, (u + 1) * gbs))
+    for chunk in optimizer_batches(group_runs(samples), gbs):
         norm = normalizers(mask[chunk])
         optimizer.zero_grad()
         live = [i for i in chunk if active is None or active[i]]
