@@ -180,10 +180,10 @@ def test_a_judge_that_times_out_fails_only_its_sample(stand_in):
     batch = samples("x score=0.5", "slow score=1", "z score=0.25")
     errors = ErrorLog()
     # judge_timeout bounds each request; rollout.reward_timeout (60 s) and its retries are not added
-    assert score(config(judge.url, judge_timeout=3.0, judge_retries=1), batch, errors) == 1
+    assert score(config(judge.url, judge_timeout=10.0, judge_retries=1), batch, errors) == 1
     assert [s.status for s in batch] == [Status.COMPLETED, Status.FAILED, Status.COMPLETED]
     assert [s.reward for s in batch] == [0.5, 0.0, 0.25]
-    assert batch[1].metadata["error"] == f"TimeoutError: judge {judge.url} did not answer within 3 s (2 tries)"
+    assert batch[1].metadata["error"] == f"TimeoutError: judge {judge.url} did not answer within 10 s (2 tries)"
     assert judge.seen["Q: p1\nA: slow score=1\nRef: 1\nScore it."] == 2  # judge_retries + 1, no more
     assert errors.total == {"TimeoutError": 1}
 
