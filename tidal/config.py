@@ -93,6 +93,12 @@ class RolloutConfig:
         "", "sglang: the Python that runs sglang.launch_server and sglang_router (empty = this one)"
     )
     sglang_args: list = _opt([], "sglang: extra launch_server flags, e.g. [--mem-fraction-static, '0.7']")
+    quantization: str = _opt(
+        "none",
+        "tidal engine: low-precision linear layers for rollout, the trainer stays in full precision (pair with "
+        "algo.is_correction): none | fp16 (CPU, weight-only, 2x fewer bytes) | int8 (CPU, weight-only, 4x; "
+        "fast with AVX-512) | fp8 (CUDA, compute capability >= 8.9)",
+    )
     kv_cache_tokens: int = _opt(
         0,
         "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "
@@ -907,6 +913,17 @@ def _declares_experts(model: str) -> bool | None:
     return any(isinstance(p.get(k), int) and p.get(k) > 1 for p in parts for k in EXPERT_COUNT_KEYS)
 
 
+def _validate_quantization(r: RolloutConfig, need) -> None:
+    from tidal.engine.quant import QUANTIZATIONS  # the engine's list, not a copy
+
+    kinds = ", ".join(QUANTIZATIONS)
+    need(r.quantization in QUANTIZATIONS, f"rollout.quantization: one of {kinds}, got {r.quantization!r}")
+    need(
+        r.quantization == "none" or r.engine == "tidal",
+        f"rollout.quantization: runs in tidal's engine; rollout.engine {r.engine!r} quantizes by its own options",
+    )
+
+
 def _validate_routing_replay(a: AlgoConfig, t: TrainConfig, r: RolloutConfig, need) -> None:
     if not a.routing_replay:
         return
@@ -1191,6 +1208,7 @@ def validate(cfg: Config, for_training: bool = True) -> None:
     )
     _validate_algo(a, r, for_training, need)
     _validate_routing_replay(a, t, r, need)
+    _validate_quantization(r, need)
     need(t.num_steps >= 1, f"train.num_steps: must be >= 1, got {t.num_steps}")
     need(t.global_batch_size >= 1, "train.global_batch_size: must be >= 1")
     need(

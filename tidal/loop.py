@@ -76,6 +76,12 @@ def resolve_precision(cfg: Config) -> tuple[Config, dict]:
         log.info("%s: %s (%s)", field_name, choice.dtype, choice.reason)
         record[field_name] = {"requested": requested, **choice.to_dict()}
         groups[group] = dataclasses.replace(getattr(cfg, group), **{name: choice.dtype})
+    if cfg.rollout.quantization != "none" and cfg.algo.is_correction == "none":
+        log.warning(
+            "rollout.quantization %s samples from a rounded copy of the policy and algo.is_correction is none: "
+            "the trainer treats those tokens as its own (set algo.is_correction: truncate or mask)",
+            cfg.rollout.quantization,
+        )
     return dataclasses.replace(cfg, **groups), record
 
 

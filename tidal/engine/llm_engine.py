@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
+from tidal.engine.quant import QUANTIZATIONS, Quantizer
 from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
@@ -49,6 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per forward pass (decode tokens + prefill tokens)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = CPU  # where the weights, the KV cache and the step's tensors live (resolved by the caller)
+    quantization: str = "none"  # int8 (CPU) | fp8 (CUDA) linear layers: `tidal.engine.quant`
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -58,6 +60,8 @@ class EngineConfig:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is smaller than one block")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"engine quantization: one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         return self
 
 
@@ -92,6 +96,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.quant = None if cfg.quantization == "none" else Quantizer(self.model, cfg.quantization)
         eos = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -103,7 +108,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
-        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "quantize_s": 0.0}
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
@@ -266,6 +271,8 @@ class LLMEngine:
             return
         named, self._staged = {**self._staged, **named}, {}
         load_named_tensors(self.model, named.items(), share, complete=not partial)
+        if self.quant is not None:  # quantize now, not in the first forward (the cost shows in stats)
+            self.counters["quantize_s"] += self.quant.refresh()
         self.weight_version = self.weight_version + 1 if version is None else version
         self._checksum = None
         self.flush_cache()
@@ -288,6 +295,8 @@ class LLMEngine:
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.runner.release()
+        if self.quant is not None:
+            self.quant.release()
         release_cached(self.device)
         self.blocks.reset_prefix_cache()
         self.asleep = True

@@ -1,0 +1,198 @@
+"""Low-precision rollout weights (`rollout.quantization`, `tidal.engine.quant`): the rounding by
+hand, the engine computing exactly the rounded model, re-quantization after every kind of weight
+change, and the loop training on quantized samples with the importance correction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import loop_config, make_model, make_moe_model
+
+import tidal.loop
+from tidal.config import ConfigError, build_config
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.quant import (
+    QuantizedLinear,
+    Quantizer,
+    check_quantization,
+    dequantized,
+    fp8_linear,
+    quantize_fp8,
+    quantize_int8,
+)
+from tidal.engine.sampling import SamplingParams
+
+CPU_KINDS = ("fp16", "int8")
+PROMPTS = [[5, 9, 14, 3, 7], [5, 9, 14, 3, 8, 11, 6], [20, 21]]
+
+
+def test_int8_rounding_by_hand():
+    w = torch.tensor([[1.0, -0.5, 0.25], [0.1, 0.2, -0.4]])
+    q, scale = quantize_int8(w)
+    # row 0: s = 1/127, w/s = 127, -63.5, 31.75; row 1: s = 0.4/127, w/s = 31.75, 63.5, -127
+    # (torch.round rounds halves to even: -63.5 -> -64, 63.5 -> 64)
+    assert q.tolist() == [[127, -64, 32], [32, 64, -127]]
+    assert scale.tolist() == pytest.approx([1 / 127, 0.4 / 127], rel=1e-6)
+    x = torch.tensor([[2.0, 1.0, -1.0]])
+    lin = torch.nn.Linear(3, 2, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(torch.tensor([0.5, -1.0]))
+    layer = QuantizedLinear(lin, "int8")
+    want = [(2 * 127 - 64 - 32) / 127 + 0.5, (2 * 32 + 64 + 127) * 0.4 / 127 - 1.0]
+    assert layer(x)[0].tolist() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_a_layer_computes_with_its_rounded_weight(kind):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 80, bias=True)
+    x = torch.randn(2, 7, 96)
+    layer = QuantizedLinear(lin, kind)
+    y = layer(x)
+    w = dequantized(layer)
+    exact = torch.nn.functional.linear(x, w, lin.bias)
+    assert y.shape == (2, 7, 80) and y.dtype == x.dtype
+    torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)
+    # the rounding is real and as small as its format allows
+    err = (w - lin.weight.detach()).abs()
+    assert 0 < float(err.max()) <= float(lin.weight.detach().abs().max()) * {"fp16": 2**-11, "int8": 0.5 / 127}[kind] * 1.001
+
+
+def rounded_copy(model, quant: Quantizer):
+    """`model` with each quantized layer's weight replaced by the weight the engine computes with."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    mods = dict(ref.named_modules())
+    with torch.no_grad():
+        for name, layer in quant.layers.items():
+            old = mods[name].weight
+            mods[name].weight = torch.nn.Parameter(dequantized(layer).to(old.device, old.dtype))
+    return ref.eval()
+
+
+def forward_logprobs(model, prompt, tokens):
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return lp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def sample(engine, seed=0, n=12):
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed + i) for i in range(len(PROMPTS))]
+    return engine.generate_batch(PROMPTS, params)
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_the_engine_samples_from_the_rounded_model(kind):
+    model = make_model(seed=1)
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, quantization=kind)
+    quant = engine.quant
+    # every projection and the output head; the tied embedding stays full precision
+    assert len(quant.layers) == 2 * 7 + 1 and "lm_head" in quant.layers
+    # int8: a 4-byte scale per row of 64 on top
+    assert quant.weight_bytes()[0] < quant.weight_bytes()[1] * {"fp16": 0.51, "int8": 0.3}[kind]
+    ref = rounded_copy(model, quant)
+    gap = []
+    for prompt, out in zip(PROMPTS, sample(engine), strict=True):
+        got = torch.tensor(out.log_probs)
+        torch.testing.assert_close(got, forward_logprobs(ref, prompt, out.token_ids), rtol=0, atol=1e-4)
+        gap.append((got - forward_logprobs(model, prompt, out.token_ids)).abs())
+    assert float(torch.cat(gap).max()) > 1e-6  # it is not the full-precision model
+
+
+def test_moe_routers_stay_full_precision():
+    model = make_moe_model("qwen3_moe")
+    engine = LLMEngine(model, dtype="float32", kv_cache_tokens=512, quantization="fp16")
+    from tidal.moe import routers
+
+    router_ids = {id(r) for r in routers(engine.model)}
+    assert router_ids and not any(id(lay.mod) in router_ids for lay in engine.quant.layers.values())
+    assert engine.quant.layers  # the attention projections are quantized
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["copied", "shared"])
+def test_every_weight_change_is_requantized(share):
+    """After a load (copied or shared storage) and after an in-place change of the engine's
+    parameters, the engine computes what a fresh quantized engine on those weights does."""
+    old, new = make_model(seed=1), make_model(seed=2)
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, quantization="int8")
+    fresh = LLMEngine(make_model(seed=2), dtype="float32", kv_cache_tokens=512, quantization="int8")
+    want = [o.log_probs for o in sample(fresh)]
+    before = [o.log_probs for o in sample(engine)]
+    named = {n: p.detach().clone() for n, p in new.named_parameters()}
+    engine.update_weights_from_tensors(named.items(), version=1, share=share)
+    assert engine.stats()["quantize_s"] > 0
+    assert [o.log_probs for o in sample(engine)] == want != before
+    # weights changed in place through the engine's own parameters, no load: the next forward
+    # sees them (their version moved)
+    with torch.no_grad():
+        for n, p in old.named_parameters():
+            engine.model.get_parameter(n).copy_(p)
+    engine.flush_cache()  # prefix K/V computed with the other weights (a load flushes them too)
+    assert [o.log_probs for o in sample(engine)] == before
+
+
+def test_sleep_drops_the_copies_and_a_sync_rebuilds_them():
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, quantization="fp16")
+    before = [o.log_probs for o in sample(engine)]
+    engine.sleep()
+    assert all(lay.packed is None for lay in engine.quant.layers.values())
+    engine.wake()
+    engine.update_weights_from_tensors(make_model(seed=1).named_parameters(), version=2)
+    assert [o.log_probs for o in sample(engine)] == before
+
+
+def test_errors_name_the_option():
+    with pytest.raises(ValueError, match=r"rollout.quantization: one of none, fp16, int8, fp8, got 'int4'"):
+        check_quantization("int4", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"rollout.quantization: int8 runs on the CPU, the engine is on meta; use fp8"):
+        check_quantization("int8", torch.device("meta"))
+    with pytest.raises(ValueError, match=r"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on cpu; use int8"):
+        check_quantization("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"engine quantization: one of none, fp16, int8, fp8, got 'q4'"):
+        LLMEngine(make_model(), kv_cache_tokens=512, quantization="q4")
+    with pytest.raises(ConfigError, match=r"rollout.quantization: one of none, fp16, int8, fp8, got 'bf8'"):
+        build_config(None, {"rollout.quantization": "bf8"})
+    with pytest.raises(ConfigError, match=r"rollout.quantization: runs in tidal's engine; rollout.engine 'hf'"):
+        build_config(None, {"rollout.quantization": "int8", "rollout.engine": "hf"})
+
+
+def test_the_loop_trains_on_quantized_samples_with_the_correction(tiny_model_dir, tmp_path):
+    over = {
+        "train.num_steps": 3,
+        "rollout.quantization": "int8",
+        "algo.is_correction": "truncate",
+        "algo.is_high": 2.0,
+    }
+    history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
+    assert len(history) == 3 and all(h["actor/grad_norm"] > 0 for h in history)
+    # the engine's policy is the rounded one: the trainer sees a small, non-zero gap, and the
+    # correction's weights are reported (an fp32 engine gives < 1e-4, tests/test_moe_loop.py)
+    gaps = [h["actor/rollout_logprob_abs_diff"] for h in history]
+    assert all(1e-5 < g < 0.2 for g in gaps), gaps
+    assert all(any(k.startswith("is/") for k in h) for h in history)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 runs on a CUDA GPU")
+def test_fp8_on_a_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    torch.manual_seed(0)
+    w = torch.randn(64, 96, device="cuda")
+    x = torch.randn(5, 96, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_fp8(w)
+    y = fp8_linear(x, wq, ws, None)
+    exact = x.float() @ w.t()
+    assert y.dtype == torch.bfloat16 and float((y.float() - exact).norm() / exact.norm()) < 0.08
+    model = make_model(seed=1, hidden_size=64, intermediate_size=128)
+    engine = LLMEngine(model, dtype="bfloat16", kv_cache_tokens=512, quantization="fp8", device="cuda")
+    assert len(engine.quant.layers) == 2 * 7 + 1  # vocab 320 and widths 64/128/32 are multiples of 16
+    outs = sample(engine)
+    assert all(len(o.token_ids) > 0 and all(lp <= 0 for lp in o.log_probs) for o in outs)
+    ref = rounded_copy(make_model(seed=1).to("cuda", torch.bfloat16), engine.quant)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        got = torch.tensor(out.log_probs)
+        want = forward_logprobs(ref.to("cuda"), prompt, out.token_ids).cpu()
+        assert float((got - want).abs().mean()) < 0.1  # bf16 activations rounded to fp8 per token

@@ -1,0 +1,183 @@
+"""Low-precision rollout weights (`rollout.quantization`): the engine's linear layers read fewer
+weight bytes per token, the trainer stays in full precision.
+
+- `fp16` (CPU): weight-only; each weight is stored in float16 (2x fewer bytes than fp32) and
+  widened to fp32 inside fbgemm's kernel (`quantized::linear_dynamic_fp16`), activations and
+  accumulation stay fp32. Vectorised with AVX2's F16C, so it pays on every x86 CPU.
+- `int8` (CPU): weight-only; each weight row w_n is stored as int8 with its own scale
+  s_n = max|w_n| / 127 (q = round(w / s), symmetric, per output channel; 4x fewer bytes than
+  fp32), y = (x · q_n) s_n + b in the activations' dtype (`aten::_weight_int8pack_mm`). That
+  kernel is vectorised for AVX-512; on an AVX2-only CPU it is slower than fp32 (measured), and
+  the engine says so.
+- `fp8` (CUDA, compute capability >= 8.9): weights as float8_e4m3fn with a scale per output
+  channel, activations quantized per token, `torch._scaled_mm` with row-wise scales.
+
+Not offered: fbgemm's dynamic int8 (int8 weights and int8 activations quantized per call with
+one scale per tensor). It is fast on AVX2 (2-4x fp32) but SmolLM2's activation outliers make its
+policy another model (KL 1.8 nats per token from the fp32 policy, against 0.0066 for weight-only
+int8 and < 1e-5 for fp16 weights), more than an importance correction can repair.
+
+Every `nn.Linear` of the model is quantized except MoE routers (the engine's routing must be the
+model's own choice, and a router is tiny) and layers whose shapes a kernel cannot take; the
+embedding, norms and attention stay in the engine's dtype. The quantized copy sits beside the
+full-precision weights, which stay the parameters weight syncs load into. Every load re-quantizes
+all layers (`Quantizer.refresh`, timed in the engine's `quantize_s`), and a layer whose parameter
+was changed in place or given new storage since re-quantizes itself at its next call. (A trainer's
+in-place step on a tensor the engine shares reaches the engine through the sync's load, as the
+synchronous loop does every step.)
+
+The sampled tokens come from the quantized policy, whose log-probs the engine returns: the
+trainer scores them in full precision, and `algo.is_correction` re-weights the gap.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+
+from tidal import moe
+
+QUANTIZATIONS = ("none", "fp16", "int8", "fp8")
+CPU_KINDS = ("fp16", "int8")
+FP8 = torch.float8_e4m3fn
+
+
+def check_quantization(kind: str, device: torch.device) -> None:
+    """Raise ValueError (naming `rollout.quantization`) unless `kind` runs on `device`."""
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"rollout.quantization: one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    if kind in CPU_KINDS and device.type != "cpu":
+        raise ValueError(f"rollout.quantization: {kind} runs on the CPU, the engine is on {device}; use fp8")
+    if kind == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("rollout.quantization: fp16 needs PyTorch's fbgemm kernels (x86), which this build lacks")
+    if kind == "fp8":
+        if device.type != "cuda":
+            raise ValueError(f"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on {device}; use int8")
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"rollout.quantization: fp8 needs compute capability >= 8.9, this GPU has {cap}")
+
+
+def _version(w: Tensor) -> tuple[int, int]:
+    try:
+        return w.data_ptr(), w._version
+    except RuntimeError:  # an inference tensor keeps no version: its storage is all we can see
+        return w.data_ptr(), -1
+
+
+class QuantizedLinear:
+    """One `nn.Linear`'s forward in low precision; re-quantizes when the weight changed."""
+
+    def __init__(self, mod: nn.Linear, kind: str) -> None:
+        self.mod, self.kind = mod, kind
+        self.key: tuple[int, int] | None = None
+        self.packed = None
+
+    def refresh(self) -> None:
+        w, b = self.mod.weight.detach(), self.mod.bias
+        b = None if b is None else b.detach()
+        if self.kind == "fp16":
+            self.packed = torch.ops.quantized.linear_prepack_fp16(w.float(), None if b is None else b.float())
+        elif self.kind == "int8":
+            self.packed = quantize_int8(w) + (b,)
+        else:
+            self.packed = quantize_fp8(w) + (b,)
+        self.key = _version(self.mod.weight)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.key != _version(self.mod.weight):
+            self.refresh()
+        flat = x.reshape(-1, x.shape[-1])
+        if self.kind == "fp16":
+            y = torch.ops.quantized.linear_dynamic_fp16(flat.float(), self.packed)
+        elif self.kind == "int8":
+            y = int8_linear(flat, *self.packed)
+        else:
+            y = fp8_linear(flat, *self.packed)
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """`w` [N, K] as int8 per output channel and its scales [N]: q = round(w / s),
+    s_n = max_k |w_nk| / 127."""
+    scale = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(w.dtype)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K] · (q s)^T + b, the int8 weights widened inside the kernel."""
+    y = torch.ops.aten._weight_int8pack_mm(x.to(scale.dtype), q, scale)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """`w` [N, K] as float8_e4m3fn, transposed for `_scaled_mm` ([K, N] column-major), and its
+    per-channel scale [1, N]: q = w / s, s_n = max_k |w_nk| / 448."""
+    scale = (w.float().abs().amax(dim=1) / torch.finfo(FP8).max).clamp_min(1e-12)
+    q = (w.float() / scale[:, None]).to(FP8)
+    return q.t(), scale[None, :]
+
+
+def fp8_linear(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K] · w^T with x quantized per row to float8_e4m3fn: y = (s_x s_w) (q_x · q_w) + b."""
+    xs = (x.float().abs().amax(dim=1, keepdim=True) / torch.finfo(FP8).max).clamp_min(1e-12)
+    xq = (x.float() / xs).to(FP8)
+    out = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    y = torch._scaled_mm(xq, wq, scale_a=xs, scale_b=w_scale, out_dtype=out)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _fits(mod: nn.Linear, kind: str) -> bool:
+    n, k = mod.weight.shape
+    return kind != "fp8" or (n % 16 == 0 and k % 16 == 0)  # _scaled_mm's alignment
+
+
+class Quantizer:
+    """The model's linear layers, each run by a `QuantizedLinear` of `kind`."""
+
+    def __init__(self, model: nn.Module, kind: str) -> None:
+        check_quantization(kind, next(model.parameters()).device)
+        routers = {id(r) for r in moe.routers(model)}
+        self.layers: dict[str, QuantizedLinear] = {}
+        for name, mod in model.named_modules():
+            if type(mod) is nn.Linear and id(mod) not in routers and _fits(mod, kind):
+                layer = QuantizedLinear(mod, kind)
+                mod.forward = layer
+                self.layers[name] = layer
+        self.refresh_s = 0.0
+        self.refresh()
+
+    def refresh(self) -> float:
+        """Quantize every layer from its current weights; returns (and keeps) the seconds it took."""
+        t0 = time.perf_counter()
+        for layer in self.layers.values():
+            layer.refresh()
+        self.refresh_s = time.perf_counter() - t0
+        return self.refresh_s
+
+    def release(self) -> None:
+        """Drop the quantized copies (the engine sleeps); the next forward or refresh rebuilds them."""
+        for layer in self.layers.values():
+            layer.packed, layer.key = None, None
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(bytes of the quantized weights, bytes of their full-precision originals)."""
+        full = quant = 0
+        for layer in self.layers.values():
+            w = layer.mod.weight
+            full += w.numel() * w.element_size()
+            quant += w.numel() * 2 if layer.kind == "fp16" else w.numel() + 4 * w.shape[0]  # + a scale per row
+        return quant, full
+
+
+def dequantized(layer: QuantizedLinear) -> Tensor:
+    """The weight [N, K] the layer computes with, in fp32 (for tests: the rounding alone)."""
+    if layer.kind == "fp16":
+        return layer.mod.weight.detach().to(torch.float16).float()
+    q, scale = layer.packed[:2]
+    if layer.kind == "int8":
+        return q.float() * scale.float()[:, None]
+    return (q.float() * scale).t()
