@@ -14,6 +14,7 @@ BENCHES = (
     "no_barrier",
     "lora",
     "routing_replay",
+    "decode",
 )
 
 

@@ -163,6 +163,7 @@ def test_the_loop_trains_on_quantized_samples_with_the_correction(tiny_model_dir
     over = {
         "train.num_steps": 3,
         "rollout.quantization": "int8",
+        "cluster.device": "cpu",  # int8 is a CPU format (on a GPU machine too)
         "algo.is_correction": "truncate",
         "algo.is_high": 2.0,
     }
