@@ -33,6 +33,7 @@ trainer scores them in full precision, and `algo.is_correction` re-weights the g
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor, nn
@@ -153,8 +154,9 @@ class Quantizer:
     def refresh(self) -> float:
         """Quantize every layer from its current weights; returns (and keeps) the seconds it took."""
         t0 = time.perf_counter()
-        for layer in self.layers.values():
-            layer.refresh()
+        # fbgemm packs a matrix on one thread: pack torch's thread count of them at once
+        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+            list(pool.map(QuantizedLinear.refresh, self.layers.values()))
         self.refresh_s = time.perf_counter() - t0
         return self.refresh_s
 
