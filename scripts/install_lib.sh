@@ -1,4 +1,4 @@
-# Sourced by setup.sh and setup_vllm.sh once their venv is active: `install ARGS...` runs
+# Sourced by setup.sh and setup_vllm.sh once their venv is active: `pkg_install ARGS...` runs
 # `uv pip install ARGS` (uv put into the venv by pip, told where pip looks for packages here), or
 # `pip install ARGS` where uv cannot be had, where it fails, or with TIDAL_INSTALLER=pip.
 # Both skip what is already installed, so a second set-up installs nothing.
@@ -18,18 +18,18 @@ if [ -n "$_uv" ]; then
   mapfile -t _uv_args < <(python "$(dirname "${BASH_SOURCE[0]}")/pip_to_uv.py")
 fi
 
-install() {
+pkg_install() {
   if [ -n "$_uv" ]; then
     if "$_uv" pip install -q --python "$VIRTUAL_ENV/bin/python" "${_uv_args[@]}" "$@"; then
       return 0
     fi
-    echo "setup: uv failed on 'install $*'; using pip from here on" >&2
+    echo "setup: uv failed to install '$*'; using pip from here on" >&2
     _uv=""
   fi
   python -m pip install -q "$@"
 }
 
-uninstall() {
+pkg_uninstall() {
   if [ -n "$_uv" ]; then
     "$_uv" pip uninstall -q --python "$VIRTUAL_ENV/bin/python" "$@" 2>/dev/null || true
   else

