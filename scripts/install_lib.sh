@@ -1,7 +1,7 @@
 # Sourced by setup.sh and setup_vllm.sh once their venv is active: `pkg_install ARGS...` runs
 # `uv pip install ARGS` (uv put into the venv by pip, told where pip looks for packages here), or
 # `pip install ARGS` where uv cannot be had, where it fails, or with TIDAL_INSTALLER=pip.
-# Both skip what is already installed, so a second set-up installs nothing.
+# Both skip what is already installed: a second set-up only rebuilds tidal's editable install.
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 _uv=""
 if [ "${TIDAL_INSTALLER:-uv}" != pip ]; then
