@@ -2,7 +2,7 @@
 # Set up, convert SmolLM2-135M-Instruct once, and run the quickstart GRPO job on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+TIDAL_EXTRAS="" bash scripts/setup.sh  # no test tools: just what the run needs
 . .venv/bin/activate
 tidal convert
 # a second run goes to a new folder: tidal refuses to start a new run in a used one
