@@ -3,8 +3,16 @@ built in-process so no test downloads or converts anything."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
+
+# Sync rewards run in a pool of `forkserver` processes (tidal.rollout.reward_pool; 8 by default), and
+# each new worker imported torch and this module afresh: ~15 s of a loaded 2-core machine per loop
+# test. Workers forked from a server that has already imported them start at once; what runs in
+# them is unchanged.
+multiprocessing.set_forkserver_preload(["__main__", "torch", "conftest", "tidal.rollout.reward_pool"])
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
