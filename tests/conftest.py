@@ -3,8 +3,43 @@ built in-process so no test downloads or converts anything."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import pytest
 import torch
+
+# Sync rewards run in a pool of `forkserver` processes (tidal.rollout.reward_pool; 8 by default), and
+# each new worker imported torch and this module afresh: ~15 s of a loaded 2-core machine per loop
+# test. Workers forked from a server that has already imported them start at once; what runs in
+# them is unchanged.
+multiprocessing.set_forkserver_preload(["__main__", "torch", "conftest", "tidal.rollout.reward_pool"])
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each of the N workers gets cores/N torch threads (at least 1), and the
+    processes the tests start inherit that through OMP_NUM_THREADS / MKL_NUM_THREADS: N workers with
+    every core each would contend, and tiny matmuls run far slower on contended threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    torch.set_num_threads(threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
+_share_the_cores()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of one module on the session's Ray (`ray_session`) form a pytest-xdist group: with
+    `--dist loadgroup` they run in one worker, which starts its local Ray once for all of them;
+    two such modules may run at once in two workers, each with a Ray of its own."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(f"ray-{item.path.stem}"))
+
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -176,21 +211,36 @@ def token_sum_parity_reward(sample) -> float:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """The converted SmolLM2-135M-Instruct folder (`ensure_model("smollm2")`). The first use converts
+    it into the shared cache; a file lock makes test processes running at once (pytest-xdist
+    workers, the vLLM tests beside the main suite) wait for that one conversion instead of each
+    converting and replacing the folder while another reads it."""
+    import fcntl
+
+    from tidal.convert import default_cache_dir, ensure_model
+
+    default_cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(default_cache_dir() / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_model("smollm2")
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the cluster tests (4 logical CPUs on any machine), shut down at the end."""
-    import os
+    import shutil
     import tempfile
 
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=os.path.join(tempfile.gettempdir(), f"tidal-ray-test-{os.getuid()}"),
-    )
+    # a folder of this session's own (short: Ray's socket paths must fit in 107 bytes), so a Ray
+    # started by another test process at the same time (pytest-xdist, the vLLM tests) never shares it
+    temp_dir = tempfile.mkdtemp(prefix="tidal-ray-")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def loop_config(model_dir, out_dir, **over):

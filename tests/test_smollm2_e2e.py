@@ -7,13 +7,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from tidal.convert import ensure_model
-
-    path = ensure_model("smollm2")
-    return path, AutoTokenizer.from_pretrained(str(path))
+    return smollm2_dir, AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def test_converted_folder_is_a_complete_hf_model(smollm2):

@@ -19,10 +19,9 @@ pytestmark = [
 
 # LoRA: vLLM takes the merged weights (W + s·B·A) whole at every push, and serves what was trained
 @pytest.mark.parametrize("lora", [{}, {"train.lora_rank": 8, "train.lr": 1e-4}], ids=["full", "lora"])
-def test_three_grpo_steps_on_smollm2_with_vllm(tmp_path, monkeypatch, lora):
+def test_three_grpo_steps_on_smollm2_with_vllm(smollm2_dir, tmp_path, monkeypatch, lora):
     import tidal.loop
     from tidal.config import build_config
-    from tidal.convert import ensure_model
     from tidal.train.actor import Actor
 
     gaps, versions = [], []
@@ -44,7 +43,7 @@ def test_three_grpo_steps_on_smollm2_with_vllm(tmp_path, monkeypatch, lora):
     cfg = build_config(
         None,
         {
-            "train.model": str(ensure_model("smollm2")),
+            "train.model": str(smollm2_dir),
             "train.output_dir": str(tmp_path),
             "train.num_steps": 3,
             "train.dtype": "float32",

@@ -31,13 +31,12 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.convert import ensure_model
     from tidal.engine.vllm_core import VLLMCore
 
-    path = ensure_model("smollm2")
+    path = smollm2_dir
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompts = [
