@@ -73,9 +73,9 @@ def rounded_copy(model, quant: Quantizer):
 
 
 def forward_logprobs(model, prompt, tokens):
-    ids = torch.tensor([prompt + tokens])
+    ids = torch.tensor([prompt + tokens], device=model.device)
     with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1).cpu()
     return lp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -195,5 +195,5 @@ def test_fp8_on_a_gpu():
     ref = rounded_copy(make_model(seed=1).to("cuda", torch.bfloat16), engine.quant)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         got = torch.tensor(out.log_probs)
-        want = forward_logprobs(ref.to("cuda"), prompt, out.token_ids).cpu()
+        want = forward_logprobs(ref, prompt, out.token_ids)
         assert float((got - want).abs().mean()) < 0.1  # bf16 activations rounded to fp8 per token
