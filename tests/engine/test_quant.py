@@ -56,7 +56,8 @@ def test_a_layer_computes_with_its_rounded_weight(kind):
     torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)
     # the rounding is real and as small as its format allows
     err = (w - lin.weight.detach()).abs()
-    assert 0 < float(err.max()) <= float(lin.weight.detach().abs().max()) * {"fp16": 2**-11, "int8": 0.5 / 127}[kind] * 1.001
+    bound = {"fp16": 2**-11, "int8": 0.5 / 127}[kind] * float(lin.weight.detach().abs().max())
+    assert 0 < float(err.max()) <= bound * 1.001
 
 
 def rounded_copy(model, quant: Quantizer):
@@ -149,7 +150,8 @@ def test_errors_name_the_option():
         check_quantization("int4", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"rollout.quantization: int8 runs on the CPU, the engine is on meta; use fp8"):
         check_quantization("int8", torch.device("meta"))
-    with pytest.raises(ValueError, match=r"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on cpu; use int8"):
+    msg = r"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on cpu; use int8"
+    with pytest.raises(ValueError, match=msg):
         check_quantization("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"engine quantization: one of none, fp16, int8, fp8, got 'q4'"):
         LLMEngine(make_model(), kv_cache_tokens=512, quantization="q4")
