@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from tidal import moe
+from tidal.hardware import CPU, is_cuda
 
 QUANTIZATIONS = ("none", "fp16", "int8", "fp8")
 CPU_KINDS = ("fp16", "int8")
@@ -49,12 +50,12 @@ def check_quantization(kind: str, device: torch.device) -> None:
     """Raise ValueError (naming `rollout.quantization`) unless `kind` runs on `device`."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"rollout.quantization: one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
-    if kind in CPU_KINDS and device.type != "cpu":
+    if kind in CPU_KINDS and device.type != CPU:
         raise ValueError(f"rollout.quantization: {kind} runs on the CPU, the engine is on {device}; use fp8")
     if kind == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ValueError("rollout.quantization: fp16 needs PyTorch's fbgemm kernels (x86), which this build lacks")
     if kind == "fp8":
-        if device.type != "cuda":
+        if not is_cuda(device):
             raise ValueError(f"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on {device}; use int8")
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
