@@ -101,13 +101,14 @@ class BatchPlan:
     single_union: Tensor | None = None  # [Bd, C] like single_slots
     multi_union: list[Tensor] = field(default_factory=list)  # like multi's context slots
     windowed: dict[int, Tensor] = field(default_factory=dict)  # single_mask within a sliding window
+    only_single: bool = False  # every sequence computes one token (a pure decode step)
 
     def to(self, device: torch.device) -> BatchPlan:
-        skip = ("multi", "multi_union", "windowed")
+        skip = ("multi", "multi_union", "windowed", "only_single")
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
         multi_union = [ctx.to(device, non_blocking=True) for ctx in self.multi_union]
-        return BatchPlan(**moved, multi=multi, multi_union=multi_union)
+        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single)
 
     def decode_mask(self, window: int | None) -> Tensor:
         """The single tokens' context mask, less the keys a sliding window of `window` hides (a
@@ -193,6 +194,7 @@ class ModelRunner:
         self.latent: dict[int, tuple[int, int, int]] = {}  # MLA layers: (1, latent rank, rope dims)
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
+        self._buffers: list[Tensor | None] = [None, None]  # decode's gathered keys and values
         self._probe()
         self.allocate()
 
@@ -228,6 +230,7 @@ class ModelRunner:
 
     def release(self) -> None:
         self.k_cache, self.v_cache, self.routes = [], [], None
+        self._buffers = [None, None]
 
     def kv_bytes(self) -> int:
         slots = self.num_blocks * self.block_size
@@ -246,27 +249,39 @@ class ModelRunner:
 
     @on_host
     def _host_plan(self, seqs: list[Sequence]) -> BatchPlan:
+        # Built from Python lists with a few tensor calls: a decode step's plan is rebuilt every
+        # step, and per-sequence tensor ops cost more than the whole plan's arithmetic.
+        bs = self.block_size
         ids, pos, slots, last = [], [], [], []
-        single_tok, single_ctx, multi = [], [], []
+        single_tok, single_len, single_tables, multi = [], [], [], []
         flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
-            ctx = self._context_slots(seq, end)
-            ids.extend(seq.tokens[start:end])
-            pos.append(torch.arange(start, end))
-            slots.append(ctx[start:])
-            last.append(flat + end - start - 1)
+            table = seq.block_table
             if end - start == 1:
+                ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 single_tok.append(flat)
-                single_ctx.append(ctx)
+                single_len.append(end)
+                single_tables.append(table)
             else:
+                ctx = self._context_slots(seq, end)
+                ids.extend(seq.tokens[start:end])
+                pos.extend(range(start, end))
+                slots.extend(ctx[start:].tolist())
                 multi.append((flat, flat + end - start, ctx, start))
             flat += end - start
-        if single_ctx:
-            lengths = torch.tensor([len(c) for c in single_ctx])
-            single_slots = torch.nn.utils.rnn.pad_sequence(single_ctx, batch_first=True)
-            single_pos = torch.arange(single_slots.shape[1])[None, :].expand(len(single_ctx), -1)
+            last.append(flat - 1)
+        if single_tables:
+            lengths = torch.tensor(single_len)
+            width = max(len(t) for t in single_tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in single_tables])
+            single_slots = (table[:, :, None] * bs + self._offsets).view(len(single_tables), -1)
+            single_slots = single_slots[:, : int(lengths.max())]
+            single_pos = torch.arange(single_slots.shape[1])[None, :].expand(len(single_tables), -1)
             single_mask = (single_pos < lengths[:, None])[:, None, None, :]
+            single_slots = single_slots.masked_fill(~single_mask[:, 0, 0], 0)
             single_qpos = lengths - 1
         else:
             single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
@@ -282,8 +297,8 @@ class ModelRunner:
             }
         return BatchPlan(
             input_ids=torch.tensor(ids),
-            positions=torch.cat(pos),
-            slots=torch.cat(slots),
+            positions=torch.tensor(pos),
+            slots=torch.tensor(slots),
             last=torch.tensor(last),
             single_tok=torch.tensor(single_tok, dtype=torch.long),
             single_slots=single_slots,
@@ -291,6 +306,7 @@ class ModelRunner:
             single_pos=single_pos,
             single_qpos=single_qpos,
             multi=multi,
+            only_single=not multi,
             **latent,
         )
 
@@ -319,18 +335,20 @@ class ModelRunner:
             vc.index_copy_(0, plan.slots, v.to(vc.dtype))
             single_src, multi_src = plan.single_slots, [ctx for _, _, ctx, _ in plan.multi]
         hkv = kc.shape[1]
-        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
         if plan.single_tok.numel():
             b = plan.single_tok.numel()
             # grouped-query attention with one query token: the G query heads sharing a KV head
             # become G query rows of that head (query head h uses KV head h // G), which is about
             # twice as fast on CPU as sdpa's enable_gqa
-            qd = q[plan.single_tok].view(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
-            flat = single_src.reshape(-1)  # index_select: much faster than advanced indexing on CPU
-            kd = kc.index_select(0, flat).view(*single_src.shape, *kc.shape[1:]).transpose(1, 2)
-            vd = vc.index_select(0, flat).view(*single_src.shape, *vc.shape[1:]).transpose(1, 2)
-            o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap)
-            out[plan.single_tok] = o.reshape(b, -1, vc.shape[2])
+            qd = (q if plan.only_single else q[plan.single_tok]).reshape(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
+            kd = self._gather(kc, single_src, 0).transpose(1, 2)
+            vd = self._gather(vc, single_src, 1).transpose(1, 2)
+            o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap).reshape(b, -1, vc.shape[2])
+            if plan.only_single:
+                return o
+        out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
+        if plan.single_tok.numel():
+            out[plan.single_tok] = o
         for (start, end, _, cached), ctx in zip(plan.multi, multi_src, strict=True):
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
@@ -338,6 +356,19 @@ class ModelRunner:
             mask = causal_mask(end - start, len(ctx), cached, window, q.device)  # query i at cached + i
             out[start:end] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
         return out
+
+    def _gather(self, cache: Tensor, src: Tensor, which: int) -> Tensor:
+        """cache[src] ([*src.shape, *cache.shape[1:]]) by index_select (much faster than advanced
+        indexing on a CPU) into a buffer kept between layers and steps (`which`: 0 keys, 1 values):
+        a fresh tensor of that size per layer costs page faults, ~40% on top of the copy."""
+        shape = (*src.shape, *cache.shape[1:])
+        n = math.prod(shape)
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < n or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = self._buffers[which] = cache.new_empty(n)
+        out = buf[:n].view(-1, *cache.shape[1:])
+        torch.index_select(cache, 0, src.reshape(-1), out=out)
+        return out.view(shape)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> Tensor:
