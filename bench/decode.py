@@ -6,6 +6,10 @@
 
 Three things measured in one process, one after another, on the machine it runs on:
 
+- **formats**: `none` is the linear layers run by MKL on the parameters themselves (torch's
+  default), `packed` the engine's default for float32 on a CPU (`pack_weights`: oneDNN's kernel on
+  copies in its blocked layout, `tidal.engine.quant.PACKED`), `fp16`/`int8`/`fp8` the
+  `rollout.quantization` formats.
 - **limits**: the read bandwidth of memory (a sum over 1 GiB) and the matmul rate of the model's
   own linear layers at the batch size, two ways: `hot` (each weight multiplied 20 times in a row,
   its matrix in cache: the kernel's best) and `stream` (all of the model's weights once, in the
@@ -16,7 +20,9 @@ Three things measured in one process, one after another, on the machine it runs 
   forward, sampling and bookkeeping. Its matmul rate counts 2 x batch x (weights of the linear
   layers) FLOPs per step; `% of stream` is the step's rate over the streamed matrix products'
   rate in the same format, i.e. the share of the step spent in matrix products at the best speed
-  this machine gives them. Attention and everything else make up the rest.
+  this machine gives them. Attention and everything else make up the rest. `% of best fp32` is
+  the step's rate over the faster of the `none` and `packed` streamed rates: the machine's fp32
+  limit for those shapes, whichever kernel reaches it.
 - `--model random` is SmolLM2-135M's shape with random weights (no checkpoint needed).
 """
 
@@ -29,6 +35,7 @@ import time
 import torch
 
 from bench.common import machine, write_result
+from tidal.engine.quant import PACKED, packs
 
 SMOLLM2_SHAPE = {
     "vocab_size": 49152,
@@ -115,7 +122,8 @@ def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, step
         dtype=str(dtype).split(".")[-1],
         device=device,
         kv_cache_tokens=batch * (64 + steps + 16) * 2,
-        quantization=kind,
+        quantization="none" if kind == PACKED else kind,
+        pack_weights=kind == PACKED,
     )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40000, (40,), generator=gen).tolist() for _ in range(max(1, batch // 4))]
@@ -159,13 +167,17 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
-        "--quantization", nargs="+", default=None, help="formats (default: none fp16 int8 on a CPU, none fp8 on CUDA)"
+        "--quantization",
+        nargs="+",
+        default=None,
+        help="formats (default: none packed fp16 int8 on a CPU, none fp8 on CUDA)",
     )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    kinds = args.quantization or (["none", "fp16", "int8"] if args.device == "cpu" else ["none", "fp8"])
     dtype = getattr(torch, args.dtype)
+    packed = [PACKED] if packs(torch.device(args.device), dtype) else []
+    kinds = args.quantization or (["none", *packed, "fp16", "int8"] if args.device == "cpu" else ["none", "fp8"])
     info = machine()
     print(
         f"{info['cpu_model']} ({info['cpu_capability']}, bf16 native: {info['bf16_native']}), "
@@ -190,11 +202,23 @@ def main() -> None:
             }
             rows.append(row)
             print(
-                f"batch {batch:3d} {kind:5s} step {1e3 * row['step_s']:7.1f} ms ({row['tokens_per_s']:6.0f} tok/s, "
+                f"batch {batch:3d} {kind:6s} step {1e3 * row['step_s']:7.1f} ms ({row['tokens_per_s']:6.0f} tok/s, "
                 f"{row['gflops']:6.1f} GFLOP/s) | products streamed {1e3 * rates['stream_s']:7.1f} ms "
                 f"({rates['stream_gflops']:6.1f}), hot {rates['hot_gflops']:6.1f} GFLOP/s | "
                 f"step at {row['pct_of_stream']:5.1f}% of streamed, {row['pct_of_hot']:5.1f}% of hot | "
                 f"re-quantize {row['quantize_s']:.2f} s",
+                flush=True,
+            )
+        full = [r for r in rows if r["batch"] == batch and r["quantization"] in ("none", PACKED)]
+        if full:
+            best = max(full, key=lambda r: r["stream_gflops"])
+            for r in rows:
+                if r["batch"] == batch:
+                    r["pct_of_best_fp32"] = 100 * r["gflops"] / best["stream_gflops"]
+            print(
+                f"batch {batch:3d}: best {args.dtype} streamed products {best['stream_gflops']:.1f} GFLOP/s "
+                f"({best['quantization']}); steps at "
+                + ", ".join(f"{r['quantization']} {r['pct_of_best_fp32']:.1f}%" for r in rows if r["batch"] == batch),
                 flush=True,
             )
     path = write_result(

@@ -12,6 +12,8 @@ import tidal.loop
 from tidal.config import ConfigError, build_config
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.quant import (
+    PACKED,
+    PACKED_MAX_ROWS,
     QuantizedLinear,
     Quantizer,
     check_quantization,
@@ -103,6 +105,27 @@ def test_the_engine_samples_from_the_rounded_model(kind):
     assert float(torch.cat(gap).max()) > 1e-6  # it is not the full-precision model
 
 
+def test_packed_weights_compute_the_full_precision_model():
+    """fp32 on a CPU packs for oneDNN by default: the same model (the products summed in another
+    order), sampled exactly like the unpacked engine; a call of more rows runs on the parameters."""
+    model = make_model(seed=1)
+    packed = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512)
+    plain = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, pack_weights=False)
+    assert plain.quant is None and len(packed.quant.layers) == 2 * 7 + 1
+    assert all(lay.kind == PACKED for lay in packed.quant.layers.values())
+    assert packed.quant.weight_bytes()[0] == packed.quant.weight_bytes()[1]  # a copy, not a rounding
+    outs, plain_outs = sample(packed), sample(plain)
+    for prompt, out, ref in zip(PROMPTS, outs, plain_outs, strict=True):
+        assert out.token_ids == ref.token_ids
+        got = torch.tensor(out.log_probs)
+        torch.testing.assert_close(got, torch.tensor(ref.log_probs), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, forward_logprobs(model, prompt, out.token_ids), rtol=0, atol=1e-4)
+    layer = packed.quant.layers["model.layers.0.mlp.down_proj"]
+    x = torch.randn(PACKED_MAX_ROWS + 1, layer.mod.in_features)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.mod.weight))  # MKL on the parameter
+    torch.testing.assert_close(layer(x[:3]), torch.nn.functional.linear(x[:3], layer.mod.weight))
+
+
 def test_moe_routers_stay_full_precision():
     model = make_moe_model("qwen3_moe")
     engine = LLMEngine(model, dtype="float32", kv_cache_tokens=512, quantization="fp16")
@@ -113,13 +136,15 @@ def test_moe_routers_stay_full_precision():
     assert engine.quant.layers  # the attention projections are quantized
 
 
+@pytest.mark.parametrize("kind", ["int8", "none"], ids=["int8", "packed"])
 @pytest.mark.parametrize("share", [False, True], ids=["copied", "shared"])
-def test_every_weight_change_is_requantized(share):
+def test_every_weight_change_is_requantized(share, kind):
     """After a load (copied or shared storage) and after an in-place change of the engine's
-    parameters, the engine computes what a fresh quantized engine on those weights does."""
+    parameters, the engine computes what a fresh quantized (or packed) engine on those weights does."""
     old, new = make_model(seed=1), make_model(seed=2)
-    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, quantization="int8")
-    fresh = LLMEngine(make_model(seed=2), dtype="float32", kv_cache_tokens=512, quantization="int8")
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, quantization=kind)
+    fresh = LLMEngine(make_model(seed=2), dtype="float32", kv_cache_tokens=512, quantization=kind)
+    assert engine.quant.layers["lm_head"].kind == (PACKED if kind == "none" else kind)
     want = [o.log_probs for o in sample(fresh)]
     before = [o.log_probs for o in sample(engine)]
     named = {n: p.detach().clone() for n, p in new.named_parameters()}

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
-from tidal.engine.quant import QUANTIZATIONS, Quantizer
+from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
 from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
@@ -51,6 +51,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = CPU  # where the weights, the KV cache and the step's tensors live (resolved by the caller)
     quantization: str = "none"  # int8 (CPU) | fp8 (CUDA) linear layers: `tidal.engine.quant`
+    # unquantized float32 on a CPU: linear layers from copies packed for oneDNN (`quant.PACKED`),
+    # re-packed at every load; a second copy of the weights in memory
+    pack_weights: bool = True
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -96,7 +99,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
-        self.quant = None if cfg.quantization == "none" else Quantizer(self.model, cfg.quantization)
+        kind = cfg.quantization
+        if kind == "none":
+            kind = PACKED if cfg.pack_weights and packs(self.device, dtype) else None
+        self.quant = Quantizer(self.model, kind) if kind else None
         eos = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -271,7 +277,7 @@ class LLMEngine:
             return
         named, self._staged = {**self._staged, **named}, {}
         load_named_tensors(self.model, named.items(), share, complete=not partial)
-        if self.quant is not None:  # quantize now, not in the first forward (the cost shows in stats)
+        if self.quant is not None:  # quantize or pack now, not in the first forward (the cost shows in stats)
             self.counters["quantize_s"] += self.quant.refresh()
         self.weight_version = self.weight_version + 1 if version is None else version
         self._checksum = None
