@@ -23,13 +23,36 @@ stop_vllm() {
 }
 trap stop_vllm EXIT
 trap 'exit 130' INT TERM # exiting runs the EXIT trap
+# The vLLM part's pytest arguments: the caller's, with a marker expression of theirs (`-m EXPR`,
+# `-mEXPR`; pytest keeps the last) combined with `vllm` rather than replacing it:
+# `-m "not slow"` runs `-m "vllm and (not slow)"` there. Everything after `--` is passed as it is.
+vllm_args=()
+vllm_mark=vllm
+expr_next=0
+verbatim=0
+for a in "$@"; do
+  if [ "$verbatim" = 1 ]; then
+    vllm_args+=("$a")
+  elif [ "$expr_next" = 1 ]; then
+    vllm_mark="vllm and ($a)"
+    expr_next=0
+  else
+    case "$a" in
+      --) verbatim=1; vllm_args+=("$a") ;;
+      -m) expr_next=1 ;;
+      -m*) vllm_mark="vllm and (${a#-m})" ;;
+      *) vllm_args+=("$a") ;;
+    esac
+  fi
+done
+if [ "$expr_next" = 1 ]; then vllm_args+=(-m); fi # no expression after it: pytest says so, as in the main suite
 if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
   vllm_log=$(mktemp "${TMPDIR:-/tmp}/tidal-test-vllm.XXXXXX")
   (
     if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
       bash scripts/setup_vllm.sh
     fi
-    exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+    exec .venv-vllm/bin/python -m pytest -m "$vllm_mark" ${vllm_args[@]+"${vllm_args[@]}"}
   ) >"$vllm_log" 2>&1 &
   vllm_pid=$!
   echo "vLLM tests: running in the background (pid $vllm_pid); their output follows the main suite's"
