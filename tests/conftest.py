@@ -32,15 +32,6 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests of one module on the session's Ray (`ray_session`) form a pytest-xdist group: with
-    `--dist loadgroup` they run in one worker, which starts its local Ray once for all of them;
-    two such modules may run at once in two workers, each with a Ray of its own."""
-    for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(f"ray-{item.path.stem}"))
-
-
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
