@@ -46,6 +46,17 @@ for a in "$@"; do
   fi
 done
 if [ "$expr_next" = 1 ]; then vllm_args+=(-m); fi # no expression after it: pytest says so, as in the main suite
+# Every test process running at once gets its share of the cores as torch threads (tests/conftest.py):
+# the main suite's workers (one process with TIDAL_TEST_WORKERS=0) and the vLLM part's one. The
+# share goes in OMP_NUM_THREADS from the start: OpenMP reads it once, for every thread of the process
+# (torch.set_num_threads sets only the calling thread's; an engine's stepping thread would take all
+# the cores, and vLLM's CPU attention refuses a step run with another thread count than it planned).
+workers=${TIDAL_TEST_WORKERS:-3}
+TIDAL_TEST_PROCESSES=$((workers > 1 ? workers : 1))
+if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then TIDAL_TEST_PROCESSES=$((TIDAL_TEST_PROCESSES + 1)); fi
+threads=$(($(nproc) / TIDAL_TEST_PROCESSES))
+threads=$((threads > 1 ? threads : 1))
+export TIDAL_TEST_PROCESSES OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
 if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
   vllm_log=$(mktemp "${TMPDIR:-/tmp}/tidal-test-vllm.XXXXXX")
   (
@@ -59,7 +70,7 @@ if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
 fi
 
 status=0
-.venv/bin/python -m pytest -n "${TIDAL_TEST_WORKERS:-3}" --dist loadgroup "$@" || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 
 if [ -n "$vllm_pid" ]; then
   vllm_status=0
