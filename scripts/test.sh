@@ -23,20 +23,54 @@ stop_vllm() {
 }
 trap stop_vllm EXIT
 trap 'exit 130' INT TERM # exiting runs the EXIT trap
+# The vLLM part's pytest arguments: the caller's, with a marker expression of theirs (`-m EXPR`,
+# `-mEXPR`; pytest keeps the last) combined with `vllm` rather than replacing it:
+# `-m "not slow"` runs `-m "vllm and (not slow)"` there. Everything after `--` is passed as it is.
+vllm_args=()
+vllm_mark=vllm
+expr_next=0
+verbatim=0
+for a in "$@"; do
+  if [ "$verbatim" = 1 ]; then
+    vllm_args+=("$a")
+  elif [ "$expr_next" = 1 ]; then
+    vllm_mark="vllm and ($a)"
+    expr_next=0
+  else
+    case "$a" in
+      --) verbatim=1; vllm_args+=("$a") ;;
+      -m) expr_next=1 ;;
+      -m*) vllm_mark="vllm and (${a#-m})" ;;
+      *) vllm_args+=("$a") ;;
+    esac
+  fi
+done
+if [ "$expr_next" = 1 ]; then vllm_args+=(-m); fi # no expression after it: pytest says so, as in the main suite
+# Every test process running at once gets its share of the cores as torch threads (tests/conftest.py):
+# the main suite's workers (one process with TIDAL_TEST_WORKERS=0) and the vLLM part's one. The
+# share goes in OMP_NUM_THREADS from the start: OpenMP reads it once, for every thread of the process
+# (torch.set_num_threads sets only the calling thread's; an engine's stepping thread would take all
+# the cores, and vLLM's CPU attention refuses a step run with another thread count than it planned).
+workers=${TIDAL_TEST_WORKERS:-3}
+TIDAL_TEST_PROCESSES=$((workers > 1 ? workers : 1))
+if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then TIDAL_TEST_PROCESSES=$((TIDAL_TEST_PROCESSES + 1)); fi
+threads=$(($(nproc) / TIDAL_TEST_PROCESSES))
+threads=$((threads > 1 ? threads : 1))
+export TIDAL_TEST_PROCESSES OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
 if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
   vllm_log=$(mktemp "${TMPDIR:-/tmp}/tidal-test-vllm.XXXXXX")
   (
     if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
       bash scripts/setup_vllm.sh
     fi
-    exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+    exec .venv-vllm/bin/python -m pytest -m "$vllm_mark" ${vllm_args[@]+"${vllm_args[@]}"}
   ) >"$vllm_log" 2>&1 &
   vllm_pid=$!
   echo "vLLM tests: running in the background (pid $vllm_pid); their output follows the main suite's"
 fi
 
 status=0
-.venv/bin/python -m pytest -n "${TIDAL_TEST_WORKERS:-3}" --dist loadgroup "$@" || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 
 if [ -n "$vllm_pid" ]; then
   vllm_status=0

