@@ -99,6 +99,11 @@ class RolloutConfig:
         "algo.is_correction): none | fp16 (CPU, weight-only, 2x fewer bytes) | int8 (CPU, weight-only, 4x; "
         "fast with AVX-512) | fp8 (CUDA, compute capability >= 8.9)",
     )
+    pack_weights: bool = _opt(
+        True,
+        "tidal engine, float32 on a CPU: run decode's linear layers from copies packed for oneDNN (faster; "
+        "re-packed at every weight load; a second copy of the linear weights in memory)",
+    )
     kv_cache_tokens: int = _opt(
         0,
         "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "

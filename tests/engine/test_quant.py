@@ -224,3 +224,12 @@ def test_fp8_on_a_gpu():
         got = torch.tensor(out.log_probs)
         want = forward_logprobs(ref, prompt, out.token_ids)
         assert float((got - want).abs().mean()) < 0.1  # bf16 activations rounded to fp8 per token
+
+
+def test_the_rollout_config_turns_packing_off():
+    from tidal.engine.factory import engine_options, vllm_options
+
+    assert engine_options(build_config(None, {}).rollout)["pack_weights"] is True
+    opts = engine_options(build_config(None, {"rollout.pack_weights": False}).rollout)
+    assert opts["pack_weights"] is False and "pack_weights" not in vllm_options(opts)
+    assert LLMEngine(make_model(), dtype="float32", kv_cache_tokens=512, pack_weights=False).quant is None

@@ -34,12 +34,13 @@ def engine_options(cfg: RolloutConfig, max_prompt_length: int = 1024, prompts: i
         "kv_cache_tokens": kv_cache_tokens(cfg, max_prompt_length, prompts),
         "max_num_seqs": cfg.max_num_seqs,
         "quantization": cfg.quantization,
+        "pack_weights": cfg.pack_weights,
     }
 
 
 def vllm_options(options: dict) -> dict:
     """`engine_options` for `VLLMCore`: vLLM picks its own block size (128 tokens on CPU, 16 on GPU)."""
-    return {k: v for k, v in options.items() if k not in ("block_size", "quantization")}
+    return {k: v for k, v in options.items() if k not in ("block_size", "quantization", "pack_weights")}
 
 
 def make_core(
