@@ -281,6 +281,7 @@ class ModelRunner:
             single_slots = single_slots[:, : int(lengths.max())]
             single_pos = torch.arange(single_slots.shape[1])[None, :].expand(len(single_tables), -1)
             single_mask = (single_pos < lengths[:, None])[:, None, None, :]
+            # past a sequence's length: slot 0, masked out, and a row of the latent union too
             single_slots = single_slots.masked_fill(~single_mask[:, 0, 0], 0)
             single_qpos = lengths - 1
         else:
