@@ -54,6 +54,9 @@ class EngineConfig:
     # unquantized float32 on a CPU: linear layers from copies packed for oneDNN (`quant.PACKED`),
     # re-packed at every load; a second copy of the weights in memory
     pack_weights: bool = True
+    # a CPU's decode attention read from the paged cache in place by a C kernel built on first use
+    # (`tidal.engine.native`; float32), else gathered and run by sdpa
+    native_attention: bool = True
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -98,7 +101,7 @@ class LLMEngine:
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention)
         kind = cfg.quantization
         if kind == "none":
             kind = PACKED if cfg.pack_weights and packs(self.device, dtype) else None

@@ -42,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tidal import moe
 from tidal.attend import attend, causal_mask
+from tidal.engine import native
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 
@@ -95,6 +96,7 @@ class BatchPlan:
     single_mask: Tensor  # [Bd, 1, 1, C] True where the slot is part of the context
     single_pos: Tensor  # [Bd, C] position of each context slot (0 .. C-1)
     single_qpos: Tensor  # [Bd] position of each single token
+    single_len: Tensor  # [Bd] context length of each single token (its position + 1)
     multi: list[tuple[int, int, Tensor, int]]  # (flat start, end, context slots, cached) per prefill
     # latent layers (MLA): the slots every sequence reads, and the contexts as rows of that union
     union: Tensor | None = None  # [U]
@@ -178,7 +180,14 @@ LATENT_FAMILIES = ("deepseek_v3",)  # attention modules that cache latents throu
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        native_attention: bool = True,
+    ) -> None:
         check_supported(model.config)
         self.model = model
         self.device = device
@@ -195,6 +204,9 @@ class ModelRunner:
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self._buffers: list[Tensor | None] = [None, None]  # decode's gathered keys and values
+        # decode attention read from the paged cache in place (`tidal.engine.native`): built on
+        # first use, CPU float32 only; else (or per layer where it cannot serve) gather + sdpa
+        self.native = native_attention and device.type == CPU and native.load() is not None
         self._probe()
         self.allocate()
 
@@ -285,6 +297,7 @@ class ModelRunner:
             single_slots = single_slots.masked_fill(~single_mask[:, 0, 0], 0)
             single_qpos = lengths - 1
         else:
+            lengths = torch.zeros(0, dtype=torch.long)
             single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
             single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
             single_qpos = torch.zeros(0, dtype=torch.long)
@@ -306,6 +319,7 @@ class ModelRunner:
             single_mask=single_mask,
             single_pos=single_pos,
             single_qpos=single_qpos,
+            single_len=lengths,
             multi=multi,
             only_single=not multi,
             **latent,
@@ -341,10 +355,14 @@ class ModelRunner:
             # grouped-query attention with one query token: the G query heads sharing a KV head
             # become G query rows of that head (query head h uses KV head h // G), which is about
             # twice as fast on CPU as sdpa's enable_gqa
-            qd = (q if plan.only_single else q[plan.single_tok]).reshape(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
-            kd = self._gather(kc, single_src, 0).transpose(1, 2)
-            vd = self._gather(vc, single_src, 1).transpose(1, 2)
-            o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap).reshape(b, -1, vc.shape[2])
+            qs = q if plan.only_single else q[plan.single_tok]
+            if self.native and native.supports(qs, kc, vc):
+                o = native.decode_attention(qs, kc, vc, single_src, plan.single_len, scale, window, softcap)
+            else:
+                qd = qs.reshape(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
+                kd = self._gather(kc, single_src, 0).transpose(1, 2)
+                vd = self._gather(vc, single_src, 1).transpose(1, 2)
+                o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap).reshape(b, -1, vc.shape[2])
             if plan.only_single:
                 return o
         out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])

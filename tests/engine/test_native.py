@@ -1,0 +1,162 @@
+"""The native decode attention (`tidal.engine.native`): the C kernel against the shared attention
+formula over gathered keys, the engine sampling the same tokens with it as without it, and how it
+is built, refused and turned off."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from conftest import make_model
+
+from tidal.attend import attend
+from tidal.engine import native
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the engine keeps the torch path")
+
+
+def reference(q, k_cache, v_cache, slots, lengths, scale, window=None, softcap=None):
+    """The torch path's formula: keys and values gathered per sequence, masked past each length
+    (and outside a sliding window), grouped-query heads as `attend` maps them."""
+    b, c = slots.shape
+    kd, vd = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, Hkv, C, D]
+    pos = torch.arange(c)[None]
+    mask = pos < lengths[:, None]
+    if window:
+        mask &= pos > lengths[:, None] - 1 - window
+    return attend(q[:, :, None], kd, vd, mask[:, None, None], scale, softcap)[:, :, 0]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "dv", "window", "softcap"),
+    [
+        (9, 3, 64, 64, None, None),  # SmolLM2's grouped-query shape
+        (4, 4, 32, 32, None, None),  # one query head per KV head
+        (8, 2, 24, 16, None, None),  # keys wider than values (MLA), widths not a multiple of 32
+        (6, 3, 64, 64, 5, None),  # sliding window
+        (6, 2, 16, 16, None, 3.0),  # soft-capping (Gemma 2)
+        (6, 2, 16, 16, 4, 2.0),
+    ],
+)
+def test_kernel_matches_the_attention_formula(heads, kv_heads, d, dv, window, softcap):
+    torch.manual_seed(0)
+    b, c, n = 7, 23, 300
+    k_cache, v_cache = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, dv)
+    lengths = torch.tensor([23, 1, 2, 9, 17, 4, 23])
+    slots = torch.stack([torch.randperm(n)[:c] for _ in range(b)])  # scattered rows, as blocks are
+    slots[lengths[:, None] <= torch.arange(c)[None]] = 0  # past the length: slot 0, as the plan pads
+    # the query as the engine passes it: a transposed view of [1, H, B, D]
+    q = torch.randn(1, heads, b, d)[0].transpose(0, 1)
+    assert not q.is_contiguous()
+    got = native.decode_attention(q, k_cache, v_cache, slots, lengths, 0.3, window, softcap)
+    want = reference(q, k_cache, v_cache, slots, lengths, 0.3, window, softcap)
+    assert got.shape == (b, heads, dv)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    # sequence 1 (one key) reads exactly its value row: softmax of one score is 1
+    torch.testing.assert_close(got[1], v_cache[slots[1, 0]].repeat_interleave(heads // kv_heads, 0), rtol=0, atol=1e-7)
+
+
+def test_kernel_splits_work_over_threads_without_changing_it():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(5, 4, 16), torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    slots, lengths = torch.randint(0, 64, (5, 11)), torch.tensor([11, 3, 7, 1, 10])
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(native.decode_attention(q, k, v, slots, lengths, 0.25))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # each item computed alike
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    q, k = torch.randn(2, 4, 16), torch.randn(8, 2, 16)
+    lengths = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"decode_attention: q \(2, 4, 16\), k \(8, 2, 16\), slots \(3, 4\)"):
+        native.decode_attention(q, k, k, torch.zeros(3, 4, dtype=torch.long), lengths, 1.0)
+    with pytest.raises(ValueError, match="slots and lengths must be int64, got torch.int32 and torch.int64"):
+        native.decode_attention(q, k, k, torch.zeros(2, 4, dtype=torch.int32), lengths, 1.0)
+    assert native.supports(q, k, k)
+    assert not native.supports(q.half(), k.half(), k.half())  # float32 only: the torch path serves it
+    assert not native.supports(torch.randn(2, 4, 12), torch.randn(8, 2, 12), torch.randn(8, 2, 12))
+    assert not native.supports(q, k.transpose(0, 2).contiguous().transpose(0, 2), k)  # rows not contiguous
+    assert not native.supports(q.to("meta"), k, k)
+
+
+PROMPTS = [[5, 9, 14, 3, 7], [5, 9, 14, 3, 8, 11, 6], [20, 21], [5, 9, 14, 3, 7]]
+
+
+def sample(engine):
+    params = [SamplingParams(temperature=1.0, max_new_tokens=24, seed=s) for s in range(len(PROMPTS))]
+    return engine.generate_batch(PROMPTS, params)
+
+
+def mistral(seed: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=6, eos_token_id=2,
+    )  # fmt: skip
+    return MistralForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("model_of", [make_model, mistral], ids=["llama", "mistral-window-6"])
+def test_engine_samples_alike_with_and_without_it(model_of):
+    """Mixed steps (prompts admitted while others decode), shared prefixes, a sliding window: the
+    same tokens, log-probs within float32 rounding of the gather + sdpa path."""
+    # 8 tokens a step: the later prompts are admitted while the first ones decode
+    fast = LLMEngine(model_of(seed=3), dtype="float32", kv_cache_tokens=512, max_num_batched_tokens=8)
+    plain = LLMEngine(
+        model_of(seed=3), dtype="float32", kv_cache_tokens=512, max_num_batched_tokens=8, native_attention=False
+    )
+    assert fast.runner.native and not plain.runner.native
+    for out, ref in zip(sample(fast), sample(plain), strict=True):
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _reload_after():
+    yield
+    native.load.cache_clear()  # what a test loaded under its own settings is not kept
+
+
+def fresh_load(monkeypatch, tmp_path, **env):
+    monkeypatch.setenv("TIDAL_HOME", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    native.load.cache_clear()
+    return native.load()
+
+
+def test_built_once_into_the_kernel_cache(monkeypatch, tmp_path):
+    assert fresh_load(monkeypatch, tmp_path) is not None
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("decode_attention-") and built[0].suffix == ".so"
+    mtime = built[0].stat().st_mtime_ns
+    assert fresh_load(monkeypatch, tmp_path) is not None  # loaded from the cache, not rebuilt
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [mtime]
+
+
+def test_no_compiler_or_a_failing_build_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="tidal.engine.native"):
+        assert fresh_load(monkeypatch, tmp_path, CC="no-such-compiler") is None
+    assert "no C compiler (no-such-compiler) found: decode attention runs through torch" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tidal.engine.native"):
+        assert fresh_load(monkeypatch, tmp_path, CC="false") is None  # runs, builds nothing
+    assert "the native decode attention could not be built: attention runs through torch" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left behind
+    assert fresh_load(monkeypatch, tmp_path, TIDAL_NATIVE_KERNELS="0") is None
+    monkeypatch.setenv("TIDAL_NATIVE_KERNELS", "0")
+    engine = LLMEngine(make_model(seed=3), dtype="float32", kv_cache_tokens=512)
+    assert not engine.runner.native
+    assert [len(o.token_ids) for o in sample(engine)] == [24] * len(PROMPTS)

@@ -1,0 +1,153 @@
+"""Decode attention over the paged KV cache on a CPU, read in place (`decode_attention.c`).
+
+PyTorch has no CPU kernel that attends over a paged cache: the torch path gathers each
+sequence's keys and values into a dense [B, C, Hkv, D] buffer and calls sdpa, whose CPU kernel
+costs ~10 µs per (sequence, head) at one query token. At SmolLM2's shape that is a quarter of a
+decode step at batch 32 (docs/performance.md). The C kernel reads each cache row where it lies,
+once for the query heads sharing it.
+
+It is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU torch
+runs its kernels for (`torch.backends.cpu.get_cpu_capability()`), with OpenMP where the compiler
+has it (it then runs on torch's own OpenMP threads), in about a second, into
+`$TIDAL_HOME/kernels` (else `~/.cache/tidal/kernels`), named by a hash of the source, the flags
+and the compiler, and loaded through ctypes: no torch headers, no build step at install. Without
+a compiler, or if the build fails, `load()` returns None (once, with a warning naming why) and
+the engine keeps the torch path. `TIDAL_NATIVE_KERNELS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tidal.hardware import CPU
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+# vector instructions for the CPU capability torch dispatches to; anything else builds portable code
+ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+}
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def kernel_dir() -> Path:
+    home = os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal")
+    return Path(home) / "kernels"
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    """Build into a temporary file first and rename it: processes racing to build (test workers)
+    each finish with a whole library, never a half-written one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None where it cannot be had."""
+    if os.environ.get("TIDAL_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning(
+            "no C compiler (%s) found: decode attention runs through torch (gather + sdpa)", os.environ.get("CC", "cc")
+        )
+        return None
+    flags = ["-O3", "-shared", "-fPIC", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the C compiler %s does not run (%s): decode attention runs through torch", compiler, e)
+        return None
+    errors = []
+    # with OpenMP (torch's thread pool) where the compiler has it, else on the calling thread
+    for extra in (["-fopenmp"], []):
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *extra, version]).encode()).hexdigest()[:16]
+        path = kernel_dir() / f"decode_attention-{key}.so"
+        try:
+            if not path.exists():
+                _compile(compiler, [*flags, *extra], path)
+            lib = ctypes.CDLL(str(path))
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+    else:
+        log.warning(
+            "the native decode attention could not be built: attention runs through torch\n%s", "\n".join(errors)
+        )
+        return None
+    fn = lib.tidal_decode_attention
+    fn.argtypes = [_P] * 6 + [_I64] * 13 + [_F32, _F32, _I64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the kernel can serve this layer: float32 on the CPU, rows of unit stride and a
+    multiple of 8 wide (every family's head sizes are)."""
+    return all(
+        t.device.type == CPU and t.dtype == torch.float32 and t.stride(-1) == 1 and t.shape[-1] % 8 == 0
+        for t in (q, k_cache, v_cache)
+    )
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Attention of one query token per sequence over its context in the paged cache, read in
+    place: q [B, H, D], k_cache [N, Hkv, D], v_cache [N, Hkv, Dv], slots [B, C] int64 (the cache
+    row of each context position; entries at or past `lengths[b]` are not read), lengths [B]
+    int64 → [B, H, Dv]. Query head h reads KV head h // (H / Hkv); the formula is
+    `tidal.attend.attend`'s: softmax(cap(q·kᵀ·scale))·v over positions j with len - j <= window."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native decode attention is not available (see the warning logged when it was loaded)")
+    b, h, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    if h % hkv or slots.shape[0] != b or lengths.shape != (b,) or k_cache.shape[2] != d:
+        shapes = f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, slots {tuple(slots.shape)}"
+        raise ValueError(f"decode_attention: {shapes}, lengths {tuple(lengths.shape)}: not one query per sequence")
+    if slots.dtype != torch.long or lengths.dtype != torch.long:
+        raise ValueError(f"decode_attention: slots and lengths must be int64, got {slots.dtype} and {lengths.dtype}")
+    slots = slots.contiguous()
+    lengths = lengths.contiguous()
+    out = q.new_empty(b, h, dv)
+    failed = lib.tidal_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        b, h, hkv, d, dv, slots.shape[1], q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        window or 0, scale, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("the native decode attention could not allocate its scratch memory")
+    return out
