@@ -223,16 +223,6 @@ def smollm2_dir():
         return ensure_model("smollm2")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
-def pytest_collection_modifyitems(config, items):
-    """The tests on Ray run in one pytest-xdist worker (`--dist loadgroup`), one after the other:
-    one local Ray (`ray_session`) serves them all, where each worker that ran one started its own
-    (a GCS, a raylet, agents and idle workers: tens of seconds of a loaded 2-core machine each)."""
-    for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the cluster tests (4 logical CPUs on any machine), shut down at the end."""
