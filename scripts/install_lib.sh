@@ -36,3 +36,21 @@ pkg_uninstall() {
     python -m pip uninstall -q -y "$@" 2>/dev/null || true
   fi
 }
+
+# Where PYTHONDONTWRITEBYTECODE is set, write the venv's bytecode (.pyc) now, once, and that of
+# the folders given (tidal's own code, installed editable). uv installs none (pip does), and with
+# that variable Python writes none at import either: every process then compiles what it imports
+# from source (torch, transformers, Ray, vLLM: seconds of CPU each), and the tests start hundreds
+# of processes (pytest-xdist workers, Ray workers, CLI runs, reward workers). Without it the first
+# import of each module writes its bytecode, and nothing is done here. Files already compiled are
+# skipped, so a second set-up spends a few seconds here.
+compile_venv() {
+  if [ -z "${PYTHONDONTWRITEBYTECODE:-}" ]; then return 0; fi
+  python - "$@" <<'PY' || echo "setup: could not write the bytecode; Python compiles at import instead" >&2
+import compileall, sys, sysconfig
+# one compiling process per core; quiet=2: the few files of test data in some packages that are
+# not valid Python 3 (never imported) are skipped without a message
+for folder in [sysconfig.get_paths()["purelib"], *sys.argv[1:]]:
+    compileall.compile_dir(folder, quiet=2, workers=0)
+PY
+}

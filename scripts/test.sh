@@ -7,7 +7,9 @@
 # The main suite runs in TIDAL_TEST_WORKERS pytest-xdist processes (default 3; 0 = all in one
 # process). Most tests wait on subprocesses, servers and sockets more than they compute, so three
 # workers keep two cores busy. The vLLM part (its set-up included) runs beside it, in the
-# background; its output is printed when the main suite is done (docs/testing.md).
+# background, in TIDAL_TEST_VLLM_WORKERS processes (default 2, a test file each at a time, so that
+# a module's vLLM engine starts once; 0 = one process); its output is printed when the main suite
+# is done (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
@@ -52,8 +54,9 @@ if [ "$expr_next" = 1 ]; then vllm_args+=(-m); fi # no expression after it: pyte
 # (torch.set_num_threads sets only the calling thread's; an engine's stepping thread would take all
 # the cores, and vLLM's CPU attention refuses a step run with another thread count than it planned).
 workers=${TIDAL_TEST_WORKERS:-3}
+vllm_workers=${TIDAL_TEST_VLLM_WORKERS:-2}
 TIDAL_TEST_PROCESSES=$((workers > 1 ? workers : 1))
-if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then TIDAL_TEST_PROCESSES=$((TIDAL_TEST_PROCESSES + 1)); fi
+if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then TIDAL_TEST_PROCESSES=$((TIDAL_TEST_PROCESSES + (vllm_workers > 1 ? vllm_workers : 1))); fi
 threads=$(($(nproc) / TIDAL_TEST_PROCESSES))
 threads=$((threads > 1 ? threads : 1))
 export TIDAL_TEST_PROCESSES OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
@@ -63,7 +66,7 @@ if [ "${TIDAL_TEST_VLLM:-1}" != 0 ]; then
     if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
       bash scripts/setup_vllm.sh
     fi
-    exec .venv-vllm/bin/python -m pytest -m "$vllm_mark" ${vllm_args[@]+"${vllm_args[@]}"}
+    exec .venv-vllm/bin/python -m pytest -n "$vllm_workers" --dist loadfile -m "$vllm_mark" ${vllm_args[@]+"${vllm_args[@]}"}
   ) >"$vllm_log" 2>&1 &
   vllm_pid=$!
   echo "vLLM tests: running in the background (pid $vllm_pid); their output follows the main suite's"
