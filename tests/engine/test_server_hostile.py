@@ -309,13 +309,32 @@ class ServeProcess:
         import subprocess
         import sys
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "tidal.cli", "serve", str(model_dir), "--port", str(port), "--dtype", "float32"]
-        self.proc = subprocess.Popen([*cmd, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.url = f"http://127.0.0.1:{port}"
-        wait_for(self._healthy, "tidal serve answers /health")
+        self.model_dir = str(model_dir)
+        for attempt in range(3):
+            # a free port now may be taken before the server binds it (other test workers start
+            # servers too): the server that answers must be this one, else try another port
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tidal.cli",
+                "serve",
+                self.model_dir,
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+            ]
+            self.proc = subprocess.Popen([*cmd, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.url = f"http://127.0.0.1:{port}"
+            try:
+                wait_for(self._healthy, "tidal serve answers /health")
+                break
+            except AssertionError as e:
+                if attempt == 2 or "address already in use" not in str(e):
+                    raise
         cap = self.status("VmSize") + int(headroom_gb * 2**30)
         resource.prlimit(self.proc.pid, resource.RLIMIT_AS, (cap, cap))
         assert generate(self.url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
@@ -326,7 +345,10 @@ class ServeProcess:
     def _healthy(self) -> bool:
         assert self.proc.poll() is None, f"tidal serve exited: {self.proc.stderr.read().decode()[-3000:]}"
         try:
-            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+            if httpx.get(f"{self.url}/health", timeout=10).status_code != 200:
+                return False
+            # another worker's server on the port would serve its own model folder
+            return httpx.get(f"{self.url}/get_model_info", timeout=10).json()["model_path"] == self.model_dir
         except httpx.HTTPError:
             return False
 
