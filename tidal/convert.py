@@ -7,10 +7,9 @@ The conversion runs once; a folder that already holds a finished conversion is r
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
-from tidal.utils import atomic_directory
+from tidal.utils import atomic_directory, tidal_home
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DONE_MARKER = ".tidal_converted"
@@ -18,8 +17,7 @@ DONE_MARKER = ".tidal_converted"
 
 def default_cache_dir() -> Path:
     """Where converted models live: `$TIDAL_HOME/models`, else `~/.cache/tidal/models`."""
-    home = os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal")
-    return Path(home) / "models"
+    return tidal_home() / "models"
 
 
 def smollm2_gguf_path() -> Path:

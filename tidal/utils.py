@@ -235,3 +235,8 @@ def atomic_directory(final: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tidal_home() -> Path:
+    """tidal's cache folder (converted models, built kernels): `$TIDAL_HOME`, else `~/.cache/tidal`."""
+    return Path(os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal"))

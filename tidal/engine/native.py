@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from tidal.hardware import CPU
+from tidal.utils import tidal_home
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def kernel_dir() -> Path:
-    home = os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal")
-    return Path(home) / "kernels"
+    return tidal_home() / "kernels"
 
 
 def _compile(compiler: str, flags: list[str], out: Path) -> None:
