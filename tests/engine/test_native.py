@@ -60,6 +60,24 @@ def test_kernel_matches_the_attention_formula(heads, kv_heads, d, dv, window, so
     torch.testing.assert_close(got[1], v_cache[slots[1, 0]].repeat_interleave(heads // kv_heads, 0), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(9, 3, None), (6, 2, 4)])
+def test_kernel_reads_a_bfloat16_cache(heads, kv_heads, window):
+    """A bfloat16 cache and query (the engine's dtype where bf16 is native): the formula in
+    float32 over the same bf16 numbers, the output rounded once to bf16 (so within one bf16 step)."""
+    torch.manual_seed(2)
+    b, c, n, d = 5, 19, 200, 64
+    k_cache, v_cache = torch.randn(n, kv_heads, d).bfloat16(), torch.randn(n, kv_heads, d).bfloat16()
+    lengths = torch.tensor([19, 1, 7, 12, 3])
+    slots = torch.stack([torch.randperm(n)[:c] for _ in range(b)])
+    slots[lengths[:, None] <= torch.arange(c)[None]] = 0
+    q = torch.randn(b, heads, d).bfloat16()
+    got = native.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125, window)
+    want = reference(q.float(), k_cache.float(), v_cache.float(), slots, lengths, 0.125, window)
+    assert got.dtype == torch.bfloat16 and got.shape == (b, heads, d)
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6)
+    assert torch.equal(got[1], v_cache[slots[1, 0]].repeat_interleave(heads // kv_heads, 0))  # one key: its row
+
+
 def test_kernel_splits_work_over_threads_without_changing_it():
     torch.manual_seed(1)
     q, k, v = torch.randn(5, 4, 16), torch.randn(64, 2, 16), torch.randn(64, 2, 16)
@@ -83,7 +101,13 @@ def test_kernel_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="slots and lengths must be int64, got torch.int32 and torch.int64"):
         native.decode_attention(q, k, k, torch.zeros(2, 4, dtype=torch.int32), lengths, 1.0)
     assert native.supports(q, k, k)
-    assert not native.supports(q.half(), k.half(), k.half())  # float32 only: the torch path serves it
+    assert native.supports(q.bfloat16(), k.bfloat16(), k.bfloat16())
+    assert not native.supports(q.half(), k.half(), k.half())  # float32 or bfloat16: sdpa serves fp16
+    assert not native.supports(q, k.bfloat16(), k)  # keys and values of one type
+    with pytest.raises(
+        ValueError, match="caches must both be float32 or bfloat16, got torch.bfloat16 and torch.float32"
+    ):
+        native.decode_attention(q, k.bfloat16(), k, torch.zeros(2, 4, dtype=torch.long), lengths, 1.0)
     assert not native.supports(torch.randn(2, 4, 12), torch.randn(8, 2, 12), torch.randn(8, 2, 12))
     assert not native.supports(q, k.transpose(0, 2).contiguous().transpose(0, 2), k)  # rows not contiguous
     assert not native.supports(q.to("meta"), k, k)
@@ -121,6 +145,25 @@ def test_engine_samples_alike_with_and_without_it(model_of):
     for out, ref in zip(sample(fast), sample(plain), strict=True):
         assert out.token_ids == ref.token_ids
         torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), rtol=0, atol=1e-5)
+
+
+def test_bfloat16_engine_decodes_through_it(monkeypatch):
+    """A bfloat16 engine's decode steps run the kernel, and greedy decoding picks the tokens the
+    gather + sdpa path picks, log-probs within bf16 rounding of each other."""
+    calls = []
+    kernel = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a, **kw: calls.append(a[1].dtype) or kernel(*a, **kw))
+    engines = [
+        LLMEngine(make_model(seed=5), dtype="bfloat16", kv_cache_tokens=512, native_attention=on)
+        for on in (True, False)
+    ]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True) for _ in PROMPTS]
+    fast, plain = (e.generate_batch(PROMPTS, params) for e in engines)
+    assert calls and set(calls) == {torch.bfloat16}
+    assert len(calls) == 15 * engines[0].model.config.num_hidden_layers  # 15 decode steps after the prefill
+    for out, ref in zip(fast, plain, strict=True):
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), rtol=0, atol=3e-2)
 
 
 @pytest.fixture(autouse=True)

@@ -126,6 +126,32 @@ def test_packed_weights_compute_the_full_precision_model():
     torch.testing.assert_close(layer(x[:3]), torch.nn.functional.linear(x[:3], layer.mod.weight))
 
 
+def test_bfloat16_is_packed_where_the_cpu_computes_it(monkeypatch):
+    """bf16 weights are packed only where bf16 is native (AVX512-BF16/AMX): there the packed
+    engine decodes greedily to the unpacked engine's tokens, log-probs within bf16 rounding."""
+    import tidal.engine.quant as quant
+    from tidal.hardware import CPU, bf16_native
+
+    cpu = torch.device(CPU)
+    with monkeypatch.context() as m:
+        m.setattr(quant, "bf16_native", lambda device: (False, "emulated"))
+        assert not quant.packs(cpu, torch.bfloat16) and quant.packs(cpu, torch.float32)
+    if not bf16_native(CPU)[0]:
+        pytest.skip("this CPU emulates bf16: the engine does not pack it (checked above)")
+    assert quant.packs(cpu, torch.bfloat16)
+    packed, plain = (
+        LLMEngine(make_model(seed=1), dtype="bfloat16", kv_cache_tokens=512, pack_weights=on) for on in (True, False)
+    )
+    assert plain.quant is None and all(lay.kind == PACKED for lay in packed.quant.layers.values())
+    layer = packed.quant.layers["model.layers.0.mlp.down_proj"]
+    x = torch.randn(5, layer.mod.in_features).bfloat16()
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.mod.weight), rtol=2**-7, atol=1e-3)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    for out, ref in zip(packed.generate_batch(PROMPTS, params), plain.generate_batch(PROMPTS, params), strict=True):
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), rtol=0, atol=3e-2)
+
+
 def test_moe_routers_stay_full_precision():
     model = make_moe_model("qwen3_moe")
     engine = LLMEngine(model, dtype="float32", kv_cache_tokens=512, quantization="fp16")

@@ -55,7 +55,7 @@ class EngineConfig:
     # re-packed at every load; a second copy of the weights in memory
     pack_weights: bool = True
     # a CPU's decode attention read from the paged cache in place by a C kernel built on first use
-    # (`tidal.engine.native`; float32), else gathered and run by sdpa
+    # (`tidal.engine.native`; float32 or bfloat16), else gathered and run by sdpa
     native_attention: bool = True
 
     def validate(self) -> EngineConfig:

@@ -205,7 +205,7 @@ class ModelRunner:
         self.v_cache: list[Tensor] = []
         self._buffers: list[Tensor | None] = [None, None]  # decode's gathered keys and values
         # decode attention read from the paged cache in place (`tidal.engine.native`): built on
-        # first use, CPU float32 only; else (or per layer where it cannot serve) gather + sdpa
+        # first use, CPU float32 or bfloat16 caches; else (or per layer where it cannot serve) gather + sdpa
         self.native = native_attention and device.type == CPU and native.load() is not None
         self._probe()
         self.allocate()

@@ -100,17 +100,24 @@ def load() -> ctypes.CDLL | None:
         )
         return None
     fn = lib.tidal_decode_attention
-    fn.argtypes = [_P] * 6 + [_I64] * 13 + [_F32, _F32, _I64]
+    fn.argtypes = [_P] * 6 + [_I64] * 13 + [_F32, _F32, _I64, _I64]
     fn.restype = ctypes.c_int
     return lib
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether the kernel can serve this layer: float32 on the CPU, rows of unit stride and a
-    multiple of 8 wide (every family's head sizes are)."""
-    return all(
-        t.device.type == CPU and t.dtype == torch.float32 and t.stride(-1) == 1 and t.shape[-1] % 8 == 0
-        for t in (q, k_cache, v_cache)
+    """Whether the kernel can serve this layer: on the CPU, a float32 or bfloat16 cache (both the
+    same) and query, rows of unit stride and a multiple of 8 wide (every family's head sizes are)."""
+    return (
+        k_cache.dtype in CACHE_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and all(
+            t.device.type == CPU and t.dtype in CACHE_DTYPES and t.stride(-1) == 1 and t.shape[-1] % 8 == 0
+            for t in (q, k_cache, v_cache)
+        )
     )
 
 
@@ -127,8 +134,10 @@ def decode_attention(
     """Attention of one query token per sequence over its context in the paged cache, read in
     place: q [B, H, D], k_cache [N, Hkv, D], v_cache [N, Hkv, Dv], slots [B, C] int64 (the cache
     row of each context position; entries at or past `lengths[b]` are not read), lengths [B]
-    int64 → [B, H, Dv]. Query head h reads KV head h // (H / Hkv); the formula is
-    `tidal.attend.attend`'s: softmax(cap(q·kᵀ·scale))·v over positions j with len - j <= window."""
+    int64 → [B, H, Dv] in q's dtype. Query head h reads KV head h // (H / Hkv); the formula is
+    `tidal.attend.attend`'s: softmax(cap(q·kᵀ·scale))·v over positions j with len - j <= window.
+    A bfloat16 cache is read as is; the query, the sums and the output are float32 inside (a
+    bfloat16 query is widened exactly, the output rounded once at the end)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native decode attention is not available (see the warning logged when it was loaded)")
@@ -137,17 +146,22 @@ def decode_attention(
     if h % hkv or slots.shape[0] != b or lengths.shape != (b,) or k_cache.shape[2] != d:
         shapes = f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, slots {tuple(slots.shape)}"
         raise ValueError(f"decode_attention: {shapes}, lengths {tuple(lengths.shape)}: not one query per sequence")
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"decode_attention: the caches must both be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}"
+        )
     if slots.dtype != torch.long or lengths.dtype != torch.long:
         raise ValueError(f"decode_attention: slots and lengths must be int64, got {slots.dtype} and {lengths.dtype}")
     slots = slots.contiguous()
     lengths = lengths.contiguous()
-    out = q.new_empty(b, h, dv)
+    q32 = q if q.dtype == torch.float32 else q.float()
+    out = q32.new_empty(b, h, dv)
     failed = lib.tidal_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-        b, h, hkv, d, dv, slots.shape[1], q.stride(0), q.stride(1),
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        b, h, hkv, d, dv, slots.shape[1], q32.stride(0), q32.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        window or 0, scale, softcap or 0.0, torch.get_num_threads(),
+        window or 0, scale, softcap or 0.0, torch.get_num_threads(), k_cache.dtype == torch.bfloat16,
     )  # fmt: skip
     if failed:
         raise MemoryError("the native decode attention could not allocate its scratch memory")
-    return out
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from tidal import moe
-from tidal.hardware import CPU, is_cuda
+from tidal.hardware import CPU, bf16_native, is_cuda
 
 QUANTIZATIONS = ("none", "fp16", "int8", "fp8")
 CPU_KINDS = ("fp16", "int8")
@@ -77,9 +77,12 @@ def check_quantization(kind: str, device: torch.device) -> None:
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the engine packs its full-precision weights for oneDNN: float32 on a CPU whose
-    torch has oneDNN. (bfloat16 is left to MKL: not measured on a CPU with native bf16.)"""
-    return device.type == CPU and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether the engine packs its full-precision weights for oneDNN: on a CPU whose torch has
+    oneDNN, float32, and bfloat16 where the CPU computes it natively (emulated bf16 is slow
+    either way, and not the engine's choice there)."""
+    if device.type != CPU or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_native(CPU)[0])
 
 
 def _version(w: Tensor) -> tuple[int, int]:
