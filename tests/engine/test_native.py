@@ -5,6 +5,7 @@ is built, refused and turned off."""
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 
 import pytest
@@ -183,7 +184,7 @@ def fresh_load(monkeypatch, tmp_path, **env):
 def test_built_once_into_the_kernel_cache(monkeypatch, tmp_path):
     assert fresh_load(monkeypatch, tmp_path) is not None
     built = list((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("decode_attention-") and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].name.startswith("tidal_native-") and built[0].suffix == ".so"
     mtime = built[0].stat().st_mtime_ns
     assert fresh_load(monkeypatch, tmp_path) is not None  # loaded from the cache, not rebuilt
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [mtime]
@@ -203,3 +204,66 @@ def test_no_compiler_or_a_failing_build_keeps_the_torch_path(monkeypatch, tmp_pa
     engine = LLMEngine(make_model(seed=3), dtype="float32", kv_cache_tokens=512)
     assert not engine.runner.native
     assert [len(o.token_ids) for o in sample(engine)] == [24] * len(PROMPTS)
+
+
+def torch_sample(monkeypatch, logits, temp, seeds):
+    """`sample_tokens` through torch (the native sampler turned away), with seeded rows."""
+    from tidal.engine.sampling import sample_tokens
+
+    with monkeypatch.context() as m:
+        m.setattr(native, "can_sample", lambda logits: False)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return sample_tokens(logits, temp, 1.0, 0, gens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_draws_what_the_torch_path_draws(monkeypatch, dtype):
+    """Same uniforms, same inverse CDF: the same tokens; log-probs those of softmax(z / t) (vocab
+    not a multiple of the 256-token chunks or of 8)."""
+    from tidal.engine.sampling import sample_tokens
+
+    torch.manual_seed(3)
+    b, v = 64, 1000 + 3
+    logits = (torch.randn(b, v) * 3).to(dtype)
+    temp = torch.linspace(0.3, 1.7, b)
+    assert native.can_sample(logits)
+    seeds = list(range(100, 100 + b))
+    got_tok, got_lp = sample_tokens(logits, temp, 1.0, 0, [torch.Generator().manual_seed(s) for s in seeds])
+    want_tok, want_lp = torch_sample(monkeypatch, logits, temp, seeds)
+    assert torch.equal(got_tok, want_tok)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=2e-5)
+    exact = torch.log_softmax(logits.double() / temp[:, None].double(), dim=-1).gather(1, got_tok[:, None])[:, 0]
+    torch.testing.assert_close(got_lp.double(), exact, rtol=0, atol=1e-5)
+
+
+def test_sampler_frequencies_follow_the_distribution():
+    """20,000 draws from one 300-token distribution (two chunks): each token's frequency within
+    4.5 standard errors of its probability (a fixed seed: the same draws every run)."""
+    torch.manual_seed(4)
+    z = torch.randn(1, 300) * 2
+    n = 20_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(5))
+    tokens, _ = native.sample(z.expand(n, -1), torch.full((n,), 0.8), u)
+    freq = torch.bincount(tokens, minlength=300).double() / n
+    p = torch.softmax(z[0].double() / 0.8, dim=-1)
+    assert float(((freq - p).abs() / (p * (1 - p) / n).sqrt().clamp_min(1e-9)).max()) < 4.5
+
+
+def test_sampler_never_draws_a_token_of_zero_weight():
+    v = 600
+    z = torch.full((3, v), -math.inf)
+    z[:, [7, 300, 401]] = torch.tensor([0.5, 1.0, 2.0])
+    u = torch.tensor([0.0, 0.999999, 1.0 - 2**-24])
+    tokens, lp = native.sample(z, torch.ones(3), u)
+    assert tokens.tolist() == [7, 401, 401]
+    torch.testing.assert_close(lp, torch.log_softmax(z, dim=-1)[torch.arange(3), tokens], rtol=0, atol=1e-6)
+
+
+def test_sampler_refuses_nan_and_bad_temperatures():
+    z = torch.randn(3, 40)
+    z[1, 17] = math.nan
+    with pytest.raises(ValueError, match=r"sampling: logits rows \[1\] hold NaN or infinite values"):
+        native.sample(z, torch.ones(3), torch.rand(3))
+    with pytest.raises(ValueError, match="every temperature must be > 0"):
+        native.sample(torch.randn(2, 40), torch.tensor([1.0, 0.0]), torch.rand(2))
+    assert not native.can_sample(torch.randn(2, 40).half()) and not native.can_sample(torch.randn(40, 2).t())

@@ -392,7 +392,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> Tensor:
         """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
-        and return the next-token logits of each sequence [S, V] in float32."""
+        and return the next-token logits of each sequence [S, V] in the model's dtype."""
         plan = self.plan(seqs)
         kw = {
             "position_ids": plan.positions[None],
@@ -407,7 +407,7 @@ class ModelRunner:
             with moe.capture(self.model) as routing:
                 out = self.model(plan.input_ids[None], **kw)
             self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
-        return out.logits[0].float()
+        return out.logits[0]
 
     def routing(self, seq: Sequence) -> Tensor | None:
         """The experts chosen at positions 0 .. n - 2 of `seq` (every position whose forward

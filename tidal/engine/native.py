@@ -1,18 +1,22 @@
-"""Decode attention over the paged KV cache on a CPU, read in place (`decode_attention.c`).
+"""The engine's CPU kernels in C: decode attention over the paged KV cache read in place
+(`decode_attention.c`), and sampling a token per row of logits without writing probabilities
+(`sample.c`).
 
 PyTorch has no CPU kernel that attends over a paged cache: the torch path gathers each
 sequence's keys and values into a dense [B, C, Hkv, D] buffer and calls sdpa, whose CPU kernel
 costs ~10 µs per (sequence, head) at one query token. At SmolLM2's shape that is a quarter of a
 decode step at batch 32 (docs/performance.md). The C kernel reads each cache row where it lies,
-once for the query heads sharing it.
+once for the query heads sharing it. Sampling through torch writes the logits in float32, then
+their softmax ([B, V] each, ~25 MB at 128 x 49k, page-faulted in afresh every step); the C
+sampler reads the logits once for their maximum and once for the chunk sums.
 
-It is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU torch
+Both are compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU torch
 runs its kernels for (`torch.backends.cpu.get_cpu_capability()`), with OpenMP where the compiler
 has it (it then runs on torch's own OpenMP threads), in about a second, into
 `$TIDAL_HOME/kernels` (else `~/.cache/tidal/kernels`), named by a hash of the source, the flags
 and the compiler, and loaded through ctypes: no torch headers, no build step at install. Without
 a compiler, or if the build fails, `load()` returns None (once, with a warning naming why) and
-the engine keeps the torch path. `TIDAL_NATIVE_KERNELS=0` turns it off.
+the engine keeps the torch paths. `TIDAL_NATIVE_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from tidal.utils import tidal_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "decode_attention.c", HERE / "sample.c"]  # one library; both include native_vec.h
+HEADERS = [HERE / "native_vec.h"]
 # vector instructions for the CPU capability torch dispatches to; anything else builds portable code
 ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma"],
@@ -55,7 +61,7 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -85,8 +91,9 @@ def load() -> ctypes.CDLL | None:
     errors = []
     # with OpenMP (torch's thread pool) where the compiler has it, else on the calling thread
     for extra in (["-fopenmp"], []):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *extra, version]).encode()).hexdigest()[:16]
-        path = kernel_dir() / f"decode_attention-{key}.so"
+        text = [f.read_text() for f in SOURCES + HEADERS]
+        key = hashlib.sha256("\0".join([*text, *flags, *extra, version]).encode()).hexdigest()[:16]
+        path = kernel_dir() / f"tidal_native-{key}.so"
         try:
             if not path.exists():
                 _compile(compiler, [*flags, *extra], path)
@@ -101,6 +108,9 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.tidal_decode_attention
     fn.argtypes = [_P] * 6 + [_I64] * 13 + [_F32, _F32, _I64, _I64]
+    fn.restype = ctypes.c_int
+    fn = lib.tidal_sample
+    fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -165,3 +175,45 @@ def decode_attention(
     if failed:
         raise MemoryError("the native decode attention could not allocate its scratch memory")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def can_sample(logits: Tensor) -> bool:
+    """Whether `sample` can read these logits [B, V]: float32 or bfloat16 on the CPU, unit stride
+    in V, and the library built."""
+    return (
+        logits.dim() == 2
+        and logits.device.type == CPU
+        and logits.dtype in CACHE_DTYPES
+        and logits.stride(-1) == 1
+        and load() is not None
+    )
+
+
+def sample(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row of `logits` [B, V] (float32 or bfloat16) drawn with uniform `u[b]` from
+    softmax(z / temperature[b]) (every temperature > 0), by the inverse CDF in token order as
+    `tidal.engine.sampling.sample_tokens` draws it, and its log-prob (z_v - max z) / t - log S,
+    S = sum_w exp((z_w - max z) / t): `(tokens [B] int64, log_probs [B] float32)`. A row whose
+    logits hold NaN, or whose weights do not sum to a positive finite number, raises ValueError."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available (see the warning logged when they were loaded)")
+    b, v = logits.shape
+    temperature = temperature.to(torch.float32).contiguous()
+    u = u.to(torch.float32).contiguous()
+    if temperature.shape != (b,) or u.shape != (b,):
+        raise ValueError(f"native.sample: logits {tuple(logits.shape)} need temperature and u of shape ({b},)")
+    if not bool((temperature > 0).all()):
+        raise ValueError("native.sample: every temperature must be > 0 (greedy rows are the caller's)")
+    tokens = torch.empty(b, dtype=torch.long)
+    log_probs = torch.empty(b, dtype=torch.float32)
+    failed = lib.tidal_sample(
+        logits.data_ptr(), b, v, logits.stride(0), logits.dtype == torch.bfloat16, temperature.data_ptr(),
+        u.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed < 0:
+        raise MemoryError("the native sampler could not allocate its scratch memory")
+    if failed:
+        rows = (tokens < 0).nonzero()[:, 0].tolist()
+        raise ValueError(f"sampling: logits rows {rows} hold NaN or infinite values (no distribution to draw from)")
+    return tokens, log_probs

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tidal.contracts import SamplingParams  # the request record of the engine contract
+from tidal.engine import native
 
 __all__ = ["SamplingParams", "sample_tokens"]
 
@@ -96,13 +97,14 @@ def sample_tokens(
 
     Returns `(tokens [B] long, log_probs [B] float32)`, where each log-prob is that of the chosen
     token under the exact (tempered, filtered, renormalised) distribution it was drawn from.
+
+    Every row sampled at a temperature > 0 without filtering (the RL rollout's case), on a CPU:
+    the same draw by `tidal.engine.native.sample`, which reads float32 or bfloat16 logits in place.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
     batch, vocab = logits.shape
     device = logits.device
-    # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
-    logits = logits.float()
     temp = _per_row(temperature, batch, torch.float32, device)
     p = _per_row(top_p, batch, torch.float32, device)
     k = _per_row(top_k, batch, torch.long, device)
@@ -111,6 +113,11 @@ def sample_tokens(
         raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
     if bool(((mp < 0) | (mp > 1)).any()):
         raise ValueError("need 0 <= min_p <= 1 in every row")
+    unfiltered = bool(((k == 0) | (k >= vocab)).all()) and bool((p >= 1).all()) and bool((mp <= 0).all())
+    if unfiltered and bool((temp > 0).all()) and native.can_sample(logits):
+        return native.sample(logits, temp, _uniforms(batch, generators, torch.arange(batch), device))
+    # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
+    logits = logits.float()
 
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
@@ -169,6 +176,7 @@ def sample_tokens(
 def adjust_logits(logits: Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]) -> Tensor:
     """Apply each row's repetition, presence and frequency penalties over the tokens it has
     generated so far (`outputs[i]`), and its logit bias; rows without any are left as they are.
+    Returns `logits` itself when no row adjusts, else an adjusted float32 copy.
 
         z_v <- z_v / r if z_v > 0 else z_v * r        (repetition_penalty r, for v already generated)
         z_v <- z_v - presence * [c_v > 0] - frequency * c_v + bias_v     (c_v: count of v so far)
@@ -176,7 +184,7 @@ def adjust_logits(logits: Tensor, params: Sequence[SamplingParams], outputs: Seq
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
-    logits = logits.clone()
+    logits = logits.to(torch.float32, copy=True)
     vocab = logits.shape[1]
     for i in rows:
         p, z = params[i], logits[i]
