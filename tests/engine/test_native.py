@@ -105,9 +105,8 @@ def test_kernel_refuses_what_it_cannot_read():
     assert native.supports(q.bfloat16(), k.bfloat16(), k.bfloat16())
     assert not native.supports(q.half(), k.half(), k.half())  # float32 or bfloat16: sdpa serves fp16
     assert not native.supports(q, k.bfloat16(), k)  # keys and values of one type
-    with pytest.raises(
-        ValueError, match="caches must both be float32 or bfloat16, got torch.bfloat16 and torch.float32"
-    ):
+    assert not native.supports(q, k.bfloat16(), k.bfloat16())  # a float32 query over a bf16 cache
+    with pytest.raises(ValueError, match="must all be float32 or all bfloat16, got torch.float32, torch.bfloat16 and"):
         native.decode_attention(q, k.bfloat16(), k, torch.zeros(2, 4, dtype=torch.long), lengths, 1.0)
     assert not native.supports(torch.randn(2, 4, 12), torch.randn(8, 2, 12), torch.randn(8, 2, 12))
     assert not native.supports(q, k.transpose(0, 2).contiguous().transpose(0, 2), k)  # rows not contiguous

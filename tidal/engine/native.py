@@ -119,11 +119,11 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether the kernel can serve this layer: on the CPU, a float32 or bfloat16 cache (both the
-    same) and query, rows of unit stride and a multiple of 8 wide (every family's head sizes are)."""
+    """Whether the kernel can serve this layer: on the CPU, query and caches all float32 or all
+    bfloat16, rows of unit stride and a multiple of 8 wide (every family's head sizes are)."""
     return (
         k_cache.dtype in CACHE_DTYPES
-        and v_cache.dtype == k_cache.dtype
+        and q.dtype == v_cache.dtype == k_cache.dtype
         and all(
             t.device.type == CPU and t.dtype in CACHE_DTYPES and t.stride(-1) == 1 and t.shape[-1] % 8 == 0
             for t in (q, k_cache, v_cache)
@@ -146,8 +146,7 @@ def decode_attention(
     row of each context position; entries at or past `lengths[b]` are not read), lengths [B]
     int64 → [B, H, Dv] in q's dtype. Query head h reads KV head h // (H / Hkv); the formula is
     `tidal.attend.attend`'s: softmax(cap(q·kᵀ·scale))·v over positions j with len - j <= window.
-    A bfloat16 cache is read as is; the query, the sums and the output are float32 inside (a
-    bfloat16 query is widened exactly, the output rounded once at the end)."""
+    bfloat16 is read as is and summed in float32 (widened exactly), the output rounded once."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native decode attention is not available (see the warning logged when it was loaded)")
@@ -156,25 +155,23 @@ def decode_attention(
     if h % hkv or slots.shape[0] != b or lengths.shape != (b,) or k_cache.shape[2] != d:
         shapes = f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, slots {tuple(slots.shape)}"
         raise ValueError(f"decode_attention: {shapes}, lengths {tuple(lengths.shape)}: not one query per sequence")
-    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"decode_attention: the caches must both be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}"
-        )
+    if k_cache.dtype not in CACHE_DTYPES or not q.dtype == v_cache.dtype == k_cache.dtype:
+        types = f"{q.dtype}, {k_cache.dtype} and {v_cache.dtype}"
+        raise ValueError(f"decode_attention: query and caches must all be float32 or all bfloat16, got {types}")
     if slots.dtype != torch.long or lengths.dtype != torch.long:
         raise ValueError(f"decode_attention: slots and lengths must be int64, got {slots.dtype} and {lengths.dtype}")
     slots = slots.contiguous()
     lengths = lengths.contiguous()
-    q32 = q if q.dtype == torch.float32 else q.float()
-    out = q32.new_empty(b, h, dv)
+    out = q.new_empty(b, h, dv)
     failed = lib.tidal_decode_attention(
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-        b, h, hkv, d, dv, slots.shape[1], q32.stride(0), q32.stride(1),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        b, h, hkv, d, dv, slots.shape[1], q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         window or 0, scale, softcap or 0.0, torch.get_num_threads(), k_cache.dtype == torch.bfloat16,
     )  # fmt: skip
     if failed:
         raise MemoryError("the native decode attention could not allocate its scratch memory")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out
 
 
 def can_sample(logits: Tensor) -> bool:

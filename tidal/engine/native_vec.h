@@ -39,6 +39,16 @@ static inline void prefetch_row(const void *base, int64_t at, int64_t n, int bf1
     for (int64_t byte = 0; byte < n * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
 }
 
+// f rounded to bfloat16, to nearest even (NaN stays NaN), as torch rounds
+static inline uint16_t to_bf16(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } w = {.f = f};
+    if ((w.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((w.u + 0x7fffu + ((w.u >> 16) & 1u)) >> 16);
+}
+
 static inline float hsum(v8 x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
