@@ -79,14 +79,14 @@ def load() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning(
-            "no C compiler (%s) found: decode attention runs through torch (gather + sdpa)", os.environ.get("CC", "cc")
+            "no C compiler (%s) found: decode attention and sampling run through torch", os.environ.get("CC", "cc")
         )
         return None
     flags = ["-O3", "-shared", "-fPIC", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the C compiler %s does not run (%s): decode attention runs through torch", compiler, e)
+        log.warning("the C compiler %s does not run (%s): decode attention and sampling run through torch", compiler, e)
         return None
     errors = []
     # with OpenMP (torch's thread pool) where the compiler has it, else on the calling thread
@@ -103,7 +103,8 @@ def load() -> ctypes.CDLL | None:
             errors.append(str(e))
     else:
         log.warning(
-            "the native decode attention could not be built: attention runs through torch\n%s", "\n".join(errors)
+            "the native kernels could not be built: decode attention and sampling run through torch\n%s",
+            "\n".join(errors),
         )
         return None
     fn = lib.tidal_decode_attention
