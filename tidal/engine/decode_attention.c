@@ -38,20 +38,9 @@ typedef struct {
 static inline void softmax(float *s, int64_t n) {
     float m = s[0];
     for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-    v8 acc = {0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const v8 e = exp8(*(const v8 *)(s + j) - m);
-        *(v8 *)(s + j) = e;
-        acc += e;
-    }
-    float sum = hsum(acc);
-    for (; j < n; j++) {
-        s[j] = expf(s[j] - m);
-        sum += s[j];
-    }
+    const float sum = exp_sum(s, 0, n, m, 1.0f, s, 0);
     const float inv = 1.0f / sum;
-    for (j = 0; j < n; j++) s[j] *= inv;
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
 }
 
 // s[g * n + j] = q_g . (the d elements of k from k0 + rows[j] * row_stride), for the n rows and

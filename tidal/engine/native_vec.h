@@ -6,6 +6,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include <math.h>
 #include <stdint.h>
 
 // Eight floats as one vector. The kernels keep several independent sums in flight: one sum's
@@ -71,4 +72,32 @@ static inline v8 exp8(v8 x) {
     return (v8)((i8)(p * (v8)bits) & (x >= -87.0f));              // ... masked to 0 (NaN too)
 }
 
+// Element v of `base` (float32 or bfloat16), as a float
+static inline float elem(const void *base, int64_t v, int bf16) {
+    if (!bf16) return ((const float *)base)[v];
+    union {
+        uint32_t u;
+        float f;
+    } w = {.u = (uint32_t)((const uint16_t *)base)[v] << 16};
+    return w.f;
+}
+
+// sum over v in [lo, hi) of e_v = exp((z_v - m) * inv_t), for z_v <= m; when `w` is given, each e_v
+// is also written to w[v - lo] (w may be z itself, float32, lo = 0: the weights then replace it)
+static inline float exp_sum(const void *z, int64_t lo, int64_t hi, float m, float inv_t, float *w, int bf16) {
+    v8 acc = {0};
+    int64_t v = lo;
+    for (; v + 8 <= hi; v += 8) {
+        const v8 e = exp8((load8(z, v, bf16) - m) * inv_t);
+        if (w) *(v8 *)(w + v - lo) = e;
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; v < hi; v++) {
+        const float e = expf((elem(z, v, bf16) - m) * inv_t);
+        if (w) w[v - lo] = e;
+        sum += e;
+    }
+    return sum;
+}
 #endif

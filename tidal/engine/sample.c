@@ -14,34 +14,6 @@
 
 #define CHUNK 256
 
-// z[v] for one v, as a float
-static inline float elem(const void *z, int64_t v, int bf16) {
-    if (!bf16) return ((const float *)z)[v];
-    union {
-        uint32_t u;
-        float f;
-    } w = {.u = (uint32_t)((const uint16_t *)z)[v] << 16};
-    return w.f;
-}
-
-// the weights e_v of tokens [lo, hi) summed; when `w` is given, each e_v is also written to it
-static inline float weights(const void *z, int64_t lo, int64_t hi, float m, float inv_t, float *w, int bf16) {
-    v8 acc = {0};
-    int64_t v = lo;
-    for (; v + 8 <= hi; v += 8) {
-        const v8 e = exp8((load8(z, v, bf16) - m) * inv_t);
-        if (w) *(v8 *)(w + v - lo) = e;
-        acc += e;
-    }
-    float sum = hsum(acc);
-    for (; v < hi; v++) {
-        const float e = expf((elem(z, v, bf16) - m) * inv_t);
-        if (w) w[v - lo] = e;
-        sum += e;
-    }
-    return sum;
-}
-
 // Returns 0, or 1 when a row's weights do not sum to a positive finite number (NaN or infinite
 // logits): that row's token is then -1.
 static int sample_row(const void *z, int64_t V, float t, float u, float *chunks, int bf16, int64_t *token,
@@ -63,7 +35,7 @@ static int sample_row(const void *z, int64_t V, float t, float u, float *chunks,
     float total = 0;
     for (int64_t c = 0; c < n_chunks; c++) {
         const int64_t hi = (c + 1) * CHUNK < V ? (c + 1) * CHUNK : V;
-        chunks[c] = weights(z, c * CHUNK, hi, m, inv_t, NULL, bf16);
+        chunks[c] = exp_sum(z, c * CHUNK, hi, m, inv_t, NULL, bf16);
         total += chunks[c];  // the chunks' cumulative sum, in order
         chunks[c] = total;
     }
@@ -78,7 +50,7 @@ static int sample_row(const void *z, int64_t V, float t, float u, float *chunks,
     const float before = c > 0 ? chunks[c - 1] : 0.0f;
     float w[CHUNK];
     const int64_t lo = c * CHUNK, hi = (c + 1) * CHUNK < V ? (c + 1) * CHUNK : V;
-    weights(z, lo, hi, m, inv_t, w, bf16);
+    exp_sum(z, lo, hi, m, inv_t, w, bf16);
     const float rest = target - before > 0 ? target - before : 0.0f;
     float cum = 0;
     int64_t pick = -1, last_nonzero = lo;

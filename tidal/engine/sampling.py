@@ -113,8 +113,8 @@ def sample_tokens(
         raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
     if bool(((mp < 0) | (mp > 1)).any()):
         raise ValueError("need 0 <= min_p <= 1 in every row")
-    unfiltered = bool(((k == 0) | (k >= vocab)).all()) and bool((p >= 1).all()) and bool((mp <= 0).all())
-    if unfiltered and bool((temp > 0).all()) and native.can_sample(logits):
+    filters = ((k > 0) & (k < vocab)) | (p < 1) | (mp > 0)  # rows that keep only some tokens
+    if not bool(filters.any()) and bool((temp > 0).all()) and native.can_sample(logits):
         return native.sample(logits, temp, _uniforms(batch, generators, torch.arange(batch), device))
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
@@ -141,8 +141,7 @@ def sample_tokens(
     rk = k[rows]
     rp = p[rows]
     rmp = mp[rows]
-    needs_filter = bool(((rk > 0) & (rk < vocab)).any()) or bool((rp < 1).any()) or bool((rmp > 0).any())
-    if needs_filter:
+    if bool(filters[rows].any()):
         # Filter in sorted order, then scatter the keep-mask back to vocab order: the draw then
         # walks the vocabulary in id order, so a seeded row does not depend on sort tie-breaking.
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
