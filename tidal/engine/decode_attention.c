@@ -34,6 +34,49 @@ typedef struct {
     int failed;
 } Task;
 
+// The rows the pass after this one reads first: n rows of `width` elements from element offset
+// off + rows[j] * stride of base. A pass asks for its rows PREFETCH ahead and, as it ends, for
+// the next pass's first ones (the values after the keys, the next work item's keys after the
+// values), so no pass starts by waiting on memory: 1.15-1.2x faster on 30 cold bf16 layers.
+typedef struct {
+    const void *base;
+    int64_t off;
+    const int64_t *rows;
+    int64_t stride, n, width;
+} Next;
+
+#define PREFETCH 8
+
+// Prefetch row idx of this pass (n rows of `width` from off + rows[j] * stride of base) or,
+// past its end, row idx - n of the next pass.
+ALWAYS_INLINE void prefetch_at(const void *base, int64_t off, const int64_t *rows, int64_t stride, int64_t n,
+                               int64_t width, const Next *nx, int64_t idx, int bf16) {
+    if (idx < n)
+        prefetch_row(base, off + rows[idx] * stride, width, bf16);
+    else if (idx - n < nx->n)
+        prefetch_row(nx->base, nx->off + nx->rows[idx - n] * nx->stride, nx->width, bf16);
+}
+
+// The context of work item `item` (sequence b = item / Hkv, KV head item % Hkv): its first cache
+// row's position in `slots` and its row count, within the sliding window.
+static inline const int64_t *context(const Task *t, int64_t item, int64_t *n) {
+    const int64_t b = item / t->Hkv, len = t->lens[b];
+    const int64_t start = (t->window > 0 && len > t->window) ? len - t->window : 0;
+    *n = len - start;
+    return t->slots + b * t->C + start;
+}
+
+// The first key rows of work item `item` (none past the thread's last).
+static inline Next first_keys(const Task *t, int64_t item) {
+    Next keys = {t->k, 0, t->slots, 0, 0, t->D};
+    if (item < t->last) {
+        int64_t n;
+        keys.rows = context(t, item, &n);
+        keys.off = item % t->Hkv * t->k_h, keys.stride = t->k_s, keys.n = n < PREFETCH ? n : PREFETCH;
+    }
+    return keys;
+}
+
 // s <- softmax(s) over n scores
 static inline void softmax(float *s, int64_t n) {
     float m = s[0];
@@ -47,13 +90,12 @@ static inline void softmax(float *s, int64_t n) {
 // the G <= 4 query heads q_g = q + g * q_h (G is a constant at each call: the compiler unrolls the
 // heads). Each key row is read, and widened, once for the G heads; R rows at a time (four for one
 // head, two for more: the sums then fill the registers).
-static inline void scores_of(float *s, const float *q, int64_t q_h, const void *k, int64_t k0, const int64_t *rows,
-                             int64_t row_stride, int64_t n, int64_t d, int bf16, const int G) {
+ALWAYS_INLINE void scores_of(float *s, const float *q, int64_t q_h, const void *k, int64_t k0, const int64_t *rows,
+                             int64_t row_stride, int64_t n, int64_t d, const Next *nx, int bf16, const int G) {
     const int R = G == 1 ? 4 : 2;
     int64_t j = 0;
     for (; j + R <= n; j += R) {
-        if (j + 8 + R <= n)
-            for (int i = 8; i < 8 + R; i++) prefetch_row(k, k0 + rows[j + i] * row_stride, d, bf16);
+        for (int i = PREFETCH; i < PREFETCH + R; i++) prefetch_at(k, k0, rows, row_stride, n, d, nx, j + i, bf16);
         int64_t r[4];
         for (int i = 0; i < R; i++) r[i] = k0 + rows[j + i] * row_stride;
         v8 a[4][4] = {{{0}}};
@@ -82,13 +124,13 @@ static inline void scores_of(float *s, const float *q, int64_t q_h, const void *
 // o_g = sum_j p_g[j] * (the dv elements of v from v0 + rows[j] * row_stride), for the G <= 4 heads
 // (p_g = p + g * n, o_g = o + g * dv; G a constant at each call). Each value row is read, and
 // widened, once for all G heads; 32 columns at a time, then 8.
-static inline void weighted_sum(float *o, const float *p, int64_t n, const void *v, int64_t v0, const int64_t *rows,
-                                int64_t row_stride, int64_t dv, int bf16, const int G) {
+ALWAYS_INLINE void weighted_sum(float *o, const float *p, int64_t n, const void *v, int64_t v0, const int64_t *rows,
+                                int64_t row_stride, int64_t dv, const Next *nx, int bf16, const int G) {
     int64_t c = 0;
     for (; c + 32 <= dv; c += 32) {
         v8 a[4][4] = {{{0}}};
         for (int64_t j = 0; j < n; j++) {
-            if (c == 0 && j + 8 < n) prefetch_row(v, v0 + rows[j + 8] * row_stride, dv, bf16);
+            if (c == 0) prefetch_at(v, v0, rows, row_stride, n, dv, nx, j + PREFETCH, bf16);
             const int64_t r = v0 + rows[j] * row_stride + c;
             const v8 x0 = load8(v, r, bf16), x1 = load8(v, r + 8, bf16), x2 = load8(v, r + 16, bf16), x3 = load8(v, r + 24, bf16);
             for (int g = 0; g < G; g++) {
@@ -110,9 +152,10 @@ static inline void weighted_sum(float *o, const float *p, int64_t n, const void 
 }
 
 // Heads g0 .. g0 + G - 1 of one (sequence, KV head): scores, softmax, weighted sum (G <= 4).
-static inline void heads(const Task *t, float *scores, const float *q, int64_t q_h, float *o, int64_t h,
-                         const int64_t *slot, int64_t n, int bf16, const int G) {
-    scores_of(scores, q, q_h, t->k, h * t->k_h, slot, t->k_s, n, t->D, bf16, G);
+ALWAYS_INLINE void heads(const Task *t, float *scores, const float *q, int64_t q_h, float *o, int64_t h,
+                         const int64_t *slot, int64_t n, const Next *after, int bf16, const int G) {
+    const Next values = {t->v, h * t->v_h, slot, t->v_s, n, t->Dv};
+    scores_of(scores, q, q_h, t->k, h * t->k_h, slot, t->k_s, n, t->D, &values, bf16, G);
     for (int g = 0; g < G; g++) {
         float *sg = scores + g * n;
         if (t->softcap > 0) {
@@ -122,7 +165,7 @@ static inline void heads(const Task *t, float *scores, const float *q, int64_t q
         }
         softmax(sg, n);
     }
-    weighted_sum(o, scores, n, t->v, h * t->v_h, slot, t->v_s, t->Dv, bf16, G);
+    weighted_sum(o, scores, n, t->v, h * t->v_h, slot, t->v_s, t->Dv, after, bf16, G);
 }
 
 static inline void run(Task *t, const int bf16) {
@@ -136,10 +179,8 @@ static inline void run(Task *t, const int bf16) {
     float *qbuf = scores + G * (t->C > 0 ? t->C : 1), *obuf = qbuf + G * t->D;
     for (int64_t item = t->first; item < t->last; item++) {
         const int64_t b = item / t->Hkv, h = item % t->Hkv;
-        const int64_t len = t->lens[b];
-        const int64_t start = (t->window > 0 && len > t->window) ? len - t->window : 0;
-        const int64_t n = len - start;
-        const int64_t *slot = t->slots + b * t->C + start;
+        int64_t n;
+        const int64_t *slot = context(t, item, &n);
         const int64_t q0 = b * t->q_b + h * G * t->q_h, o0 = (b * t->H + h * G) * t->Dv;
         const float *q = (const float *)t->q + q0;
         int64_t q_h = t->q_h;
@@ -155,14 +196,17 @@ static inline void run(Task *t, const int bf16) {
         // bf16: up to four heads per pass over the rows (1.13x the speed on a Zen 4); float32: a head
         // at a time, as four per pass ran at 0.89-0.94x the speed there (AVX2 and AVX-512)
         const int64_t per_pass = bf16 ? 4 : 1;
+        // after a pass of heads: the same keys for the next heads, else the next item's
+        const Next same = first_keys(t, item), next = first_keys(t, item + 1);
         for (int64_t g = 0; g < G && n > 0; g += per_pass) {
             const float *qg = q + g * q_h;
             float *og = o + g * t->Dv;
+            const Next *after = g + per_pass < G ? &same : &next;
             switch (G - g < per_pass ? G - g : per_pass) {
-                case 1: heads(t, scores, qg, q_h, og, h, slot, n, bf16, 1); break;
-                case 2: heads(t, scores, qg, q_h, og, h, slot, n, bf16, 2); break;
-                case 3: heads(t, scores, qg, q_h, og, h, slot, n, bf16, 3); break;
-                default: heads(t, scores, qg, q_h, og, h, slot, n, bf16, 4); break;
+                case 1: heads(t, scores, qg, q_h, og, h, slot, n, after, bf16, 1); break;
+                case 2: heads(t, scores, qg, q_h, og, h, slot, n, after, bf16, 2); break;
+                case 3: heads(t, scores, qg, q_h, og, h, slot, n, after, bf16, 3); break;
+                default: heads(t, scores, qg, q_h, og, h, slot, n, after, bf16, 4); break;
             }
         }
         if (bf16)

@@ -9,6 +9,10 @@
 #include <math.h>
 #include <stdint.h>
 
+// The kernels' helpers take constants (element type, head count) that each caller's loops are
+// specialised on: they must be inlined (GCC declined once the callers grew, 2x slower).
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 // Eight floats as one vector. The kernels keep several independent sums in flight: one sum's
 // chain of FMAs would wait on each FMA's latency, several fill the pipeline. Rows are read
 // unaligned.
