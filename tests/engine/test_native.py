@@ -192,11 +192,17 @@ def test_built_once_into_the_kernel_cache(monkeypatch, tmp_path):
 def test_no_compiler_or_a_failing_build_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.engine.native"):
         assert fresh_load(monkeypatch, tmp_path, CC="no-such-compiler") is None
-    assert "no C compiler (no-such-compiler) found: decode attention and sampling run through torch" in caplog.text
+    assert (
+        "no C compiler (no-such-compiler) found: decode attention, sampling, RMSNorm and SwiGLU run through torch"
+        in caplog.text
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tidal.engine.native"):
         assert fresh_load(monkeypatch, tmp_path, CC="false") is None  # runs, builds nothing
-    assert "the native kernels could not be built: decode attention and sampling run through torch" in caplog.text
+    assert (
+        "the native kernels could not be built: decode attention, sampling, RMSNorm and SwiGLU run through torch"
+        in caplog.text
+    )
     assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left behind
     assert fresh_load(monkeypatch, tmp_path, TIDAL_NATIVE_KERNELS="0") is None
     monkeypatch.setenv("TIDAL_NATIVE_KERNELS", "0")

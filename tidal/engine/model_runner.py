@@ -4,12 +4,13 @@ The transformers model runs its own forward: embeddings and their scale, norms (
 OLMo-2's post-norms, q/k norms), fused or biased projections, each family's rotary layout
 (partial, interleaved, local and global bases), MLPs and MoE blocks, final logit soft-capping.
 So the numbers are the transformers model's, for every family it implements, and nothing here is
-a copy of a model. Only attention is ours: the model is switched to the `tidal_paged` attention
-function, which writes the new keys/values into cache blocks and attends over each sequence's
-cached context, with the pieces the families differ in passed to it by their attention modules:
-the scale, a per-layer sliding window and attention logit soft-capping. The key and value widths
-of each layer are probed from one forward at start, so layers that differ get caches of their
-own shape.
+a copy of a model. (Its RMSNorms and SwiGLU activations run as one fused op each where that
+computes the same, checked module by module at start: `tidal.engine.fuse`.) Only attention is
+ours: the model is switched to the `tidal_paged` attention function, which writes the new
+keys/values into cache blocks and attends over each sequence's cached context, with the pieces
+the families differ in passed to it by their attention modules: the scale, a per-layer sliding
+window and attention logit soft-capping. The key and value widths of each layer are probed from
+one forward at start, so layers that differ get caches of their own shape.
 
 Multi-head latent attention (DeepSeek-V3) caches its latents, not keys and values: the attention
 module hands the step's compressed KV and rotated shared key to its cache's `update`, and expands
@@ -35,14 +36,13 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tidal import moe
 from tidal.attend import attend, causal_mask
-from tidal.engine import native
+from tidal.engine import fuse, native
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 
@@ -195,7 +195,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache_dtype = next(model.parameters()).dtype
         model.set_attn_implementation(NAME)
-        _fuse_rms_norms(model)
+        fuse.fuse(model)  # RMSNorms and SwiGLU activations as one op each where they compute alike
         self.routers = moe.routers(model)
         self._offsets = torch.arange(block_size, device=CPU)
         # per layer: (kv heads, key width, value width), probed from one token
@@ -416,31 +416,3 @@ class ModelRunner:
             return None
         ctx = self._context_slots(seq, seq.num_tokens - 1).to(self.device)
         return self.routes.index_select(0, ctx).cpu()
-
-
-def _fuse_rms_norms(model: torch.nn.Module) -> None:
-    """Run each RMSNorm module whose output is `w · x / rms(x)` as one fused op (its five small
-    ops cost more than the math on a CPU). Each norm is checked against the fused op on a sample
-    input first, so Gemma's `(1 + w)` norms and anything else of another formula keep their own
-    forward."""
-    gen = torch.Generator(device=CPU).manual_seed(0)
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
-        if not type(mod).__name__.endswith("RMSNorm") or not isinstance(w, Tensor) or w.dim() != 1:
-            continue
-        if not isinstance(eps, float) or w.is_meta:
-            continue
-        x = torch.randn(3, w.shape[0], generator=gen).to(w.device, w.dtype)
-        with torch.no_grad():
-            fused = F.rms_norm(x, w.shape, w, eps)
-            same = torch.allclose(mod(x), fused, rtol=1e-5, atol=1e-6) and not math.isnan(float(fused.sum()))
-        if same:
-            mod.forward = _fused_forward(mod, eps)
-
-
-def _fused_forward(mod: torch.nn.Module, eps: float):
-    def forward(x: Tensor) -> Tensor:
-        return F.rms_norm(x, mod.weight.shape, mod.weight, eps)
-
-    return forward

@@ -1,6 +1,7 @@
 """The engine's CPU kernels in C: decode attention over the paged KV cache read in place
-(`decode_attention.c`), and sampling a token per row of logits without writing probabilities
-(`sample.c`).
+(`decode_attention.c`), sampling a token per row of logits without writing probabilities
+(`sample.c`), and a decoder layer's RMSNorm and SwiGLU activation as one pass each
+(`pointwise.c`, used by `tidal.engine.fuse`).
 
 PyTorch has no CPU kernel that attends over a paged cache: the torch path gathers each
 sequence's keys and values into a dense [B, C, Hkv, D] buffer and calls sdpa, whose CPU kernel
@@ -10,7 +11,7 @@ once for the query heads sharing it. Sampling through torch writes the logits in
 their softmax ([B, V] each, ~25 MB at 128 x 49k, page-faulted in afresh every step); the C
 sampler reads the logits once for their maximum and once for the chunk sums.
 
-Both are compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU torch
+They are compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU torch
 runs its kernels for (`torch.backends.cpu.get_cpu_capability()`), with OpenMP where the compiler
 has it (it then runs on torch's own OpenMP threads), in about a second, into
 `$TIDAL_HOME/kernels` (else `~/.cache/tidal/kernels`), named by a hash of the source, the flags
@@ -40,7 +41,8 @@ from tidal.utils import tidal_home
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_attention.c", HERE / "sample.c"]  # one library; both include native_vec.h
+# one library; each includes native_vec.h
+SOURCES = [HERE / "decode_attention.c", HERE / "sample.c", HERE / "pointwise.c"]
 HEADERS = [HERE / "native_vec.h"]
 # vector instructions for the CPU capability torch dispatches to; anything else builds portable code
 ISA_FLAGS = {
@@ -48,6 +50,7 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
 }
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+TORCH_PATHS = "decode attention, sampling, RMSNorm and SwiGLU run through torch"
 
 
 def kernel_dir() -> Path:
@@ -78,15 +81,13 @@ def load() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning(
-            "no C compiler (%s) found: decode attention and sampling run through torch", os.environ.get("CC", "cc")
-        )
+        log.warning("no C compiler (%s) found: %s", os.environ.get("CC", "cc"), TORCH_PATHS)
         return None
     flags = ["-O3", "-shared", "-fPIC", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the C compiler %s does not run (%s): decode attention and sampling run through torch", compiler, e)
+        log.warning("the C compiler %s does not run (%s): %s", compiler, e, TORCH_PATHS)
         return None
     errors = []
     # with OpenMP (torch's thread pool) where the compiler has it, else on the calling thread
@@ -103,7 +104,8 @@ def load() -> ctypes.CDLL | None:
             errors.append(str(e))
     else:
         log.warning(
-            "the native kernels could not be built: decode attention and sampling run through torch\n%s",
+            "the native kernels could not be built: %s\n%s",
+            TORCH_PATHS,
             "\n".join(errors),
         )
         return None
@@ -113,6 +115,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tidal_sample
     fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
     fn.restype = ctypes.c_int
+    lib.tidal_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64]
+    lib.tidal_rms_norm.restype = None
+    lib.tidal_silu_mul.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64]
+    lib.tidal_silu_mul.restype = None
     return lib
 
 
@@ -215,3 +221,42 @@ def sample(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tens
         rows = (tokens < 0).nonzero()[:, 0].tolist()
         raise ValueError(f"sampling: logits rows {rows} hold NaN or infinite values (no distribution to draw from)")
     return tokens, log_probs
+
+
+def _rows(x: Tensor, name: str) -> Tensor:
+    """x as [rows, cols] with unit stride in cols (a view where it can be)."""
+    if x.dtype not in CACHE_DTYPES or x.device.type != CPU or x.shape[-1] % 8:
+        got = f"{x.dtype} {tuple(x.shape)} on {x.device}"
+        raise ValueError(f"native.{name}: float32 or bfloat16 CPU rows a multiple of 8 wide, got {got}")
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm, `w · round(x / sqrt(mean(x²) + eps))` over the last dimension, in one
+    pass per row: the normalised row is computed in float32 and rounded to x's dtype before the
+    weight's product (rounded again), as the module's ops round it."""
+    flat = _rows(x, "rms_norm")
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or not weight.is_contiguous():
+        got = f"weight {tuple(weight.shape)} {weight.dtype}, rows {tuple(x.shape)} {x.dtype}"
+        raise ValueError(f"native.rms_norm: {got}: one weight per column, in the rows' dtype")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    load().tidal_rms_norm(
+        flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], flat.shape[1], flat.stride(0), eps,
+        torch.get_num_threads(), x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's `silu(gate) · up` in one pass, float32; silu(x) = x / (1 + e^-x)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype != torch.float32:
+        got = f"gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}"
+        raise ValueError(f"native.silu_mul: {got}: float32 of the same shape expected")
+    g, u = _rows(gate, "silu_mul"), _rows(up, "silu_mul")
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    load().tidal_silu_mul(
+        g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
