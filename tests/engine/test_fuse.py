@@ -1,6 +1,6 @@
-"""The fused norm and SwiGLU ops (`tidal.engine.native.rms_norm`, `silu_mul`) against transformers'
-modules and torch's ops (the norm bit for bit in bfloat16), and `tidal.engine.fuse` replacing exactly the
-modules they compute alike."""
+"""The fused ops (`tidal.engine.native.rms_norm`, `silu_mul`, `rotary`) against transformers'
+modules and functions and torch's ops (the norm and the rotary embedding bit for bit in bfloat16),
+and `tidal.engine.fuse` replacing exactly the modules they compute alike."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_model
 from families import tiny_model
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from tidal.engine import fuse, native
 
@@ -123,3 +123,20 @@ def test_fused_forwards_step_aside_for_gradients():
     loss.backward()
     torch.testing.assert_close(loss, loss_own, rtol=0, atol=0)
     torch.testing.assert_close(model.model.norm.weight.grad, grad_own, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_transformers_function(dtype):
+    """The bits of `apply_rotary_pos_emb` on the [1, heads, T, D] views the attention module makes."""
+    torch.manual_seed(4)
+    t, d = 7, 64
+    angle = torch.rand(1, t, d) * 50
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    q, k = torch.randn(t, 9 * d).to(dtype), torch.randn(t, 3 * d).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(
+        q.view(1, t, 9, d).transpose(1, 2), k.view(1, t, 3, d).transpose(1, 2), cos, sin
+    )
+    got_q, got_k = (native.rotary(x.view(t, -1, d), cos[0], sin[0]) for x in (q, k))
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+    with pytest.raises(ValueError, match=r"native.rotary: x \(7, 9, 24\) .*: x \[T, H, D\] \(D a multiple of 16\)"):
+        native.rotary(torch.randn(t, 9, 24).to(dtype), cos[0, :, :24], sin[0, :, :24])

@@ -5,7 +5,9 @@ OLMo-2's post-norms, q/k norms), fused or biased projections, each family's rota
 (partial, interleaved, local and global bases), MLPs and MoE blocks, final logit soft-capping.
 So the numbers are the transformers model's, for every family it implements, and nothing here is
 a copy of a model. (Its RMSNorms and SwiGLU activations run as one fused op each where that
-computes the same, checked module by module at start: `tidal.engine.fuse`.) Only attention is
+computes the same, checked module by module at start: `tidal.engine.fuse`; and pure decode steps
+of Llama-shaped families call the same modules without transformers' per-layer plumbing, checked
+bit for bit against its forward at the first: `tidal.engine.decode_path`.) Only attention is
 ours: the model is switched to the `tidal_paged` attention function, which writes the new
 keys/values into cache blocks and attends over each sequence's cached context, with the pieces
 the families differ in passed to it by their attention modules: the scale, a per-layer sliding
@@ -32,6 +34,7 @@ context, prefix-shared or recomputed after a preemption.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields
 
@@ -42,10 +45,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tidal import moe
 from tidal.attend import attend, causal_mask
-from tidal.engine import fuse, native
+from tidal.engine import decode_path, fuse, native
+from tidal.engine.decode_path import DecodePath
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 
+log = logging.getLogger(__name__)
 NAME = "tidal_paged"
 
 # model_type -> what the family needed beyond Llama's pieces (docs/engine.md lists the same)
@@ -197,6 +202,10 @@ class ModelRunner:
         model.set_attn_implementation(NAME)
         fuse.fuse(model)  # RMSNorms and SwiGLU activations as one op each where they compute alike
         self.routers = moe.routers(model)
+        # pure decode steps of a Llama-shaped model without transformers' plumbing (same bits,
+        # checked on the first such step)
+        self.decode_path = DecodePath(model, self) if not self.routers and decode_path.supports(model) else None
+        self.decode_path_checked = False
         self._offsets = torch.arange(block_size, device=CPU)
         # per layer: (kv heads, key width, value width), probed from one token
         self.kv_shapes: dict[int, tuple[int, int, int]] = {}
@@ -394,6 +403,21 @@ class ModelRunner:
         """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
         and return the next-token logits of each sequence [S, V] in the model's dtype."""
         plan = self.plan(seqs)
+        if self.decode_path is not None and plan.only_single:
+            if self.decode_path_checked:
+                return self.decode_path(plan)
+            # the first decode step runs both (transformers' last: its K/V stay) and compares
+            fast, logits = self.decode_path(plan), self._model_forward(plan)
+            self.decode_path_checked = torch.equal(fast, logits)
+            if not self.decode_path_checked:
+                diff = (fast.float() - logits.float()).abs().max().item()
+                log.warning("the decode path's logits differ from transformers' (max %.3g): kept off", diff)
+                self.decode_path = None
+            return logits
+        return self._model_forward(plan)
+
+    def _model_forward(self, plan: BatchPlan) -> Tensor:
+        """The step as transformers' forward of the model."""
         kw = {
             "position_ids": plan.positions[None],
             "logits_to_keep": plan.last,

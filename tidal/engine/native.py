@@ -1,7 +1,7 @@
 """The engine's CPU kernels in C: decode attention over the paged KV cache read in place
 (`decode_attention.c`), sampling a token per row of logits without writing probabilities
-(`sample.c`), and a decoder layer's RMSNorm and SwiGLU activation as one pass each
-(`pointwise.c`, used by `tidal.engine.fuse`).
+(`sample.c`), and a decoder layer's RMSNorm, rotary embedding and SwiGLU activation as one pass
+each (`pointwise.c`, used by `tidal.engine.fuse` and `tidal.engine.decode_path`).
 
 PyTorch has no CPU kernel that attends over a paged cache: the torch path gathers each
 sequence's keys and values into a dense [B, C, Hkv, D] buffer and calls sdpa, whose CPU kernel
@@ -119,6 +119,8 @@ def load() -> ctypes.CDLL | None:
     lib.tidal_rms_norm.restype = None
     lib.tidal_silu_mul.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64]
     lib.tidal_silu_mul.restype = None
+    lib.tidal_rotary.argtypes = [_P, _P, _P, _P] + [_I64] * 7
+    lib.tidal_rotary.restype = None
     return lib
 
 
@@ -258,5 +260,25 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     load().tidal_silu_mul(
         g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0),
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotate-half rotary embedding of transformers' `apply_rotary_pos_emb` for one of q or
+    k: x [T, H, D] (rows of unit stride, heads contiguous) → x · cos + rotate_half(x) · sin
+    [T, H, D], cos and sin [T, D] broadcast over the heads, rotate_half(x) = (-x[D/2:], x[:D/2]);
+    each product and the sum rounded to the dtype as its three ops round them (the same bits)."""
+    t, h, d = x.shape
+    ok = x.dtype in CACHE_DTYPES and x.device.type == CPU and d % 16 == 0 and x.stride(2) == 1 and x.stride(1) == d
+    if not ok or cos.shape != (t, d) or sin.shape != (t, d) or not cos.dtype == sin.dtype == x.dtype:
+        got = f"x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)}"
+        raise ValueError(f"native.rotary: {got}: x [T, H, D] (D a multiple of 16) and cos/sin [T, D] of its dtype")
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(t, h, d, dtype=x.dtype)
+    load().tidal_rotary(
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t * h, h, d, x.stride(1), cos.stride(0),
+        torch.get_num_threads(), x.dtype == torch.bfloat16,
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 // A decoder layer's row-wise and element-wise pieces as one pass each, for the ones torch runs as
 // several small ops (each a dispatch, and in bfloat16 a widening copy): transformers' RMSNorm is
-// eight ops (float32 or bfloat16 here), SwiGLU's activation and product two (float32). Built with the other
+// eight ops (float32 or bfloat16 here), the rotary embedding of q and k fourteen (float32 or
+// bfloat16), SwiGLU's activation and product two (float32). Built with the other
 // kernels into the library tidal/engine/native.py loads; the rows are split over torch's OpenMP
 // threads where a call is big enough to pay for the fork.
 //
@@ -12,12 +13,12 @@
 
 #include "native_vec.h"
 
-// One call's operands: rows of `a` (and `b`) a_stride (b_stride) elements apart, `cols` wide
-// (a multiple of 8); `out` contiguous.
+// One call's operands: rows of `a` (and `b`, `c`) a_stride (b_stride) elements apart, `cols`
+// wide (a multiple of 8); `out` contiguous. Rotary: rows r of `a`, rows r / heads of `b` and `c`.
 typedef struct {
-    const void *a, *b;
+    const void *a, *b, *c;
     void *out;
-    int64_t cols, a_stride, b_stride;
+    int64_t cols, a_stride, b_stride, heads;
     float eps;
 } Rows;
 
@@ -82,7 +83,7 @@ static void rms_bf16(const Rows *op, int64_t lo, int64_t hi) { rms_rows(op, lo, 
 
 void tidal_rms_norm(const void *x, const void *w, void *out, int64_t rows, int64_t cols, int64_t x_stride, float eps,
                     int64_t threads, int64_t bf16) {
-    const Rows op = {x, w, out, cols, x_stride, 0, eps};
+    const Rows op = {.a = x, .b = w, .out = out, .cols = cols, .a_stride = x_stride, .eps = eps};
     over_rows(bf16 ? rms_bf16 : rms_f32, &op, rows, threads);
 }
 
@@ -106,6 +107,40 @@ static void silu_mul_rows(const Rows *op, int64_t lo, int64_t hi) {
 
 void tidal_silu_mul(const float *g, const float *u, float *out, int64_t rows, int64_t cols, int64_t g_stride,
                     int64_t u_stride, int64_t threads) {
-    const Rows op = {g, u, out, cols, g_stride, u_stride, 0};
+    const Rows op = {.a = g, .b = u, .out = out, .cols = cols, .a_stride = g_stride, .b_stride = u_stride};
     over_rows(silu_mul_rows, &op, rows, threads);
+}
+
+// Rotary position embedding in the rotate-half layout, transformers' apply_rotary_pos_emb:
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]), each product and
+// the sum rounded to the input's dtype as its three ops round them (so never fused into an FMA).
+// x = op->a: rows of D = op->cols (a multiple of 16), a_stride apart; row r uses row r / heads of
+// cos = op->b and sin = op->c (b_stride apart).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void rotary_rows(const Rows *op, int64_t lo, int64_t hi, int bf16) {
+    const int64_t half = op->cols / 2;
+    for (int64_t r = lo; r < hi; r++) {
+        const int64_t x0 = r * op->a_stride, cs = r / op->heads * op->b_stride, o = r * op->cols;
+        for (int64_t c = 0; c < half; c += 8) {
+            const v8 x1 = load8(op->a, x0 + c, bf16), x2 = load8(op->a, x0 + half + c, bf16);
+            const v8 cos1 = load8(op->b, cs + c, bf16), cos2 = load8(op->b, cs + half + c, bf16);
+            const v8 sin1 = load8(op->c, cs + c, bf16), sin2 = load8(op->c, cs + half + c, bf16);
+            store8(op->out, o + c, round8(x1 * cos1, bf16) + round8(-x2 * sin1, bf16), bf16);
+            store8(op->out, o + half + c, round8(x2 * cos2, bf16) + round8(x1 * sin2, bf16), bf16);
+        }
+    }
+}
+
+static void rotary_f32(const Rows *op, int64_t lo, int64_t hi) { rotary_rows(op, lo, hi, 0); }
+static void rotary_bf16(const Rows *op, int64_t lo, int64_t hi) { rotary_rows(op, lo, hi, 1); }
+
+// x: T * heads rows of D, x_stride apart (row t * heads + h: token t, head h); cos, sin: T rows of
+// D, cs_stride apart; out: [T * heads, D]
+void tidal_rotary(const void *x, const void *cos, const void *sin, void *out, int64_t rows, int64_t heads, int64_t D,
+                  int64_t x_stride, int64_t cs_stride, int64_t threads, int64_t bf16) {
+    const Rows op = {.a = x, .b = cos, .c = sin, .out = out, .cols = D, .a_stride = x_stride, .b_stride = cs_stride,
+                     .heads = heads};
+    over_rows(bf16 ? rotary_bf16 : rotary_f32, &op, rows, threads);
 }

@@ -1,0 +1,80 @@
+"""The decode path (`tidal.engine.decode_path`): pure decode steps of Llama-shaped families without
+transformers' plumbing give the bits transformers' forward gives, are checked once against it,
+and stay off for other families or when the check fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from families import WINDOW, tiny_model
+
+from tidal.engine.decode_path import DecodePath
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.sampling import SamplingParams
+
+PROMPTS = [[1, 5, 9], list(range(40, 60)), [7, 300, 17, 250, 99, 3, 64, 128, 190, 211, 16, 45], [11]]
+assert max(len(p) for p in PROMPTS) > WINDOW + 10  # the windows act
+
+
+def sampled(n: int = 10) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, max_new_tokens=n, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def engines(family: str, dtype: str) -> tuple[LLMEngine, LLMEngine]:
+    """The same model twice: with the decode path, and without it (transformers' forward)."""
+    on, off = (LLMEngine(tiny_model(family), None, dtype=dtype, block_size=4, kv_cache_tokens=512) for _ in range(2))
+    off.runner.decode_path = None
+    return on, off
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32"),
+                                               ("qwen2", "float32"), ("qwen2", "bfloat16")])  # fmt: skip
+def test_decode_steps_give_transformers_bits(family, dtype):
+    on, off = engines(family, dtype)
+    assert on.runner.decode_path is not None
+    calls = []
+    forward = on.model.forward
+    on.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    got, want = on.generate_batch(PROMPTS, sampled()), off.generate_batch(PROMPTS, sampled())
+    assert on.runner.decode_path_checked and on.runner.decode_path is not None
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.log_probs == w.log_probs  # exactly
+    # transformers' forward ran for the prefill step and for the first decode step's check only
+    assert len(calls) == 2 and on.stats()["steps"] == 10  # the prefill gives the first token
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3_moe"])
+def test_other_families_keep_transformers_forward(family):
+    engine = LLMEngine(tiny_model(family), None, dtype="float32", kv_cache_tokens=256)
+    assert engine.runner.decode_path is None
+
+
+def test_a_failed_check_turns_it_off(monkeypatch, caplog):
+    """A decode path whose logits differ from transformers' is dropped at the first decode step,
+    and that step returns transformers' logits: the tokens are the plain engine's."""
+    on, off = engines("llama", "float32")
+    real = DecodePath.__call__
+    monkeypatch.setattr(DecodePath, "__call__", lambda self, plan: real(self, plan) + 1e-3)
+    with caplog.at_level(logging.WARNING, logger="tidal.engine.model_runner"):
+        got = on.generate_batch(PROMPTS, sampled(6))
+    assert on.runner.decode_path is None
+    assert "the decode path's logits differ from transformers' (max 0.001): kept off" in caplog.text
+    want = off.generate_batch(PROMPTS, sampled(6))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.log_probs for o in got] == [o.log_probs for o in want]
+
+
+def test_weights_loaded_after_start_reach_it():
+    """It calls the modules' current forwards: new weights (and the engine's re-packing) apply."""
+    on, off = engines("llama", "float32")
+    on.generate_batch(PROMPTS, sampled(3))
+    assert on.runner.decode_path_checked
+    other = tiny_model("llama", seed=7).state_dict()
+    for engine in (on, off):
+        engine.update_weights_from_tensors(list(other.items()))
+    got, want = on.generate_batch(PROMPTS, sampled()), off.generate_batch(PROMPTS, sampled())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.log_probs for o in got] == [o.log_probs for o in want]
+    assert torch.equal(on.model.model.layers[0].mlp.up_proj.weight, other["model.layers.0.mlp.up_proj.weight"])

@@ -1,0 +1,108 @@
+"""A decode step of a Llama-shaped model without transformers' per-layer plumbing.
+
+In a pure decode step (every sequence computes one token) of a small model on a CPU, what runs
+around the matrix products costs as much as the attention: each layer's forward goes through
+the decoder layer's and attention module's `__call__`, keyword plumbing and deprecation wrappers,
+the attention-interface lookup, [1, T, ...] views and transposes. `DecodePath` runs the same
+modules in the same order on the flat batch: the embedding, the model's rotary module (its
+scaling), per layer the norm modules, the q/k/v/o projections (packed or quantized by the
+engine, biases included), the rotary embedding (`native.rotary` on a CPU, the same bits as the
+family's own `apply_rotary_pos_emb`, which runs elsewhere), the engine's paged attention
+with the layer's scale and sliding window, the residual adds, the MLP module; then the final
+norm and the output head. The ops and their order are the transformers forward's, so the logits
+are its bits: the engine checks that on its first decode step (both paths, `torch.equal`) and
+keeps transformers' path for good if they differ.
+
+Families: those whose decoder layer is Llama's (pre-norm attention and MLP with residuals): llama,
+mistral (the config's sliding window on every layer) and qwen2 (each layer's own window); their
+forwards were read for this, transformers 5.x. Steps with a prefill, other families, and models
+with hooks (MoE routing capture) run transformers' forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import Tensor, nn
+
+from tidal.engine import native
+from tidal.hardware import CPU
+
+# model_type -> the sliding window an attention module passes to the attention function
+WINDOWS = {
+    "llama": lambda attn: None,
+    "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
+    "qwen2": lambda attn: attn.sliding_window,
+}
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` has the Llama-shaped structure this path runs."""
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "rotary_emb", "norm", "layers")
+    if model.config.model_type not in WINDOWS or inner is None or not all(hasattr(inner, n) for n in needed):
+        return False
+    parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return all(
+        all(hasattr(layer, p) for p in parts) and all(hasattr(layer.self_attn, p) for p in projections)
+        for layer in inner.layers
+    ) and hasattr(model, "lm_head")
+
+
+class DecodePath:
+    """Next-token logits [B, V] of a pure decode step, computed as transformers' forward computes
+    them (see the module docstring); `runner` is the `ModelRunner` whose cache it reads and writes."""
+
+    def __init__(self, model: nn.Module, runner) -> None:
+        inner = model.model
+        self.runner = runner
+        self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        # the rotary embedding in one C pass (the family's function's bits: rotate-half layout)
+        w = inner.embed_tokens.weight
+        head_dims = {layer.self_attn.head_dim for layer in inner.layers}
+        self.native_rope = (
+            w.device.type == CPU
+            and w.dtype in native.CACHE_DTYPES
+            and all(d % 16 == 0 for d in head_dims)
+            and native.load() is not None
+        )
+        window = WINDOWS[model.config.model_type]
+        self.layers = []
+        for layer in inner.layers:
+            attn = layer.self_attn
+            self.layers.append(
+                (
+                    attn.layer_idx,
+                    layer.input_layernorm,
+                    attn.q_proj,
+                    attn.k_proj,
+                    attn.v_proj,
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    layer.mlp,
+                    attn.head_dim,
+                    attn.scaling,
+                    window(attn),
+                )
+            )
+
+    def __call__(self, plan) -> Tensor:
+        # modules' `forward` looked up at each call: the engine replaces some after start-up
+        # (packed or quantized projections, fused norms); called without `__call__`'s hook machinery
+        b = plan.input_ids.shape[0]
+        x = self.embed.forward(plan.input_ids)  # [B, hidden]
+        cos, sin = self.rotary.forward(x[None], plan.positions[None])
+        for i, norm1, q_proj, k_proj, v_proj, o_proj, norm2, mlp, d, scale, window in self.layers:
+            h = norm1.forward(x)
+            q, k, v = (p.forward(h).view(b, -1, d) for p in (q_proj, k_proj, v_proj))  # [B, heads, D]
+            if self.native_rope:
+                q, k = native.rotary(q, cos[0], sin[0]), native.rotary(k, cos[0], sin[0])
+            else:  # as the attention module calls it, on [1, heads, B, D] views
+                q, k = self.rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
+                q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            o = self.runner.attention(i, q, k, v, plan, scale, window, None)
+            x = x + o_proj.forward(o.reshape(b, -1))
+            x = x + mlp.forward(norm2.forward(x))
+        return self.head.forward(self.norm.forward(x))
