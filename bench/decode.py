@@ -18,9 +18,13 @@ Three things measured in one process, one after another, on the machine it runs 
 - **the decode step**: `batch` sequences (prompts of 40 tokens, a group of 4 sharing each prompt)
   decoding one token each, `LLMEngine.step()` timed over `--steps` steps after 5 warm-up steps:
   forward, sampling and bookkeeping. Its matmul rate counts 2 x batch x (weights of the linear
-  layers) FLOPs per step; `% of stream` is the step's rate over the streamed matrix products'
-  rate in the same format, i.e. the share of the step spent in matrix products at the best speed
-  this machine gives them. Attention and everything else make up the rest. `% of best fp32` is
+  layers) FLOPs per step; `% of stream` is the streamed matrix products' time over the step's,
+  i.e. the share of the step the matrix products would take at the speed this machine gives
+  them: each step is timed right after one streamed pass in the same format, and the two medians
+  compared (the VM's speed drifts by 10-30% within minutes; best-of-5 passes against a median of
+  steps measured minutes apart moved the share by up to 15 points). `% of the best pass` is the
+  older figure: the step's rate over the fastest of 5 streamed passes. Attention and everything
+  else make up the rest. `% of best fp32` is
   the step's rate over the faster of the `none` and `packed` streamed rates: the machine's fp32
   limit for those shapes, whichever kernel reaches it.
 - `--model random` is SmolLM2-135M's shape with random weights (no checkpoint needed).
@@ -63,6 +67,16 @@ def load_model(name: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(str(ensure_model(name)), dtype=dtype).eval()
 
 
+def _timed_once(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _timed(fn, repeats: int) -> float:
     fn()
     best = float("inf")
@@ -102,10 +116,7 @@ def layer_products(model, kind: str, batch: int, device: str):
     return fns
 
 
-def matmul_rates(model, kind: str, batch: int, device: str) -> dict:
-    fns = layer_products(model, kind, batch, device)
-    n = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
-    flops = 2 * batch * n
+def matmul_rates(fns, flops: float) -> dict:
     stream = _timed(lambda: [f() for f in fns], 5)
     hot = 0.0
     for f in fns:  # each matrix 20 times in a row (in cache after the first)
@@ -113,7 +124,10 @@ def matmul_rates(model, kind: str, batch: int, device: str) -> dict:
     return {"stream_s": stream, "stream_gflops": flops / stream / 1e9, "hot_gflops": flops / hot / 1e9}
 
 
-def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, steps: int, device: str) -> dict:
+def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, steps: int, device: str, products) -> dict:
+    """The engine's step, each step timed right after one streamed pass of `products` (the
+    model's matrix products in the same format): the machine's speed drifts, and pairing keeps
+    the two medians comparable."""
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.sampling import SamplingParams
 
@@ -136,13 +150,10 @@ def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, step
     engine.step()  # the prefill
     for _ in range(5):
         engine.step()
-    times = []
+    times, passes = [], []
     for _ in range(steps):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+        passes.append(_timed_once(lambda: [f() for f in products]))
+        times.append(_timed_once(engine.step))
     running = engine.stats()["running"]
     engine.abort()
     times.sort()
@@ -150,6 +161,7 @@ def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, step
     step = times[len(times) // 2]
     return {
         "step_s": step,
+        "paired_stream_s": sorted(passes)[len(passes) // 2],
         "step_min_s": times[0],
         "running": running,
         "gflops": 2 * batch * n / step / 1e9,
@@ -190,14 +202,17 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         for kind in kinds:
-            rates = matmul_rates(model, kind, batch, args.device)
-            step = decode_step(args.model, dtype, kind, batch, args.steps, args.device)
+            fns = layer_products(model, kind, batch, args.device)
+            flops = 2 * batch * sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
+            rates = matmul_rates(fns, flops)
+            step = decode_step(args.model, dtype, kind, batch, args.steps, args.device, fns)
             row = {
                 "batch": batch,
                 "quantization": kind,
                 **rates,
                 **step,
-                "pct_of_stream": 100 * step["gflops"] / rates["stream_gflops"],
+                "pct_of_stream": 100 * step["paired_stream_s"] / step["step_s"],
+                "pct_of_best_stream": 100 * step["gflops"] / rates["stream_gflops"],
                 "pct_of_hot": 100 * step["gflops"] / rates["hot_gflops"],
             }
             rows.append(row)
@@ -205,7 +220,8 @@ def main() -> None:
                 f"batch {batch:3d} {kind:6s} step {1e3 * row['step_s']:7.1f} ms ({row['tokens_per_s']:6.0f} tok/s, "
                 f"{row['gflops']:6.1f} GFLOP/s) | products streamed {1e3 * rates['stream_s']:7.1f} ms "
                 f"({rates['stream_gflops']:6.1f}), hot {rates['hot_gflops']:6.1f} GFLOP/s | "
-                f"step at {row['pct_of_stream']:5.1f}% of streamed, {row['pct_of_hot']:5.1f}% of hot | "
+                f"step at {row['pct_of_stream']:5.1f}% of streamed (paired medians; "
+                f"{row['pct_of_best_stream']:.1f}% of the best pass), {row['pct_of_hot']:5.1f}% of hot | "
                 f"re-quantize {row['quantize_s']:.2f} s",
                 flush=True,
             )
