@@ -4,6 +4,7 @@ and stay off for other families or when the check fails."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -78,3 +79,19 @@ def test_weights_loaded_after_start_reach_it():
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.log_probs for o in got] == [o.log_probs for o in want]
     assert torch.equal(on.model.model.layers[0].mlp.up_proj.weight, other["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_modules_replaced_after_start_reach_it():
+    """A projection swapped for another module after the check (as a trainer's LoRA layers are
+    given to the engine) is the one the path calls; so is the torch rotary where C is off."""
+    on, off = engines("llama", "float32")
+    on.generate_batch(PROMPTS, sampled(3))
+    assert on.runner.decode_path_checked
+    torch.manual_seed(9)
+    new = torch.nn.Linear(64, 64, bias=True)
+    for engine in (on, off):
+        engine.model.model.layers[1].self_attn.o_proj = copy.deepcopy(new)
+    on.runner.decode_path.native_rope = False
+    got, want = on.generate_batch(PROMPTS, sampled()), off.generate_batch(PROMPTS, sampled())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.log_probs for o in got] == [o.log_probs for o in want]

@@ -55,9 +55,8 @@ class DecodePath:
     them (see the module docstring); `runner` is the `ModelRunner` whose cache it reads and writes."""
 
     def __init__(self, model: nn.Module, runner) -> None:
+        self.model, self.runner = model, runner
         inner = model.model
-        self.runner = runner
-        self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
         # the rotary embedding in one C pass (the family's function's bits: rotate-half layout)
         w = inner.embed_tokens.weight
@@ -69,40 +68,25 @@ class DecodePath:
             and native.load() is not None
         )
         window = WINDOWS[model.config.model_type]
-        self.layers = []
-        for layer in inner.layers:
-            attn = layer.self_attn
-            self.layers.append(
-                (
-                    attn.layer_idx,
-                    layer.input_layernorm,
-                    attn.q_proj,
-                    attn.k_proj,
-                    attn.v_proj,
-                    attn.o_proj,
-                    layer.post_attention_layernorm,
-                    layer.mlp,
-                    attn.head_dim,
-                    attn.scaling,
-                    window(attn),
-                )
-            )
+        self.windows = [window(layer.self_attn) for layer in inner.layers]
 
     def __call__(self, plan) -> Tensor:
-        # modules' `forward` looked up at each call: the engine replaces some after start-up
-        # (packed or quantized projections, fused norms); called without `__call__`'s hook machinery
-        b = plan.input_ids.shape[0]
-        x = self.embed.forward(plan.input_ids)  # [B, hidden]
-        cos, sin = self.rotary.forward(x[None], plan.positions[None])
-        for i, norm1, q_proj, k_proj, v_proj, o_proj, norm2, mlp, d, scale, window in self.layers:
-            h = norm1.forward(x)
-            q, k, v = (p.forward(h).view(b, -1, d) for p in (q_proj, k_proj, v_proj))  # [B, heads, D]
+        # Modules are looked up at each call, and so are their `forward`s: the engine replaces
+        # some after start-up (packed or quantized projections, fused norms, a trainer's LoRA
+        # layers given to the engine). They are called without `__call__`'s hook machinery.
+        inner, b = self.model.model, plan.input_ids.shape[0]
+        x = inner.embed_tokens.forward(plan.input_ids)  # [B, hidden]
+        cos, sin = inner.rotary_emb.forward(x[None], plan.positions[None])
+        for layer, window in zip(inner.layers, self.windows, strict=True):
+            attn, d = layer.self_attn, layer.self_attn.head_dim
+            h = layer.input_layernorm.forward(x)
+            q, k, v = (p.forward(h).view(b, -1, d) for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # [B, heads, D]
             if self.native_rope:
                 q, k = native.rotary(q, cos[0], sin[0]), native.rotary(k, cos[0], sin[0])
             else:  # as the attention module calls it, on [1, heads, B, D] views
                 q, k = self.rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
-            o = self.runner.attention(i, q, k, v, plan, scale, window, None)
-            x = x + o_proj.forward(o.reshape(b, -1))
-            x = x + mlp.forward(norm2.forward(x))
-        return self.head.forward(self.norm.forward(x))
+            o = self.runner.attention(attn.layer_idx, q, k, v, plan, attn.scaling, window, None)
+            x = x + attn.o_proj.forward(o.reshape(b, -1))
+            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+        return self.model.lm_head.forward(inner.norm.forward(x))
