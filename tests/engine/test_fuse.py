@@ -140,3 +140,16 @@ def test_rotary_is_transformers_function(dtype):
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
     with pytest.raises(ValueError, match=r"native.rotary: x \(7, 9, 24\) .*: x \[T, H, D\] \(D a multiple of 16\)"):
         native.rotary(torch.randn(t, 9, 24).to(dtype), cos[0, :, :24], sin[0, :, :24])
+
+
+def test_a_fused_mlp_calls_projections_replaced_after_it():
+    """A trainer's LoRA layers given to the engine replace its projections after start-up: the
+    fused forward calls the module's current ones."""
+    model = make_model()
+    fuse.fuse(model)
+    mlp = model.model.layers[0].mlp
+    torch.manual_seed(5)
+    mlp.up_proj = torch.nn.Linear(64, 128, bias=True)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x), rtol=1e-6, atol=1e-6)

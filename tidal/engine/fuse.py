@@ -81,7 +81,7 @@ def _fuse_norm(mod: nn.Module, gen: torch.Generator, use_native: bool) -> bool:
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
     if not isinstance(w, Tensor) or w.dim() != 1 or w.is_meta or not isinstance(eps, float):
         return False
-    x = (torch.randn(3, w.shape[0], generator=gen) * 3).to(w.device, w.dtype)
+    x = (torch.randn(3, w.shape[0], generator=gen, device=CPU) * 3).to(w.device, w.dtype)
     candidates = []
     if use_native and w.device.type == CPU and w.dtype in native.CACHE_DTYPES:
         candidates.append(lambda x: native.rms_norm(x, mod.weight, eps))
@@ -99,15 +99,15 @@ def _fuse_mlp(mod: nn.Module, gen: torch.Generator, use_native: bool) -> bool:
     silu = type(getattr(mod, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")  # torch's, transformers'
     if not use_native or not silu or not all(isinstance(p, nn.Module) for p in parts):
         return False
-    gate, up, down = parts
-    w = gate.weight
-    if w.device.type != CPU or w.dtype != torch.float32 or w.is_meta:
+    w = getattr(parts[0], "weight", None)
+    if not isinstance(w, Tensor) or w.device.type != CPU or w.dtype != torch.float32 or w.is_meta:
         return False
 
     def fused(x: Tensor) -> Tensor:
-        return down(native.silu_mul(gate(x), up(x)))
+        # the projections looked up at each call: a trainer's LoRA layers may replace them later
+        return mod.down_proj(native.silu_mul(mod.gate_proj(x), mod.up_proj(x)))
 
-    x = torch.randn(3, w.shape[1], generator=gen).to(w.device, w.dtype)
+    x = torch.randn(3, w.shape[1], generator=gen, device=CPU).to(w.device, w.dtype)
     if not _same(mod, fused, x):
         return False
     mod.forward = _inference_only(mod, fused)

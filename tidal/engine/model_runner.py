@@ -46,7 +46,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tidal import moe
 from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native
-from tidal.engine.decode_path import DecodePath
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 
@@ -204,7 +203,9 @@ class ModelRunner:
         self.routers = moe.routers(model)
         # pure decode steps of a Llama-shaped model without transformers' plumbing (same bits,
         # checked on the first such step)
-        self.decode_path = DecodePath(model, self) if not self.routers and decode_path.supports(model) else None
+        self.decode_path = (
+            decode_path.DecodePath(model, self) if not self.routers and decode_path.supports(model) else None
+        )
         self.decode_path_checked = False
         self._offsets = torch.arange(block_size, device=CPU)
         # per layer: (kv heads, key width, value width), probed from one token

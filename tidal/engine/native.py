@@ -211,8 +211,8 @@ def sample(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tens
         raise ValueError(f"native.sample: logits {tuple(logits.shape)} need temperature and u of shape ({b},)")
     if not bool((temperature > 0).all()):
         raise ValueError("native.sample: every temperature must be > 0 (greedy rows are the caller's)")
-    tokens = torch.empty(b, dtype=torch.long)
-    log_probs = torch.empty(b, dtype=torch.float32)
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+    log_probs = torch.empty(b, dtype=torch.float32, device=logits.device)
     failed = lib.tidal_sample(
         logits.data_ptr(), b, v, logits.stride(0), logits.dtype == torch.bfloat16, temperature.data_ptr(),
         u.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(), torch.get_num_threads(),
@@ -242,7 +242,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or not weight.is_contiguous():
         got = f"weight {tuple(weight.shape)} {weight.dtype}, rows {tuple(x.shape)} {x.dtype}"
         raise ValueError(f"native.rms_norm: {got}: one weight per column, in the rows' dtype")
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     load().tidal_rms_norm(
         flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], flat.shape[1], flat.stride(0), eps,
         torch.get_num_threads(), x.dtype == torch.bfloat16,
@@ -256,7 +256,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         got = f"gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}"
         raise ValueError(f"native.silu_mul: {got}: float32 of the same shape expected")
     g, u = _rows(gate, "silu_mul"), _rows(up, "silu_mul")
-    out = torch.empty(gate.shape, dtype=gate.dtype)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     load().tidal_silu_mul(
         g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0),
         torch.get_num_threads(),
@@ -276,7 +276,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         raise ValueError(f"native.rotary: {got}: x [T, H, D] (D a multiple of 16) and cos/sin [T, D] of its dtype")
     if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(t, h, d, dtype=x.dtype)
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     load().tidal_rotary(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t * h, h, d, x.stride(1), cos.stride(0),
         torch.get_num_threads(), x.dtype == torch.bfloat16,
