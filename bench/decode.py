@@ -78,17 +78,9 @@ def _timed_once(fn) -> float:
 
 
 def _timed(fn, repeats: int) -> float:
+    """The best of `repeats` timed calls, after one untimed."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(_timed_once(fn) for _ in range(repeats))
 
 
 def memory_bandwidth(device: str) -> float:

@@ -76,13 +76,14 @@ class DecodePath:
         # layers given to the engine). They are called without `__call__`'s hook machinery.
         inner, b = self.model.model, plan.input_ids.shape[0]
         x = inner.embed_tokens.forward(plan.input_ids)  # [B, hidden]
-        cos, sin = inner.rotary_emb.forward(x[None], plan.positions[None])
+        cos, sin = inner.rotary_emb.forward(x[None], plan.positions[None])  # [1, B, D]
+        cos_b, sin_b = cos[0], sin[0]
         for layer, window in zip(inner.layers, self.windows, strict=True):
             attn, d = layer.self_attn, layer.self_attn.head_dim
             h = layer.input_layernorm.forward(x)
             q, k, v = (p.forward(h).view(b, -1, d) for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # [B, heads, D]
             if self.native_rope:
-                q, k = native.rotary(q, cos[0], sin[0]), native.rotary(k, cos[0], sin[0])
+                q, k = native.rotary(q, cos_b, sin_b), native.rotary(k, cos_b, sin_b)
             else:  # as the attention module calls it, on [1, heads, B, D] views
                 q, k = self.rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
