@@ -12,6 +12,7 @@ from conftest import make_model as _make_model
 
 from tidal.engine.llm_engine import EngineConfig, LLMEngine
 from tidal.engine.sampling import SamplingParams
+from tidal.engine.sequence import Sequence
 
 # mixed lengths, a duplicate (prefix sharing within the batch) and a 1-token prompt
 PROMPTS = [
@@ -182,9 +183,9 @@ def test_prefix_sharing_group_prefills_once():
     done = run_all(engine)
     st = engine.stats()
     assert st["prefix_hit_blocks"] == 7 * 3
-    # the first sample prefills 13 tokens, the other 7 only their last prompt token
-    assert st["prefill_tokens"] == 13 + 7 * 1
-    assert st["prefill_tokens"] < 8 * len(prompt)
+    # the first sample prefills 13 tokens; the other 7 (its twins) copy their last prompt token's
+    # K/V and the logits from it
+    assert (st["prefill_tokens"], st["prefill_tokens_copied"]) == (13, 7 * 1)
     assert sorted(o.cached_tokens for o in done.values()) == [0] + [12] * 7
     assert all(o.prompt_tokens == 13 for o in done.values())
     # the shared K/V give the same samples as prefilling each one alone (no full block to share)
@@ -194,6 +195,54 @@ def test_prefix_sharing_group_prefills_once():
         assert done[f"g{s}"].token_ids == o.token_ids
         assert done[f"g{s}"].log_probs == pytest.approx(o.log_probs, abs=1e-4)
     assert alone.stats()["prefix_hit_blocks"] == 0
+
+
+@pytest.mark.parametrize("length", [14, 12, 1])  # a 2-token last block; whole blocks; one token
+def test_twins_copy_the_partial_block_and_sample_as_separate_runs(length):
+    """Requests admitted in one step with the same tokens compute them once: the others copy the
+    K/V of the positions the prefix cache does not hold (a whole last block when the prompt fills
+    its blocks: one token is always computed) and the next-token logits. Their samples are those
+    of each request run alone, in a step that also decodes and prefills other prompts."""
+    prompt = list(range(40, 40 + length))
+    other = [1, 7, 8, 9, 10, 11]
+    engine = engine_for()
+    sp = lambda s: SamplingParams(temperature=1.0, max_new_tokens=6, seed=s, stop_token_ids=[])  # noqa: E731
+    engine.add_request("early", other, sp(9))
+    engine.step()  # "early" decodes in the next step, beside the admissions
+    for s in range(4):
+        engine.add_request(f"g{s}", prompt, sp(s))
+    engine.add_request("other", other, sp(5))
+    engine.step()
+    copied = length - (length - 1) // 4 * 4  # what the prefix cache does not hold
+    st = engine.stats()
+    # "other" finds the first block of "early"'s prompt (the same tokens) in the prefix cache
+    assert (st["prefill_tokens"], st["prefill_tokens_copied"]) == (len(other) + length + 2, 3 * copied)
+    done = run_all(engine)
+    cases = [("g0", prompt, 0), ("g1", prompt, 1), ("g3", prompt, 3), ("other", other, 5), ("early", other, 9)]
+    for rid, p, s in cases:
+        (o,) = engine_for(block_size=64).generate_batch([p], [sp(s)])
+        assert done[rid].token_ids == o.token_ids
+        assert done[rid].log_probs == pytest.approx(o.log_probs, abs=1e-4)
+    assert all(s.twin is None for s in engine.seqs.values())
+
+
+def test_twins_take_nothing_from_the_token_budget():
+    prompt = list(range(40, 53))  # 13 tokens
+    engine = engine_for(max_num_batched_tokens=13)
+    for s in range(8):
+        engine.add_request(f"g{s}", prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+    engine.step()
+    assert engine.stats()["running"] == 8 and engine.stats()["prefill_tokens_copied"] == 7
+
+
+def test_a_twin_whose_twin_holds_other_tokens_is_refused():
+    engine = engine_for()
+    a, b = Sequence("a", [1, 2, 3], greedy()), Sequence("b", [1, 2, 4], greedy())
+    engine.blocks.allocate(a)
+    engine.blocks.allocate(b)
+    b.twin = a
+    with pytest.raises(RuntimeError, match="^request b: its twin does not compute its uncached tokens$"):
+        engine.runner.copy_twins([b])
 
 
 def test_multi_turn_continuation_reuses_the_previous_turn():

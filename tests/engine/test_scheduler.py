@@ -194,6 +194,21 @@ def test_group_of_identical_prompts_shares_prefix_blocks_in_one_step():
     assert all(s.block_table[:2] == shared for s in group)
     assert len({s.block_table[2] for s in group}) == n
     assert [bm.ref[b] for b in shared] == [n, n]
+    # the later ones are the first's twins (the engine copies their last block and logits)
+    assert group[0].twin is None and all(s.twin is group[0] for s in group[1:])
+
+
+def test_twins_are_same_tokens_admitted_in_one_step():
+    sched, mk = make(block_size=4), Seqs()
+    a, b, c = mk([5, 6, 7]), mk([5, 6, 7]), mk([5, 6, 8])
+    for s in (a, b, c):
+        sched.add(s)
+    assert step(sched) == [a, b, c]
+    assert (a.twin, b.twin, c.twin) == (None, a, None)
+    d = mk([5, 6, 7])  # the same prompt a step later: a prefix-cache hit, computed
+    sched.add(d)
+    step(sched)
+    assert d.twin is None
 
 
 def test_bad_limits_rejected():

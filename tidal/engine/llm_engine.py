@@ -117,7 +117,14 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
-        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "quantize_s": 0.0}
+        self.counters = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "prefill_tokens_copied": 0,  # twins' uncached tokens, copied from their twins (`Scheduler`)
+            "decode_tokens": 0,
+            "forward_s": 0.0,
+            "quantize_s": 0.0,
+        }
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
@@ -219,10 +226,17 @@ class LLMEngine:
                 raise RuntimeError(f"request {self.scheduler.waiting[0].request_id} cannot fit in the KV cache")
             return []
         t0 = time.perf_counter()
-        new_tokens = sum(s.num_new for s in seqs)
+        computed = [s for s in seqs if s.twin is None]
+        new_tokens = sum(s.num_new for s in computed)
         # a decode feeds back the token sampled last step; anything else is (re)filling the cache
-        decodes = sum(1 for s in seqs if s.output_ids and s.num_new == 1 and s.num_cached)
-        logits = self.runner.forward(seqs)
+        decodes = sum(1 for s in computed if s.output_ids and s.num_new == 1 and s.num_cached)
+        logits = self.runner.forward(computed)
+        if len(computed) < len(seqs):  # twins: their twin's K/V and logits row (`Scheduler`)
+            twins = [s for s in seqs if s.twin is not None]
+            self.runner.copy_twins(twins)
+            row = {id(s): i for i, s in enumerate(computed)}
+            logits = logits[torch.tensor([row[id(s.twin or s)] for s in seqs], device=logits.device)]
+            self.counters["prefill_tokens_copied"] += sum(s.num_new for s in twins)
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
         dev = self.device
         temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
@@ -239,6 +253,7 @@ class LLMEngine:
         finished = []
         for i, (seq, t, logp) in enumerate(zip(seqs, tok.tolist(), lp.tolist(), strict=True)):
             seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
+            seq.twin = None
             seq.output_ids.append(t)
             seq.log_probs.append(logp)
             if tops is not None and seq.params.top_logprobs:

@@ -434,6 +434,22 @@ class ModelRunner:
             self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
         return out.logits[0]
 
+    @torch.inference_mode()
+    def copy_twins(self, twins: list[Sequence]) -> None:
+        """Write each twin's uncached positions from its `twin` (same tokens, computed this step):
+        the keys and values of every layer, and an MoE model's routing, slot for slot."""
+        src, dst = [], []
+        for seq in twins:
+            lead = seq.twin
+            if lead is None or lead.tokens != seq.tokens or lead.num_cached > seq.num_cached:
+                raise RuntimeError(f"request {seq.request_id}: its twin does not compute its uncached tokens")
+            start, end = seq.num_cached, seq.num_tokens
+            src.append(self._context_slots(lead, end)[start:])
+            dst.append(self._context_slots(seq, end)[start:])
+        src, dst = torch.cat(src).to(self.device), torch.cat(dst).to(self.device)
+        for cache in (*self.k_cache, *self.v_cache, *([self.routes] if self.routes is not None else [])):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
     def routing(self, seq: Sequence) -> Tensor | None:
         """The experts chosen at positions 0 .. n - 2 of `seq` (every position whose forward
         predicts a token), [n - 1, moe layers, top-k]; None for a dense model."""

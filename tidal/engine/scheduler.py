@@ -6,6 +6,11 @@ blocks allow. A finished sequence leaves at once and frees its blocks, so a wait
 place in the very next step. When a running sequence needs a new block and none is free, the most
 recently admitted sequence is preempted: its blocks are freed and it waits at the head of the
 queue; on readmission its tokens so far are prefilled again (recomputation) and it carries on.
+
+Admissions with the same tokens as one admitted earlier in the step (the samples of a GRPO group)
+are its twins: they share its full prompt blocks through the prefix cache, and the engine copies
+the rest (the last, partial block's K/V and the next-token logits) rather than computing it, so
+they take nothing from the token budget.
 """
 
 from __future__ import annotations
@@ -64,17 +69,25 @@ class Scheduler:
 
         budget = self.max_num_batched_tokens - len(decode)
         prefill: list[Sequence] = []
+        computed: dict[tuple[int, ...], Sequence] = {}  # this step's computed admissions by tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq):
                 break  # wait for blocks to free up; order is kept (no starvation)
-            new_tokens = seq.num_tokens - self.blocks.cached_tokens(seq)
+            key = tuple(seq.tokens)
+            twin = computed.get(key)
+            new_tokens = 0 if twin else seq.num_tokens - self.blocks.cached_tokens(seq)
             if new_tokens > budget and (decode or prefill):
                 break  # over this step's token budget: next step (a lone prompt always runs)
             self.blocks.allocate(seq)
             if seq.preemptions == 0:
                 seq.prefix_hits = seq.num_cached
-            budget -= seq.num_new
+            # its twin's full blocks were registered at allocation, so this one found at least
+            # the cached tokens its twin did: everything it lacks, the twin computes this step
+            seq.twin = twin
+            if twin is None:
+                computed[key] = seq
+                budget -= seq.num_new
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

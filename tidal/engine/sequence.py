@@ -38,6 +38,9 @@ class Sequence:
     preemptions: int = 0
     cache_epoch: int = 0  # the block manager's epoch when its blocks were allocated
     stop_ids: frozenset[int] = frozenset()
+    # a sequence with the same tokens admitted earlier in this step (a GRPO group's sample): this
+    # one's uncached K/V and its next-token logits are copied from it, not computed (one step only)
+    twin: Sequence | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
