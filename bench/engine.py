@@ -171,6 +171,7 @@ def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_
     startup = time.perf_counter() - t0
     batch, params = _requests(prompts, n, max_new, seed)
     engine.generate_batch(batch[:2], params[:2])  # warm-up
+    before = engine.stats()
     t0 = time.perf_counter()
     outs = engine.generate_batch(batch, params)
     seconds = time.perf_counter() - t0
@@ -180,6 +181,9 @@ def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_
         "seconds": seconds,
         "kv_peak_mb": st["kv_blocks_peak"] * st["kv_bytes_per_block"] / 2**20,
         "prefix_hit_blocks": st["prefix_hit_blocks"],
+        # prompt tokens computed, and those a group's twins copied instead (`tidal.engine.scheduler`)
+        "prefill_tokens": st["prefill_tokens"] - before["prefill_tokens"],
+        "prefill_tokens_copied": st["prefill_tokens_copied"] - before["prefill_tokens_copied"],
         "steps": st["steps"],
         "startup_s": startup,
     }
