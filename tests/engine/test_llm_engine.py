@@ -235,6 +235,20 @@ def test_twins_take_nothing_from_the_token_budget():
     assert engine.stats()["running"] == 8 and engine.stats()["prefill_tokens_copied"] == 7
 
 
+def test_a_failed_step_leaves_no_twins_behind(monkeypatch):
+    engine = engine_for()
+    for s in range(3):
+        engine.add_request(f"g{s}", [1, 2, 3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+
+    def failing(seqs):
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(engine.runner, "forward", failing)
+    with pytest.raises(RuntimeError, match="^the forward failed$"):
+        engine.step()
+    assert [s.twin for s in engine.seqs.values()] == [None] * 3
+
+
 def test_a_twin_whose_twin_holds_other_tokens_is_refused():
     engine = engine_for()
     a, b = Sequence("a", [1, 2, 3], greedy()), Sequence("b", [1, 2, 4], greedy())

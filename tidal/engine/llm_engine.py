@@ -227,16 +227,20 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         computed = [s for s in seqs if s.twin is None]
+        twins = [s for s in seqs if s.twin is not None]  # their twin's K/V and logits row (`Scheduler`)
         new_tokens = sum(s.num_new for s in computed)
         # a decode feeds back the token sampled last step; anything else is (re)filling the cache
         decodes = sum(1 for s in computed if s.output_ids and s.num_new == 1 and s.num_cached)
-        logits = self.runner.forward(computed)
-        if len(computed) < len(seqs):  # twins: their twin's K/V and logits row (`Scheduler`)
-            twins = [s for s in seqs if s.twin is not None]
-            self.runner.copy_twins(twins)
-            row = {id(s): i for i, s in enumerate(computed)}
-            logits = logits[torch.tensor([row[id(s.twin or s)] for s in seqs], device=logits.device)]
-            self.counters["prefill_tokens_copied"] += sum(s.num_new for s in twins)
+        try:
+            logits = self.runner.forward(computed)
+            if twins:
+                self.runner.copy_twins(twins)
+                row = {id(s): i for i, s in enumerate(computed)}
+                logits = logits[torch.tensor([row[id(s.twin or s)] for s in seqs], device=logits.device)]
+                self.counters["prefill_tokens_copied"] += sum(s.num_new for s in twins)
+        finally:  # a twin is one step's: a failed step leaves none behind
+            for s in twins:
+                s.twin = None
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
         dev = self.device
         temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
@@ -253,7 +257,6 @@ class LLMEngine:
         finished = []
         for i, (seq, t, logp) in enumerate(zip(seqs, tok.tolist(), lp.tolist(), strict=True)):
             seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
-            seq.twin = None
             seq.output_ids.append(t)
             seq.log_probs.append(logp)
             if tops is not None and seq.params.top_logprobs:
