@@ -53,12 +53,12 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
-def run_measurement(cmd: list[str], what: str) -> dict:
-    """Run one measurement `cmd` in a fresh process and return the JSON of its `RESULT {json}`
-    stdout line, with `process_seconds` (its wall time) added; exit naming `what` and showing the
-    end of its stderr when it prints none."""
+def run_measurement(cmd: list[str], what: str, env: dict[str, str] | None = None) -> dict:
+    """Run one measurement `cmd` in a fresh process (with `env`, default this one's) and return the
+    JSON of its `RESULT {json}` stdout line, with `process_seconds` (its wall time) added; exit
+    naming `what` and showing the end of its stderr when it prints none."""
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")

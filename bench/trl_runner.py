@@ -43,6 +43,10 @@ from pathlib import Path
 
 from bench.common import run_measurement
 
+# the environment the bench was started with, before anything here imports tidal (whose import
+# adds its allocator settings, `tidal.ALLOCATOR_ENV`, to the process's environment)
+START_ENV = dict(os.environ)
+
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
 FRAMEWORKS = ("tidal", "trl")
 
@@ -338,6 +342,7 @@ def child_main() -> None:
         "torch_threads": torch.get_num_threads(),
         # this run alone loads the machine by about `threads`; much more means something else ran too
         "loadavg_1m_at_end": os.getloadavg()[0],
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # torch's huge pages for CPU tensors
     }
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -348,7 +353,12 @@ def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
     for k, v in asdict(w).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    res = run_measurement(cmd, f"{framework} run")
+    env = dict(START_ENV)
+    if framework == "tidal":  # as `tidal train` runs; TRL's process keeps the environment as given
+        from tidal import ALLOCATOR_ENV
+
+        env = {**ALLOCATOR_ENV, **env}
+    res = run_measurement(cmd, f"{framework} run", env)
     res["wall_s"] = res["process_seconds"]  # the name grpo_step/learning JSON has always used
     return res
 

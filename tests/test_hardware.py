@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +88,35 @@ def test_actor_on_auto_computes_in_what_the_hardware_has(cpu_bf16):
     cpu_bf16(True)
     actor = Actor(make_model(), TrainConfig(), AlgoConfig())
     assert actor.mixed is not None and next(actor.compute.parameters()).dtype == torch.bfloat16
+
+
+def _thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else "unknown"
+
+
+def _huge_kb_after_a_64mb_tensor(env_value: str | None) -> tuple[bool, int]:
+    """(torch imported by `import tidal`, AnonHugePages kB) in a fresh process that imports tidal,
+    then torch, and fills a 64 MB tensor."""
+    code = (
+        "import sys; import tidal; imported = 'torch' in sys.modules; import torch; "
+        "x = torch.ones(64 << 20, dtype=torch.uint8); "
+        "kb = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages:')][0]; "
+        "print(imported, kb)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    imported, kb = out.stdout.split()
+    return imported == "True", int(kb)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="the kernel gives no transparent huge pages")
+def test_importing_tidal_gives_torchs_large_cpu_allocations_huge_pages():
+    imported, kb = _huge_kb_after_a_64mb_tensor(None)
+    assert not imported  # the variable is set before torch's first allocation reads it
+    assert kb >= 32 * 1024  # most of the 64 MB on 2 MB pages
+    if _thp_mode() == "madvise":  # only madvised memory gets huge pages: the opt-out keeps 4 KB ones
+        assert _huge_kb_after_a_64mb_tensor("0")[1] < 32 * 1024
