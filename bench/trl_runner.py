@@ -342,7 +342,9 @@ def child_main() -> None:
         "torch_threads": torch.get_num_threads(),
         # this run alone loads the machine by about `threads`; much more means something else ran too
         "loadavg_1m_at_end": os.getloadavg()[0],
-        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # torch's huge pages for CPU tensors
+        # torch's huge pages for CPU tensors, as this process started (importing tidal sets it later,
+        # after torch has read it)
+        "thp_mem_alloc": START_ENV.get("THP_MEM_ALLOC_ENABLE"),
     }
     print("RESULT " + json.dumps(res), flush=True)
 
