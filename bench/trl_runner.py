@@ -345,6 +345,8 @@ def child_main() -> None:
         # torch's huge pages for CPU tensors, as this process started (importing tidal sets it later,
         # after torch has read it)
         "thp_mem_alloc": START_ENV.get("THP_MEM_ALLOC_ENABLE"),
+        # glibc keeping freed blocks for reuse: tidal's trainer asks for it (`keep_freed_memory`)
+        "keep_freed_memory": args.framework == "tidal" and START_ENV.get("TIDAL_KEEP_FREED_MEMORY") != "0",
     }
     print("RESULT " + json.dumps(res), flush=True)
 

@@ -120,3 +120,41 @@ def test_importing_tidal_gives_torchs_large_cpu_allocations_huge_pages():
     assert kb >= 32 * 1024  # most of the 64 MB on 2 MB pages
     if _thp_mode() == "madvise":  # only madvised memory gets huge pages: the opt-out keeps 4 KB ones
         assert _huge_kb_after_a_64mb_tensor("0")[1] < 32 * 1024
+
+
+def _rss_kept_after_freeing_64mb(env: dict[str, str], call: str) -> tuple[str, int]:
+    """(what `call` returned, MB of resident memory a fresh process still holds after allocating,
+    touching and freeing a 64 MB tensor), with `env` added to the environment."""
+    code = (
+        "import tidal, torch; from tidal import hardware; "
+        f"made = {call}; "
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 >> 20; "
+        "x = torch.ones(64 << 20, dtype=torch.uint8); held = rss(); del x; "
+        "print(made, held - rss())"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != hardware.KEEP_FREED_MEMORY}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    made, returned = out.stdout.split()
+    return made, 64 - int(returned)
+
+
+@pytest.mark.skipif(
+    hardware.libc_function("mallopt") is None or not Path("/proc/self/statm").exists(), reason="no glibc malloc"
+)
+def test_a_cpu_trainer_keeps_the_large_blocks_it_frees_and_each_opt_out_leaves_glibc_alone():
+    assert _rss_kept_after_freeing_64mb({}, "hardware.keep_freed_memory('cpu')") == ("True", 64)
+    # glibc's default: a block over its mmap threshold goes back to the OS when freed
+    assert _rss_kept_after_freeing_64mb({}, "None") == ("None", 0)
+    assert _rss_kept_after_freeing_64mb({}, "hardware.keep_freed_memory('meta')") == ("False", 0)
+    optouts = ({hardware.KEEP_FREED_MEMORY: "0"}, {"MALLOC_MMAP_MAX_": "65536"}, {"MALLOC_TRIM_THRESHOLD_": "131072"})
+    for env in optouts:
+        assert _rss_kept_after_freeing_64mb(env, "hardware.keep_freed_memory('cpu')") == ("False", 0), env
+
+
+def test_a_trained_model_on_the_cpu_asks_to_keep_freed_memory(monkeypatch):
+    from tidal.train import model as trained_model
+
+    asked = []
+    monkeypatch.setattr(trained_model, "keep_freed_memory", lambda device: asked.append(device) or True)
+    trained_model.TrainedModel(make_model(), TrainConfig())
+    assert asked == [torch.device("cpu")]

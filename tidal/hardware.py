@@ -15,6 +15,7 @@ slower than fp32 (measured: 0.9 against 53 GFLOP/s on one core), so `auto` there
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -225,6 +226,42 @@ def release_cached(device: str | torch.device) -> None:
     weights for the trainers); the CPU allocator returns freed memory by itself."""
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+@functools.cache
+def libc_function(name: str):
+    """The C library's function `name` (glibc's `mallopt`, `malloc_trim`), or None where the C
+    library has none (macOS, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+KEEP_FREED_MEMORY = "TIDAL_KEEP_FREED_MEMORY"  # "0": leave glibc's malloc as it is
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+_GLIBC_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+
+
+def keep_freed_memory(device: str | torch.device) -> bool:
+    """Make this process reuse the large blocks it frees, when it trains on the CPU; True if it did.
+
+    glibc's malloc serves every block over 32 MB (its largest mmap threshold) with a fresh mmap
+    and unmaps it when freed. A training step allocates its vocabulary-wide logits, their
+    gradients and the output projection's gradient (113 MB for SmolLM2) again every micro-batch,
+    so each is new memory whose every page faults on first touch, and on huge pages the kernel
+    may compact memory to find them: 1.2-1.7 s of a 2-core fp32 step (docs/performance.md). With
+    mmap off (`M_MMAP_MAX` 0) such blocks come from the heap, and with trimming only past 2 GB
+    free at its top (`M_TRIM_THRESHOLD`) a freed block stays for the next micro-batch. The
+    process keeps its peak memory instead of returning it between micro-batches. Left alone where
+    `TIDAL_KEEP_FREED_MEMORY=0`, where one of glibc's own `MALLOC_*_` variables is set, on a GPU
+    (whose tensors this does not touch) and where the C library has no `mallopt`."""
+    if torch.device(device).type != CPU or os.environ.get(KEEP_FREED_MEMORY) == "0":
+        return False
+    mallopt = libc_function("mallopt")
+    if mallopt is None or any(name in os.environ for name in _GLIBC_MALLOC_ENV):
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def on_host(fn):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from tidal.config import ServerConfig
 from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.sampling import SamplingParams
+from tidal.hardware import libc_function
 
 log = logging.getLogger("tidal.server")
 
@@ -109,17 +109,11 @@ def _release_freed_memory() -> None:
     """Hand the heap memory freed since to the OS (glibc's `malloc_trim`; elsewhere nothing).
     A tokenizer's scratch for a big text, 150-250 bytes a byte of text, otherwise stays with the
     process after the request (the probe saw 3.8 GB kept after six refused requests)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+    malloc_trim = libc_function("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
-_malloc_trim: Any = None
 TRIM_AFTER_BYTES = 1 << 20  # texts this large leave enough scratch behind to be worth a trim
 
 

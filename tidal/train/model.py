@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from tidal.config import TrainConfig
-from tidal.hardware import CPU, autocast_type, resolve_dtype
+from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.train import lora
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
@@ -57,6 +57,7 @@ class TrainedModel:
         `routing`: micro-batches carry the samples' recorded experts (`algo.routing_replay`)."""
         self.cfg = cfg
         self.device = torch.device(device)
+        keep_freed_memory(self.device)  # each micro-batch reuses the last one's large blocks
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
         self.master = module.float().to(self.device).train()
         self.lora = lora.enabled(cfg)
