@@ -253,9 +253,7 @@ def keep_freed_memory(device: str | torch.device) -> bool:
     may compact memory to find them: 1.3-2.3 s of a ~9 s fp32 step on 2 cores (docs/performance.md). With
     mmap off (`M_MMAP_MAX` 0) such blocks come from the heap, and with trimming only past 2 GB
     free at its top (`M_TRIM_THRESHOLD`) a freed block stays for the next micro-batch. The
-    process keeps its peak memory instead of returning it between micro-batches, and whole loop
-    runs have been seen to part trajectories after a few steps with it (docs/performance.md: the
-    cause is open; the trainer and the engine alone repeat bit for bit). Left alone where
+    process keeps its peak memory instead of returning it between micro-batches. Left alone where
     `TIDAL_KEEP_FREED_MEMORY=0`, where one of glibc's own `MALLOC_*_` variables is set, on a GPU
     (whose tensors this does not touch) and where the C library has no `mallopt`."""
     if torch.device(device).type != CPU or os.environ.get(KEEP_FREED_MEMORY) == "0":
