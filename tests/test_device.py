@@ -5,7 +5,9 @@ from one made on torch's *default* device: here the default device is `meta` whi
 on `cpu`, so any tensor created without naming its device lands on `meta`, and the first op mixing
 it with the real ones raises. The trainer's step (forward, loss, backward, optimizer) and the
 engine's prefill, decode and sampling run this way; on a GPU the same code keeps every tensor on
-the GPU (and host-side tensors on the host, where they are made on purpose)."""
+the GPU (and host-side tensors on the host, where they are made on purpose). Autograd runs a custom
+Function's backward outside that mode, so those are checked with their tensors on `meta` itself
+(tests/train/test_logits.py)."""
 
 from __future__ import annotations
 

@@ -79,3 +79,16 @@ def test_no_grad_log_probs_in_chunks():
     # logits summed in another order, far below any real difference
     torch.testing.assert_close(chunked, whole, atol=0, rtol=1e-6)
     torch.testing.assert_close(whole, ref, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_gradients_stay_on_the_weights_device(entropy_grad):
+    """The backward makes the projection's gradient where the weight lives (a GPU in training).
+    On the `meta` device here: a gradient made on the default device is refused by autograd."""
+    hidden = torch.randn(10, 16, device="meta", requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=False, device="meta")
+    labels = torch.zeros(10, dtype=torch.long, device="meta")
+    logp, ent = token_log_probs_and_entropy(hidden, head, labels, 0.7, chunk=4, entropy_grad=entropy_grad)
+    (logp.sum() + ent.sum()).backward()
+    assert head.weight.grad.device.type == "meta" and head.weight.grad.shape == (50, 16)
+    assert hidden.grad.device.type == "meta" and hidden.grad.shape == (10, 16)

@@ -51,7 +51,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, labels, ent = ctx.saved_tensors
         tau, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        # on the weight's device: autograd runs this outside any default-device mode the caller set
+        grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             log_p, _, _ = _chunk_stats(h, weight, labels[s : s + chunk], tau)
