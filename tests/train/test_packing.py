@@ -328,23 +328,3 @@ def test_token_budget_counts_a_shared_prompt_once():
     assert token_budget_batches(lengths, 20) == [[0, 1], [2, 3]]
     assert token_budget_batches(lengths, 20, prompts) == [[0, 1, 2], [3]]  # 10 + 4 + 4 = 18
     assert token_budget_batches(lengths, 22, prompts) == [[0, 1, 2, 3]]  # 10 + 3 * 4 = 22
-
-
-def test_a_shared_prompts_last_position_sums_its_samples_gradients_in_index_order():
-    """A group's samples all read their prompt's last position: its gradient is their gradients'
-    sum, added in the order of `response_index` (row-major), so a step repeats bit for bit. In
-    float32, 1e8 + 1 rounds back to 1e8, so the order shows: in index order (1e8 + 1) - 1e8 + 1
-    is 1; the other orders of these four give 0 or 2."""
-    p = [5, 6, 7]
-    samples = [sample(p, [1, 2]), sample(p, [3]), sample(p, [4, 4]), sample(p, [8])]
-    batch = collate_packed(samples, share_prompts=True)
-    assert batch["response_index"][:, 0].tolist() == [2, 2, 2, 2]  # each first token from position 2
-    hidden = torch.zeros(1, batch["input_ids"].shape[1], 3, requires_grad=True)
-    model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="tidal_packed"))
-    base = lambda **kw: types.SimpleNamespace(last_hidden_state=hidden * 1.0)  # noqa: E731
-    base.config = model.config
-    out = packed_response_hidden(base, batch)
-    grad = torch.zeros_like(out)
-    grad[:, 0, 0] = torch.tensor([1e8, 1.0, -1e8, 1.0])
-    out.backward(grad)
-    assert hidden.grad[0, 2, 0].item() == 1.0
