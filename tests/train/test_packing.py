@@ -328,3 +328,24 @@ def test_token_budget_counts_a_shared_prompt_once():
     assert token_budget_batches(lengths, 20) == [[0, 1], [2, 3]]
     assert token_budget_batches(lengths, 20, prompts) == [[0, 1, 2], [3]]  # 10 + 4 + 4 = 18
     assert token_budget_batches(lengths, 22, prompts) == [[0, 1, 2, 3]]  # 10 + 3 * 4 = 22
+
+
+def test_a_shared_prompts_last_position_sums_its_samples_gradients_in_index_order():
+    """A group's samples all read their prompt's last position: its gradient is their gradients'
+    sum, added in the order of `response_index` (row-major), so a step repeats bit for bit. In
+    float32, 1e8 + 1 rounds back to 1e8, so the order shows: in index order
+    ((1e8 + 1) + 0 + 0) - 1e8 + 1 is 1; other orders give 0 or 2. At this size plain indexing's
+    backward (an accumulating index_put) splits the rows between threads, which add into the shared
+    row at once (2 on two threads, its order varying with their timing on larger steps)."""
+    p = [5, 6, 7]
+    samples = [sample(p, list(range(10, 26))) for _ in range(8)]
+    batch = collate_packed(samples, share_prompts=True)
+    assert batch["response_index"][:, 0].tolist() == [2] * 8  # each first token from position 2
+    hidden = torch.zeros(1, batch["input_ids"].shape[1], 1024, requires_grad=True)
+    base = lambda **kw: types.SimpleNamespace(last_hidden_state=hidden * 1.0)  # noqa: E731
+    base.config = types.SimpleNamespace(_attn_implementation="tidal_packed")
+    out = packed_response_hidden(base, batch)
+    grad = torch.zeros_like(out)
+    grad[:, 0, :] = torch.tensor([1e8, 1.0, 0.0, 0.0, -1e8, 1.0, 0.0, 0.0])[:, None]
+    out.backward(grad)
+    assert hidden.grad[0, 2].eq(1.0).all()

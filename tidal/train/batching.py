@@ -288,7 +288,12 @@ def packed_response_hidden(
         use_cache=False,  # an (empty) cache turns off transformers' packed-sequence detection
         **kwargs,
     ).last_hidden_state
-    return hidden[0, batch["response_index"]]
+    # index_select, not hidden[0, index]: with shared prompts a group's samples all read their
+    # prompt's last position, and the indexing's backward (an accumulating index_put) adds those
+    # gradients in an order that varies from run to run; index_select's (index_add) adds them in
+    # index order, so the step's gradient repeats bit for bit
+    index = batch["response_index"]
+    return hidden[0].index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
 
 
 def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
