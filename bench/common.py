@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -36,11 +37,14 @@ def peak_rss_mb() -> float:
 
 
 def machine_kind() -> str:
-    """The kind of CPU a result belongs to, in its file name: `avx2`, `avx512-bf16`, ..."""
+    """The kind of CPU a result belongs to, in its file name: `avx2`, `avx512-bf16`, ...; with
+    `-emulated` where torch was restricted to a capability (`ATEN_CPU_CAPABILITY`), so a run that
+    emulates a kind does not replace one measured on it."""
     from tidal.hardware import cpu_info
 
     info = cpu_info()
-    return str(info["cpu_capability"]).lower() + ("-bf16" if info["bf16_native"] else "")
+    kind = str(info["cpu_capability"]).lower() + ("-bf16" if info["bf16_native"] else "")
+    return kind + ("-emulated" if os.environ.get("ATEN_CPU_CAPABILITY") else "")
 
 
 def write_result(name: str, payload: dict) -> Path:
