@@ -290,8 +290,8 @@ def packed_response_hidden(
     ).last_hidden_state
     # index_select, not hidden[0, index]: with shared prompts a group's samples all read their
     # prompt's last position, and the indexing's backward (an accumulating index_put) adds those
-    # gradients in an order that varies from run to run; index_select's (index_add) adds them in
-    # index order, so the step's gradient repeats bit for bit
+    # gradients from several threads at once in float32, in an order that varies from run to run;
+    # index_select's (index_add) adds them in index order, so the step's gradient repeats bit for bit
     index = batch["response_index"]
     return hidden[0].index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
 
