@@ -92,12 +92,11 @@ def test_fuse_replaces_llamas_norms_and_mlps_and_keeps_its_logits(dtype):
     ids = torch.randint(3, 320, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids).logits
-    mlps = 3 if dtype == torch.float32 else 0  # bfloat16 MLPs keep torch's ops (as fast)
-    assert fuse.fuse(model) == {"rms_norm": 7, "silu_mul": mlps}  # norms: two per layer, the final one
+    assert fuse.fuse(model) == {"rms_norm": 7, "mlp": 3}  # norms: two per layer, the final one
     with torch.no_grad():
         got = model(ids).logits
     if dtype == torch.bfloat16:
-        assert torch.equal(got, want)  # the norms' bits
+        assert torch.equal(got, want)  # the norms' bits; bfloat16 MLPs keep torch's ops (as fast)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -106,7 +105,7 @@ def test_fuse_leaves_modules_of_another_formula():
     """Gemma-2's (1 + w) norms and GeLU MLP are not what the fused ops compute: kept."""
     model = tiny_model("gemma2")
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert norms and fuse.fuse(model) == {"rms_norm": 0, "silu_mul": 0}
+    assert norms and fuse.fuse(model) == {"rms_norm": 0, "mlp": 0}
     assert not any("forward" in m.__dict__ for m in norms)
 
 
@@ -137,6 +136,10 @@ def test_rotary_is_transformers_function(dtype):
         q.view(1, t, 9, d).transpose(1, 2), k.view(1, t, 3, d).transpose(1, 2), cos, sin
     )
     got_q, got_k = (native.rotary(x.view(t, -1, d), cos[0], sin[0]) for x in (q, k))
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+    # q and k as column ranges of one joined product: tokens 12 heads apart
+    qk = torch.cat([q, k], dim=1)
+    got_q, got_k = (native.rotary(x.view(t, -1, d), cos[0], sin[0]) for x in (qk[:, : 9 * d], qk[:, 9 * d :]))
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
     with pytest.raises(ValueError, match=r"native.rotary: x \(7, 9, 24\) .*: x \[T, H, D\] \(D a multiple of 16\)"):
         native.rotary(torch.randn(t, 9, 24).to(dtype), cos[0, :, :24], sin[0, :, :24])

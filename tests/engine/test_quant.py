@@ -19,6 +19,7 @@ from tidal.engine.quant import (
     check_quantization,
     dequantized,
     fp8_linear,
+    project,
     quantize_fp8,
     quantize_int8,
 )
@@ -124,6 +125,71 @@ def test_packed_weights_compute_the_full_precision_model():
     x = torch.randn(PACKED_MAX_ROWS + 1, layer.mod.in_features)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.mod.weight))  # MKL on the parameter
     torch.testing.assert_close(layer(x[:3]), torch.nn.functional.linear(x[:3], layer.mod.weight))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q/k/v
+def test_joined_layers_give_each_layers_own_bits(family):
+    """A layer's q/k/v and an MLP's gate/up run as one packed product whose columns are each
+    layer's packed product, bit for bit, biases included; a part changed in place re-packs it."""
+    from families import tiny_model
+
+    model = tiny_model(family)
+    quant = Quantizer(model, PACKED)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert len(quant.joined) == 2 * len(model.model.layers)
+    assert (attn.q_proj.bias is not None) == (family == "qwen2")
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            for rows in (1, 7, 32):
+                x = torch.randn(rows, mods[0].in_features)
+                joined = project(mods, x)
+                assert len(joined) == len(mods) and mods[0].forward.joined is not None
+                for y, m in zip(joined, mods, strict=True):
+                    assert torch.equal(y, QuantizedLinear(m, PACKED)(x))
+        with torch.no_grad():
+            attn.k_proj.weight.mul_(2)
+        x = torch.randn(5, attn.k_proj.in_features)
+        k = project((attn.q_proj, attn.k_proj, attn.v_proj), x)[1]
+        torch.testing.assert_close(k, torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+
+
+def test_joined_layers_step_aside_for_a_replaced_part_and_for_many_rows():
+    """A trainer's LoRA layer given to the engine replaces one of the parts: each then runs its own
+    forward; more rows than the packed limit run MKL on the parameters."""
+    model = make_model(seed=1)
+    Quantizer(model, PACKED)
+    attn = model.model.layers[0].self_attn
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(PACKED_MAX_ROWS + 1, attn.q_proj.in_features)
+    with torch.inference_mode():
+        for y, m in zip(project(mods, x), mods, strict=True):
+            assert torch.equal(y, torch.nn.functional.linear(x, m.weight, m.bias))
+        torch.manual_seed(6)
+        attn.v_proj = torch.nn.Linear(attn.v_proj.in_features, attn.v_proj.out_features)
+        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+        q, k, v = project(mods, x[:4])
+        assert torch.equal(v, attn.v_proj(x[:4])) and torch.equal(k, attn.k_proj.forward(x[:4]))
+
+
+def test_joined_parts_pack_a_copy_of_their_own_only_when_called_alone():
+    """gate/up always run joined (the MLP's fused forward): no copy of their own; q/k/v are called
+    one by one in transformers' prefill, which packs theirs, kept up to date from then on."""
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512)
+    layers = engine.quant.layers
+    own = {n for n, lay in layers.items() if lay.packed is not None}
+    assert not any(n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) for n in own)
+    assert engine.quant.weight_bytes()[0] == engine.quant.weight_bytes()[1]
+    engine.generate_batch(PROMPTS, [SamplingParams(max_new_tokens=3) for _ in PROMPTS])
+    own = {n for n, lay in layers.items() if lay.packed is not None}
+    assert {n for n in layers if n.endswith(("q_proj", "k_proj", "v_proj"))} <= own
+    assert not any(n.endswith(("gate_proj", "up_proj")) for n in own)
+    qkv = sum(lay.mod.weight.numel() * 4 for n, lay in layers.items() if n.endswith(("q_proj", "k_proj", "v_proj")))
+    assert engine.quant.weight_bytes()[0] == engine.quant.weight_bytes()[1] + qkv
+    engine.update_weights_from_tensors(make_model(seed=2).named_parameters())
+    for name in own:
+        lay = layers[name]
+        assert lay.packed is not None and lay.key == (lay.mod.weight.data_ptr(), lay.mod.weight._version)
 
 
 def test_bfloat16_is_packed_where_the_cpu_computes_it(monkeypatch):

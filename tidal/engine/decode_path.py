@@ -6,7 +6,8 @@ the decoder layer's and attention module's `__call__`, keyword plumbing and depr
 the attention-interface lookup, [1, T, ...] views and transposes. `DecodePath` runs the same
 modules in the same order on the flat batch: the embedding, the model's rotary module (its
 scaling), per layer the norm modules, the q/k/v/o projections (packed or quantized by the
-engine, biases included), the rotary embedding (`native.rotary` on a CPU, the same bits as the
+engine, biases included; q, k and v as one product where the engine joined them: the same bits,
+`quant.JoinedLinear`), the rotary embedding (`native.rotary` on a CPU, the same bits as the
 family's own `apply_rotary_pos_emb`, which runs elsewhere), the engine's paged attention
 with the layer's scale and sliding window, the residual adds, the MLP module; then the final
 norm and the output head. The ops and their order are the transformers forward's, so the logits
@@ -26,6 +27,7 @@ import sys
 from torch import Tensor, nn
 
 from tidal.engine import native
+from tidal.engine.quant import project
 from tidal.hardware import CPU
 
 # model_type -> the sliding window an attention module passes to the attention function
@@ -81,7 +83,7 @@ class DecodePath:
         for layer, window in zip(inner.layers, self.windows, strict=True):
             attn, d = layer.self_attn, layer.self_attn.head_dim
             h = layer.input_layernorm.forward(x)
-            q, k, v = (p.forward(h).view(b, -1, d) for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # [B, heads, D]
+            q, k, v = (y.view(b, -1, d) for y in project((attn.q_proj, attn.k_proj, attn.v_proj), h))  # [B, heads, D]
             if self.native_rope:
                 q, k = native.rotary(q, cos_b, sin_b), native.rotary(k, cos_b, sin_b)
             else:  # as the attention module calls it, on [1, heads, B, D] views

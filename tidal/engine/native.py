@@ -119,7 +119,7 @@ def load() -> ctypes.CDLL | None:
     lib.tidal_rms_norm.restype = None
     lib.tidal_silu_mul.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64]
     lib.tidal_silu_mul.restype = None
-    lib.tidal_rotary.argtypes = [_P, _P, _P, _P] + [_I64] * 7
+    lib.tidal_rotary.argtypes = [_P, _P, _P, _P] + [_I64] * 8
     lib.tidal_rotary.restype = None
     return lib
 
@@ -266,7 +266,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotate-half rotary embedding of transformers' `apply_rotary_pos_emb` for one of q or
-    k: x [T, H, D] (rows of unit stride, heads contiguous) → x · cos + rotate_half(x) · sin
+    k: x [T, H, D] (rows of unit stride, a token's heads contiguous, tokens at any stride: q, k
+    may be column ranges of one joined product) → x · cos + rotate_half(x) · sin
     [T, H, D], cos and sin [T, D] broadcast over the heads, rotate_half(x) = (-x[D/2:], x[:D/2]);
     each product and the sum rounded to the dtype as its three ops round them (the same bits)."""
     t, h, d = x.shape
@@ -278,7 +279,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     load().tidal_rotary(
-        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t * h, h, d, x.stride(1), cos.stride(0),
-        torch.get_num_threads(), x.dtype == torch.bfloat16,
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t * h, h, d, x.stride(1), x.stride(0),
+        cos.stride(0), torch.get_num_threads(), x.dtype == torch.bfloat16,
     )  # fmt: skip
     return out

@@ -14,11 +14,12 @@
 #include "native_vec.h"
 
 // One call's operands: rows of `a` (and `b`, `c`) a_stride (b_stride) elements apart, `cols`
-// wide (a multiple of 8); `out` contiguous. Rotary: rows r of `a`, rows r / heads of `b` and `c`.
+// wide (a multiple of 8); `out` contiguous. Rotary: row r of `a` is head r % heads (a_stride
+// apart) of token r / heads (token_stride apart), with rows r / heads of `b` and `c`.
 typedef struct {
     const void *a, *b, *c;
     void *out;
-    int64_t cols, a_stride, b_stride, heads;
+    int64_t cols, a_stride, b_stride, heads, token_stride;
     float eps;
 } Rows;
 
@@ -122,7 +123,8 @@ __attribute__((optimize("fp-contract=off")))
 static inline void rotary_rows(const Rows *op, int64_t lo, int64_t hi, int bf16) {
     const int64_t half = op->cols / 2;
     for (int64_t r = lo; r < hi; r++) {
-        const int64_t x0 = r * op->a_stride, cs = r / op->heads * op->b_stride, o = r * op->cols;
+        const int64_t t = r / op->heads, x0 = t * op->token_stride + (r - t * op->heads) * op->a_stride;
+        const int64_t cs = t * op->b_stride, o = r * op->cols;
         for (int64_t c = 0; c < half; c += 8) {
             const v8 x1 = load8(op->a, x0 + c, bf16), x2 = load8(op->a, x0 + half + c, bf16);
             const v8 cos1 = load8(op->b, cs + c, bf16), cos2 = load8(op->b, cs + half + c, bf16);
@@ -136,11 +138,11 @@ static inline void rotary_rows(const Rows *op, int64_t lo, int64_t hi, int bf16)
 static void rotary_f32(const Rows *op, int64_t lo, int64_t hi) { rotary_rows(op, lo, hi, 0); }
 static void rotary_bf16(const Rows *op, int64_t lo, int64_t hi) { rotary_rows(op, lo, hi, 1); }
 
-// x: T * heads rows of D, x_stride apart (row t * heads + h: token t, head h); cos, sin: T rows of
-// D, cs_stride apart; out: [T * heads, D]
+// x: T * heads rows of D (row t * heads + h: token t, head h), heads x_stride apart, tokens
+// token_stride apart; cos, sin: T rows of D, cs_stride apart; out: [T * heads, D]
 void tidal_rotary(const void *x, const void *cos, const void *sin, void *out, int64_t rows, int64_t heads, int64_t D,
-                  int64_t x_stride, int64_t cs_stride, int64_t threads, int64_t bf16) {
+                  int64_t x_stride, int64_t token_stride, int64_t cs_stride, int64_t threads, int64_t bf16) {
     const Rows op = {.a = x, .b = cos, .c = sin, .out = out, .cols = D, .a_stride = x_stride, .b_stride = cs_stride,
-                     .heads = heads};
+                     .heads = heads, .token_stride = token_stride};
     over_rows(bf16 ? rotary_bf16 : rotary_f32, &op, rows, threads);
 }
