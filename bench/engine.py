@@ -278,6 +278,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--level", type=int, default=3, help="env:arithmetic level of the prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", type=int, nargs="+", help="sampling seeds, each run by every engine in every round (default: --seed)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"), help="both engines' weights")
     p.add_argument("--impls", nargs="+", default=["hf_generate", "tidal"], choices=IMPLS)
@@ -297,29 +300,37 @@ def main() -> None:
     print(f"model: {model_dir}", flush=True)
 
     python = {impl: _vllm_python(args.vllm_python) if impl == "vllm" else sys.executable for impl in args.impls}
+    # The engines draw different tokens from one seed (their own random streams), so one seed's
+    # samples may be longer for one engine by luck (14% more tokens at 32 samples); several seeds,
+    # each run by every engine, even that out.
+    seeds = args.seeds or [args.seed]
     rows = []
     for n in args.samples:
         for rnd in range(args.rounds):
-            for impl in args.impls:  # alternating, each in a fresh process
-                cmd = [python[impl], "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
-                for k in ("model", "prompts", "max_new_tokens", "level", "seed", "threads", "dtype", "kv_cache_tokens"):
-                    cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-                r = run_measurement(cmd, f"{impl} (samples {n})")
-                r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
-                r["round"] = rnd
-                rows.append(r)
-                print(f"  {impl:<12} n={n:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s", flush=True)
+            for seed in seeds:
+                for impl in args.impls:  # alternating, each in a fresh process
+                    cmd = [python[impl], "-m", "bench", "engine", "--impl", impl, "--child-samples", str(n)]
+                    for k in ("model", "prompts", "max_new_tokens", "level", "threads", "dtype", "kv_cache_tokens"):
+                        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+                    r = run_measurement([*cmd, "--seed", str(seed)], f"{impl} (samples {n})")
+                    r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
+                    r["round"], r["seed"] = rnd, seed
+                    rows.append(r)
+                    print(
+                        f"  {impl:<12} n={n:<3} seed {seed:<3} {r['useful_tokens']:>6} tokens  {r['seconds']:7.1f} s",
+                        flush=True,
+                    )
 
     print(
-        f"\n{'engine':<12}{'samples':>8}{'round':>6}{'tokens':>8}{'tok/s':>8}{'batch s':>9}"
+        f"\n{'engine':<12}{'samples':>8}{'round':>6}{'seed':>6}{'tokens':>8}{'tok/s':>8}{'batch s':>9}"
         f"{'start s':>9}{'peak RSS MB':>13}{'KV MB':>8}"
     )
     for r in rows:
         kv = f"{r['kv_peak_mb']:.0f}" if "kv_peak_mb" in r else "-"
         start = f"{r['startup_s']:.1f}" if "startup_s" in r else "-"
         print(
-            f"{r['impl']:<12}{r['samples']:>8}{r['round']:>6}{r['useful_tokens']:>8}{r['tokens_per_s']:>8.0f}"
-            f"{r['seconds']:>9.1f}{start:>9}{r['peak_rss_mb']:>13.0f}{kv:>8}"
+            f"{r['impl']:<12}{r['samples']:>8}{r['round']:>6}{r['seed']:>6}{r['useful_tokens']:>8}"
+            f"{r['tokens_per_s']:>8.0f}{r['seconds']:>9.1f}{start:>9}{r['peak_rss_mb']:>13.0f}{kv:>8}"
         )
     # each engine's mean over the rounds, relative to transformers and to tidal
     ratios = {}
