@@ -13,6 +13,8 @@ bf16 where the CPU computes it natively, else fp32). The engines:
 - `hf_generate`: one `model.generate(do_sample=True, num_return_sequences=n)` over the
   left-padded prompts; the batch runs until its longest sample ends (EOS-padded rows keep going).
 - `tidal`: `LLMEngine.generate`: continuous batching, paged KV cache shared within each group.
+- `tidal_int8`: the same with `rollout.quantization: int8` (weight-only int8 linear layers: another
+  policy, whose log-probs the engine returns; `tidal.engine.quant`).
 - `vllm`: `VLLMCore` (vLLM's in-process engine, eager, `processed_logprobs`) stepped until the
   batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:
   this one, else `.venv-vllm` (scripts/setup_vllm.sh), else `--vllm-python`.
@@ -43,7 +45,7 @@ import torch
 
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
-IMPLS = ("hf_generate", "tidal", "vllm")
+IMPLS = ("hf_generate", "tidal", "tidal_int8", "vllm")
 MODELS = ("smollm2", "moe")
 
 # a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
@@ -163,11 +165,11 @@ def _requests(prompts, n, max_new, seed) -> tuple[list[list[int]], list]:
     return batch, params
 
 
-def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens) -> dict:
+def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens, quantization="none") -> dict:
     from tidal.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens, quantization=quantization)
     startup = time.perf_counter() - t0
     batch, params = _requests(prompts, n, max_new, seed)
     engine.generate_batch(batch[:2], params[:2])  # warm-up
@@ -247,7 +249,8 @@ def child(args) -> None:
     if args.impl == "hf_generate":
         res = _run_hf(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype)
     else:
-        run = _run_tidal if args.impl == "tidal" else _run_vllm
+        run = _run_vllm if args.impl == "vllm" else _run_tidal
+        extra = ["int8"] if args.impl == "tidal_int8" else []
         res = run(
             model_dir,
             tok,
@@ -257,6 +260,7 @@ def child(args) -> None:
             args.seed,
             args.dtype,
             args.kv_cache_tokens,
+            *extra,
         )
     import transformers
 
