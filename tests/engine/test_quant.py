@@ -151,7 +151,7 @@ def test_joined_layers_give_each_layers_own_bits(family):
             attn.k_proj.weight.mul_(2)
         x = torch.randn(5, attn.k_proj.in_features)
         k = project((attn.q_proj, attn.k_proj, attn.v_proj), x)[1]
-        torch.testing.assert_close(k, torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+        assert torch.equal(k, QuantizedLinear(attn.k_proj, PACKED)(x))  # packed from the doubled weight
 
 
 def test_joined_layers_step_aside_for_a_replaced_part_and_for_many_rows():
