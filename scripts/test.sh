@@ -14,8 +14,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
   bash scripts/setup.sh
+  # The code sandbox's isolating backend is bubblewrap, a system package: installed here where this
+  # user may (root, or sudo without a password) and apt-get exists. Where it cannot be, the suite
+  # runs model-written code on the rlimits backend and skips the isolation tests (tests/conftest.py).
+  bash scripts/setup_bwrap.sh || true
 fi
 .venv/bin/python -c "import torch; print(f'torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}')"
+# said once, at the top: where bubblewrap does not work, which backend the sandbox tests use and how to fix it
+(cd tests && ../.venv/bin/python -c "import conftest; print(conftest.pytest_report_header(None) or 'sandbox: bubblewrap works here')")
 
 vllm_pid=
 vllm_log=

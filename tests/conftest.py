@@ -38,6 +38,37 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
+INSTALL_BWRAP = "install bubblewrap 0.5 or later to run the isolation tests (Debian/Ubuntu: sudo apt-get install bubblewrap)"
+
+
+def _sandbox_backend_for_tests() -> str | None:
+    """Where bubblewrap does not work here and nobody chose a sandbox backend, the suite runs
+    model-written code on the rlimits backend (no isolation, only resource limits: the test programs
+    are ours), so that no test fails for a missing system package; the tests of bubblewrap's
+    isolation skip, saying how to install it. The reason, or None where bubblewrap works or a
+    backend was chosen. Set in the environment, so worker processes the tests start inherit it."""
+    from tidal.rollout import sandbox
+
+    if os.environ.get(sandbox.BACKEND_ENV):
+        return None
+    problem = sandbox._bwrap_problem()
+    if problem is not None:
+        os.environ[sandbox.BACKEND_ENV] = "rlimits"
+    return problem
+
+
+BWRAP_PROBLEM = _sandbox_backend_for_tests()
+
+
+def pytest_report_header(config):
+    if BWRAP_PROBLEM is not None:
+        return (
+            f"sandbox: bubblewrap is not usable here ({BWRAP_PROBLEM}): model-written code in the tests runs on the "
+            f"rlimits backend (no isolation) and the isolation tests are skipped; {INSTALL_BWRAP}"
+        )
+    return None
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

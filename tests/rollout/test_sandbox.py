@@ -1,6 +1,6 @@
 """The code sandbox: each misbehaving program is stopped or refused, nothing is left behind, and
 well-behaved programs running beside them still return the right output. Every test runs on
-each backend that works here (CI installs bubblewrap); the rlimits backend's documented gaps
+each backend that works here (scripts/test.sh installs bubblewrap where it may); the rlimits backend's documented gaps
 (network, filesystem) are asserted as such. The hostile programs of issue 25 (reading the
 host's secrets, running as root, filling /tmp, a child escaping with setsid, an interpreter
 under /tmp) run against the real sandbox."""
@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import INSTALL_BWRAP
 
 from tidal.rollout import sandbox
 from tidal.rollout.sandbox import (
@@ -40,7 +41,10 @@ from tidal.rollout.sandbox import (
 )
 
 BACKENDS = available_backends()
-needs_bwrap = pytest.mark.skipif("bwrap" not in BACKENDS, reason="bubblewrap does not work on this machine")
+needs_bwrap = pytest.mark.skipif(
+    "bwrap" not in BACKENDS,
+    reason=f"bubblewrap is not usable here ({sandbox._bwrap_problem()}); {INSTALL_BWRAP}",
+)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -226,7 +230,7 @@ def test_socket_to_the_host(backend):
         assert r.stdout == "connected\n"
 
 
-@pytest.mark.skipif("bwrap" not in BACKENDS, reason="bubblewrap does not work on this machine")
+@needs_bwrap
 def test_bwrap_has_no_route_outside():
     code = """
         import socket
