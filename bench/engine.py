@@ -192,7 +192,7 @@ def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_
 
 
 def _run_vllm(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens) -> dict:
-    from tidal.engine.vllm_core import VLLMCore
+    from tidal.adapters.vllm_core import VLLMCore
 
     t0 = time.perf_counter()
     core = VLLMCore(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens)

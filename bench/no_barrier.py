@@ -42,7 +42,7 @@ def run(args) -> dict:
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.data.dataset import build_prompts
     from tidal.data.envs import make_env_rows
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.engine.llm_engine import LLMEngine
     from tidal.hardware import resolve_dtype
     from tidal.rollout.manager import RolloutManager

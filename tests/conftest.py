@@ -38,7 +38,9 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
-INSTALL_BWRAP = "install bubblewrap 0.5 or later to run the isolation tests (Debian/Ubuntu: sudo apt-get install bubblewrap)"
+INSTALL_BWRAP = (
+    "install bubblewrap 0.5 or later to run the isolation tests (Debian/Ubuntu: sudo apt-get install bubblewrap)"
+)
 
 
 def _sandbox_backend_for_tests() -> str | None:

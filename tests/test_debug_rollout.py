@@ -29,7 +29,7 @@ def test_replay_of_saved_rollouts_repeats_the_updates_without_an_engine(tiny_mod
     def no_engine(*args, **kwargs):
         raise AssertionError("replaying saved rollouts must not start an engine")
 
-    monkeypatch.setattr("tidal.engine.factory.make_engine", no_engine)
+    monkeypatch.setattr("tidal.adapters.factory.make_engine", no_engine)
     replay = tidal.loop.train(
         loop_config(tiny_model_dir, tmp_path / "replay", **{"train.num_steps": 3, "debug.load_rollout": str(saved)})
     )

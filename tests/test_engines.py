@@ -26,7 +26,7 @@ from tidal.rollout.manager import RolloutManager
 from tidal.rollout.overlap import push_cutting_requests
 from tidal.sync.base import SyncError
 
-STANDIN = Path(__file__).parent / "engine" / "sglang_standin"
+STANDIN = Path(__file__).parent / "adapters" / "sglang_standin"
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")
 KINDS = ["tidal", "remote", "sglang", pytest.param("vllm", marks=[needs_vllm, pytest.mark.vllm])]
 
@@ -50,7 +50,7 @@ def build(tiny_model_dir, tmp_path, monkeypatch):
 
     def make(kind: str, **over):
         if kind == "remote":  # a server of the user's: tidal serve on the same model, in this process
-            from tidal.engine.async_engine import AsyncEngine
+            from tidal.adapters.async_engine import AsyncEngine
             from tidal.engine.llm_engine import LLMEngine
             from tidal.server import BackgroundServer, build_app
 
@@ -252,7 +252,7 @@ def test_the_overlapped_loop_trains_on_every_engine(tiny_model_dir, tmp_path, mo
     }
     server = None
     if kind == "remote":
-        from tidal.engine.async_engine import AsyncEngine
+        from tidal.adapters.async_engine import AsyncEngine
         from tidal.engine.llm_engine import LLMEngine
         from tidal.server import BackgroundServer, build_app
 

@@ -84,10 +84,10 @@ def test_the_delta_transport_sends_what_changed_and_the_engine_checks_the_whole_
     model matches the trainer's after each push, and a full fine-tuning push changes everything."""
     from conftest import make_samples
 
+    from tidal.adapters.async_engine import AsyncEngine
+    from tidal.adapters.client import EngineClient
     from tidal.aio import LoopThread
     from tidal.config import AlgoConfig, TrainConfig
-    from tidal.engine.async_engine import AsyncEngine
-    from tidal.engine.client import EngineClient
     from tidal.engine.llm_engine import LLMEngine
     from tidal.server import BackgroundServer, build_app
     from tidal.sync.remote import HttpSync

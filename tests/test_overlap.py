@@ -12,10 +12,10 @@ from conftest import loop_config, make_model, make_tokenizer
 from safetensors.torch import load_file
 
 import tidal.loop
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ConfigError, RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.rollout.buffer import Buffer, newest_first, oldest_version, reward_stratified
 from tidal.rollout.manager import RolloutManager

@@ -17,7 +17,7 @@ KEY = "sk-tidal-e2e-5f1c0a9e7b3d"
 
 
 def test_a_key_on_the_command_line_reaches_the_server_and_no_file_or_page(tiny_model_dir, tmp_path):
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.engine.llm_engine import LLMEngine
     from tidal.server import BackgroundServer, build_app
 

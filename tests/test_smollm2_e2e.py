@@ -26,7 +26,7 @@ def test_converted_folder_is_a_complete_hf_model(smollm2):
 def test_engine_greedy_is_token_exact_with_transformers(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from tidal.engine.hf_engine import HFEngine
+    from tidal.adapters.hf_engine import HFEngine
     from tidal.engine.sampling import SamplingParams
 
     path, tok = smollm2

@@ -628,7 +628,7 @@ class ServerConfig:
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
-    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.engine.client`)
+    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.adapters.client`)
     max_weights_body_bytes: int = 64 * 2**20
     max_n: int = 16
     max_batch: int = 256

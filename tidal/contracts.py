@@ -7,7 +7,7 @@ uses nothing but what is written here.
     Engine       async and per request: submit one prompt, await its output; abort, pause, resume,
                  sleep, wake. Requests join the engine's running batch as they arrive.
     EngineCore   the synchronous, step-based core an in-process engine is built on (tidal's engine,
-                 vLLM's, transformers'); `tidal.engine.async_engine.AsyncEngine` turns one into an
+                 vLLM's, transformers'); `tidal.adapters.async_engine.AsyncEngine` turns one into an
                  `Engine` by running it on a thread of its own.
     Engines      the rollout role: its engine, the event loop every rollout call runs on, and the
                  lifecycle the loop drives (health, recovery, sleep/wake while trainers train).

@@ -205,8 +205,8 @@ def standalone_sets(cfg: Config, num_prompts: int | None = None, **sampling: Any
 def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling: Any) -> dict[str, Any]:
     """`tidal eval`: score `model` (a folder or smollm2) on every set of `standalone_sets`.
     Returns `{"model": folder, "datasets": {name: metrics}}`."""
+    from tidal.adapters.factory import make_engine
     from tidal.convert import ensure_model, load_tokenizer
-    from tidal.engine.factory import make_engine
     from tidal.hardware import resolve_device
     from tidal.rollout.sandbox import check_run, set_default_backend
 

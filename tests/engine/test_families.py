@@ -165,8 +165,8 @@ def test_over_http_tokens_and_log_probs_match_transformers(family):
     """`tidal serve`'s routes over the engine: the same tokens and log-probs as transformers."""
     from conftest import run_batch
 
-    from tidal.engine.async_engine import AsyncEngine
-    from tidal.engine.client import HttpEngine
+    from tidal.adapters.async_engine import AsyncEngine
+    from tidal.adapters.client import HttpEngine
     from tidal.server import BackgroundServer, build_app
 
     engine = AsyncEngine(engine_for(family, kv_cache_tokens=512))
@@ -198,8 +198,8 @@ def test_the_engine_returns_the_experts_transformers_chooses(family):
     and over HTTP (SGLang's `return_routed_experts`, base64 int32)."""
     from conftest import run_batch
 
-    from tidal.engine.async_engine import AsyncEngine
-    from tidal.engine.client import HttpEngine
+    from tidal.adapters.async_engine import AsyncEngine
+    from tidal.adapters.client import HttpEngine
     from tidal.server import BackgroundServer, build_app
 
     params = [SamplingParams(temperature=0.0, max_new_tokens=N_NEW, ignore_eos=True, return_routed_experts=True)]

@@ -319,7 +319,7 @@ def test_fp8_on_a_gpu():
 
 
 def test_the_rollout_config_turns_packing_off():
-    from tidal.engine.factory import engine_options, vllm_options
+    from tidal.adapters.factory import engine_options, vllm_options
 
     assert engine_options(build_config(None, {}).rollout)["pack_weights"] is True
     opts = engine_options(build_config(None, {"rollout.pack_weights": False}).rollout)

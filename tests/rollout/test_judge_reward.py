@@ -208,8 +208,8 @@ def test_config_names_the_keys():
 def test_a_real_tidal_serve_as_judge(tiny_model_dir, monkeypatch):
     """The request shape works end to end: the judge's answer is exactly what the server answers the
     same chat request (greedy), and the key is sent (the server refuses requests without it)."""
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.convert import load_tokenizer
-    from tidal.engine.async_engine import AsyncEngine
     from tidal.engine.llm_engine import LLMEngine
     from tidal.server import build_app
 

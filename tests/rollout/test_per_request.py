@@ -10,10 +10,10 @@ import time
 import pytest
 from conftest import make_model, make_tokenizer
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import RolloutConfig
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.types import Sample

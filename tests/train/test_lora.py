@@ -172,7 +172,7 @@ def test_a_lora_critic_trains_its_adapters_and_its_whole_value_head(tiny_model_d
 
 
 def test_in_process_sync_shares_the_base_weights_once_then_moves_the_merged_matrices(tokenizer):
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.sync.local import InProcessSync
 
     actor = Actor(make_model(seed=0), lora_cfg(), AlgoConfig(), temperature=0.8)
@@ -202,7 +202,7 @@ def test_unmerged_the_engine_runs_the_trainers_own_lora_tensors(tokenizer):
     """`train.lora_merge: false`: the in-process engine gets the trainer's LoRA layers and shares
     every tensor (base and adapters): nothing is copied, later pushes name only the adapters,
     and the engine samples what the trainer scores."""
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.sync.local import InProcessSync
 
     actor = Actor(make_model(seed=0), lora_cfg(lora_merge=False), AlgoConfig(), temperature=0.8)

@@ -195,12 +195,12 @@ def build_engines(cfg: Config, model_dir: Path, tokenizer, placed=None) -> Engin
     """The rollout role `rollout.engine` names: SGLang servers (launched or attached), remote
     servers, engine actors on Ray (`placed`: the placement group and the engines' bundles), or
     one engine in this process."""
-    from tidal.engine.client import HttpEngine
-    from tidal.engine.factory import engine_options, make_engine
+    from tidal.adapters.client import HttpEngine
+    from tidal.adapters.factory import engine_options, make_engine
 
     r, c = cfg.rollout, cfg.cluster
     if r.engine == "sglang":
-        from tidal.engine.sglang_launch import start_sglang
+        from tidal.adapters.sglang_launch import start_sglang
 
         servers = start_sglang(r, c, model_dir, Path(cfg.train.output_dir) / "logs")
         try:
@@ -246,7 +246,7 @@ def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
             raise ValueError("cluster.weight_sync broadcast: needs engines on Ray (rollout.engine tidal or vllm)")
         # colocated engines sleep while the trainers train and wake with no weights: every push is whole
         return BroadcastSync(trainer, engines, timeout, partial=not cfg.cluster.colocate)
-    from tidal.engine.client import EngineClient
+    from tidal.adapters.client import EngineClient
     from tidal.sync.base import PushBound
     from tidal.sync.remote import DiskSync, HttpSync
 

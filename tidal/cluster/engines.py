@@ -24,8 +24,8 @@ log = logging.getLogger("tidal")
 
 def _core(kind: str, model: str, tokenizer, engine_kwargs: dict):
     if kind == "vllm":
-        from tidal.engine.factory import vllm_options
-        from tidal.engine.vllm_core import VLLMCore
+        from tidal.adapters.factory import vllm_options
+        from tidal.adapters.vllm_core import VLLMCore
 
         return VLLMCore(model, tokenizer, **vllm_options(engine_kwargs))
     from tidal.engine.llm_engine import LLMEngine
@@ -42,8 +42,8 @@ class EngineServer:
     ) -> None:
         from transformers import AutoTokenizer
 
+        from tidal.adapters.async_engine import AsyncEngine
         from tidal.config import ServerConfig
-        from tidal.engine.async_engine import AsyncEngine
         from tidal.net import node_ip
         from tidal.server import BackgroundServer, build_app
 
@@ -123,7 +123,7 @@ class EngineGroup:
     ) -> None:
         import ray
 
-        from tidal.engine.client import HttpEngine
+        from tidal.adapters.client import HttpEngine
 
         self.remote = ray.remote(EngineServer)
         self.api_key = secrets.token_hex(16)  # a key of this run's own for its engines' HTTP servers
@@ -201,7 +201,7 @@ class EngineGroup:
         itself is not recovered: the push fails naming it (`tidal.sync.broadcast`)."""
         import ray
 
-        from tidal.engine.client import EngineClient, Router
+        from tidal.adapters.client import EngineClient, Router
 
         router = self.engine.router
         # the router sees only the failures of requests: an engine that died (or stopped answering)
@@ -276,7 +276,7 @@ class EngineGroup:
         next push's `recover` deals with it instead of the call ending the run."""
         import asyncio
 
-        from tidal.engine.client import EngineError, is_engine_failure
+        from tidal.adapters.client import EngineError, is_engine_failure
 
         router = self.engine.router
         live = router.live

@@ -4,7 +4,7 @@
     engine.add_request("r1", ids, params); engine.step()   # the step API (`tidal.contracts.EngineCore`)
     outs = engine.generate_batch(prompts, params)      # run a batch to completion (tests, benchmarks)
 
-The rollout and the server reach it through `tidal.engine.async_engine.AsyncEngine`, which drives
+The rollout and the server reach it through `tidal.adapters.async_engine.AsyncEngine`, which drives
 the step API on a thread of its own.
 
 Each `step()` asks the scheduler which sequences run (decodes first, then admissions within the
@@ -32,8 +32,7 @@ from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, 
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
 from tidal.engine.weights import (
-    WeightsError,
-    check_named_tensors,
+    WeightStage,
     load_named_tensors,
     model_checksum,
     read_safetensors_dir,
@@ -111,7 +110,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.weight_version = 0
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged = WeightStage()
         self._checksum: str | None = None
         self.asleep = False
         self.seqs: dict[str, Sequence] = {}
@@ -289,14 +288,9 @@ class LLMEngine:
         staged tensors are dropped."""
         named = dict(named)
         if stage:
-            try:
-                check_named_tensors(self.model, named, complete=False)
-            except WeightsError:
-                self._staged = {}
-                raise
-            self._staged.update(named)
+            self._staged.add(self.model, named)
             return
-        named, self._staged = {**self._staged, **named}, {}
+        named = self._staged.take(named)
         load_named_tensors(self.model, named.items(), share, complete=not partial)
         if self.quant is not None:  # quantize or pack now, not in the first forward (the cost shows in stats)
             self.counters["quantize_s"] += self.quant.refresh()

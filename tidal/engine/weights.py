@@ -59,6 +59,31 @@ def check_named_tensors(
             raise WeightsError(f"{where}: no tensor given for {sorted(missing)[:5]}")
 
 
+class WeightStage:
+    """The chunks of one weight update sent in parts (calls with `stage=True`): each chunk is
+    checked against the model as it arrives and kept; the update's last call loads them all at
+    once, so an update sent in chunks is all or nothing too. A bad chunk drops what was staged."""
+
+    def __init__(self) -> None:
+        self._named: dict[str, torch.Tensor] = {}
+
+    def add(self, model: torch.nn.Module, named: dict[str, torch.Tensor]) -> None:
+        try:
+            check_named_tensors(model, named, complete=False)
+        except WeightsError:
+            self._named = {}
+            raise
+        self._named.update(named)
+
+    def take(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every staged tensor, with the last call's `named` over them; the stage is emptied."""
+        out, self._named = {**self._named, **named}, {}
+        return out
+
+    def clear(self) -> None:
+        self._named = {}
+
+
 FINITE_CHUNK = 1 << 24  # elements counted at once: bounds the count's scratch memory to 16 MB a tensor
 
 

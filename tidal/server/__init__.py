@@ -33,8 +33,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import API_KEY_ENV, ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.server import anthropic, openai, sglang
 from tidal.server.common import RETRY_AFTER_S, ApiError, Busy, Texts, error_response
 

@@ -32,8 +32,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.server.common import (
     BadRequest,
     Body,

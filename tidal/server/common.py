@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.hardware import libc_function
 

@@ -26,8 +26,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.server.common import (
     BadRequest,
     Body,

@@ -39,9 +39,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.adapters.client import decode_tensors, encode_routing
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import decode_tensors, encode_routing
 from tidal.engine.sampling import SamplingParams
 from tidal.server.common import (
     ApiError,
@@ -420,7 +420,7 @@ def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts
         if body.serialized_named_tensors is not None:
             raise BadRequest(
                 "serialized_named_tensors: SGLang's format carries in-process tensor handles, which no other "
-                "process can open; send tidal's `tensors` (a base64 safetensors blob, see tidal.engine.client)"
+                "process can open; send tidal's `tensors` (a base64 safetensors blob, see tidal.adapters.client)"
             )
         if body.tensors is None:
             raise BadRequest("tensors: required (a base64 safetensors blob)")

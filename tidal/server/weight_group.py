@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tidal.engine.async_engine import AsyncEngine
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.weights import WeightsError, check_named_tensors
 from tidal.server.common import ApiError, BadRequest
 from tidal.sync.group import WeightGroup, join_weight_group

@@ -29,9 +29,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from tidal.adapters.client import EngineClient, EngineError
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
-from tidal.engine.client import EngineClient, EngineError
 from tidal.net import free_port, node_ip
 from tidal.sync.base import PushBound, SyncError, check_engine
 from tidal.sync.group import WeightGroup, join_weight_group

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.contracts import Trainer
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.weights import weights_checksum
 from tidal.sync.base import SyncError, check_engine
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from tidal.adapters.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, encode_tensors
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
-from tidal.engine.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, encode_tensors
 from tidal.engine.weights import tensor_crc, weights_checksum
 from tidal.sync.base import PushBound, SyncError, check_engine, megabytes
 from tidal.utils import atomic_directory

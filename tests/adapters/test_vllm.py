@@ -65,8 +65,8 @@ def original(ref):
 @pytest.fixture(scope="module")
 def shared_core(model_dir):
     """Built as the rollout builds it (`make_core`, `rollout.engine: vllm`)."""
+    from tidal.adapters.factory import make_core
     from tidal.config import RolloutConfig
-    from tidal.engine.factory import make_core
 
     cfg = RolloutConfig(engine="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
     core = make_core(cfg, model_dir, make_tokenizer())
@@ -369,7 +369,7 @@ def test_sleep_frees_memory_and_wake_needs_a_weight_update(core, original):
 
 # ------------------------------------------------------------------ through AsyncEngine
 def test_async_engine_concurrent_requests_pause_resume_and_abort(core, ref):
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
 
     direct = run(core, PROMPTS, [greedy() for _ in PROMPTS], "d")
     engine = AsyncEngine(core)
@@ -408,7 +408,7 @@ def test_async_engine_concurrent_requests_pause_resume_and_abort(core, ref):
 
 # ------------------------------------------------------------------ where it is built
 def test_the_rollout_factory_sizes_the_kv_cache_and_allows_one_core_per_process(shared_core, model_dir):
-    from tidal.engine.vllm_core import VLLMCore
+    from tidal.adapters.vllm_core import VLLMCore
 
     assert type(shared_core) is VLLMCore
     # 4000 tokens round up to whole 128-token blocks; the model's context (512) is the shorter
@@ -430,8 +430,8 @@ def test_a_core_serves_inside_a_ray_actor(ray_session, shared_core, model_dir, t
         def __init__(self, path, kv_cache_tokens):
             from transformers import AutoTokenizer
 
-            from tidal.engine.async_engine import AsyncEngine
-            from tidal.engine.vllm_core import VLLMCore
+            from tidal.adapters.async_engine import AsyncEngine
+            from tidal.adapters.vllm_core import VLLMCore
 
             self.core = VLLMCore(
                 path, AutoTokenizer.from_pretrained(path), dtype="float32", kv_cache_tokens=kv_cache_tokens

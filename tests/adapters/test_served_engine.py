@@ -12,8 +12,8 @@ import torch
 from conftest import hf_greedy, run_batch, shared_loop
 from conftest import make_model as _make_model
 
-from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import HttpEngine
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.adapters.client import HttpEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.server import BackgroundServer, build_app

@@ -1,4 +1,4 @@
-"""vLLM as the step-based core behind `tidal.engine.async_engine.AsyncEngine` (`rollout.engine: vllm`).
+"""vLLM as the step-based core behind `tidal.adapters.async_engine.AsyncEngine` (`rollout.engine: vllm`).
 
     core = VLLMCore("path/to/hf_model", tokenizer, dtype="float32", kv_cache_tokens=8192)
     core.add_request("r1", prompt_ids, SamplingParams(temperature=1.0, seed=7)); core.step()
@@ -40,7 +40,7 @@ import torch
 
 from tidal.engine.llm_engine import RequestOutput
 from tidal.engine.sampling import SamplingParams
-from tidal.engine.weights import WeightsError, check_named_tensors, read_safetensors_dir, weights_checksum
+from tidal.engine.weights import WeightStage, check_named_tensors, read_safetensors_dir, weights_checksum
 from tidal.hardware import is_cuda, resolve_device
 
 __all__ = ["VLLMCore", "vllm_available"]
@@ -229,7 +229,7 @@ class VLLMCore:
             "enforce_eager": enforce_eager,
             "distributed_executor_backend": "uni",
             "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": "tidal.engine.vllm_worker.TidalWorkerExtension",
+            "worker_extension_cls": "tidal.adapters.vllm_worker.TidalWorkerExtension",
             "disable_log_stats": True,
         }
         self._vllm_sleep = is_cuda(device)  # vLLM's sleep mode frees GPU memory; on CPU it is a no-op
@@ -264,7 +264,7 @@ class VLLMCore:
         self.weight_version = 0
         self.asleep = False
         self._loads = 0  # salts the prefix cache: K/V from older weights is never reused
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged = WeightStage()
         self._checksum: str | None = None
         self._reqs: dict[str, _Request] = {}
         self.counters = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
@@ -419,14 +419,9 @@ class VLLMCore:
             raise RuntimeError("update_weights: the engine is asleep; wake() it first")
         named = dict(named)
         if stage:
-            try:
-                check_named_tensors(self._meta, named, complete=False)
-            except WeightsError:
-                self._staged = {}
-                raise
-            self._staged.update(named)
+            self._staged.add(self._meta, named)
             return
-        named, self._staged = {**self._staged, **named}, {}
+        named = self._staged.take(named)
         check_named_tensors(self._meta, named, complete=True)
         checksum = weights_checksum(named.items(), self.dtype)
         t0 = time.perf_counter()
@@ -479,7 +474,7 @@ class VLLMCore:
             raise RuntimeError("engine.sleep: requests are still running; abort or finish them first")
         if self.asleep:
             return
-        self._staged = {}
+        self._staged.clear()
         self.flush_cache()
         if self._vllm_sleep:
             self._engine.sleep(level=2)

@@ -1,5 +1,5 @@
 """`rollout.engine: sglang` on this CPU: the launcher starts real processes of a stand-in
-`sglang.launch_server` (tests/engine/sglang_standin: SGLang's flags mapped onto `tidal serve`,
+`sglang.launch_server` (tests/adapters/sglang_standin: SGLang's flags mapped onto `tidal serve`,
 since SGLang itself needs CUDA), and the real sglang-router (Rust, from PyPI) runs in front of
 tidal servers. Tests that need the router skip when it is not installed."""
 
@@ -18,12 +18,9 @@ import pytest
 from conftest import make_model, make_tokenizer
 
 import tidal
-from tidal.config import ClusterConfig, Config, ConfigError, RolloutConfig, validate
-from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import EngineClient
-from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
-from tidal.engine.sglang_launch import (
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.adapters.client import EngineClient
+from tidal.adapters.sglang_launch import (
     HOST,
     ServerProcess,
     attach_sglang,
@@ -32,6 +29,9 @@ from tidal.engine.sglang_launch import (
     router_command,
     server_command,
 )
+from tidal.config import ClusterConfig, Config, ConfigError, RolloutConfig, validate
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import model_checksum
 from tidal.net import free_port
 from tidal.server import BackgroundServer, build_app

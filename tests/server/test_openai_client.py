@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import hf_greedy, make_model, make_tokenizer
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.server import BackgroundServer, build_app
 

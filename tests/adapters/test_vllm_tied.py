@@ -30,7 +30,7 @@ def tied(seed: int):
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    from tidal.engine.vllm_core import VLLMCore
+    from tidal.adapters.vllm_core import VLLMCore
 
     path = tmp_path_factory.mktemp("vllm_tied")
     tied(0).save_pretrained(path)

@@ -3,7 +3,7 @@ import torch
 from conftest import hf_greedy
 from conftest import make_model as _make_model
 
-from tidal.engine.hf_engine import HFEngine
+from tidal.adapters.hf_engine import HFEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import WeightsError
 

@@ -34,7 +34,7 @@ QUESTIONS = [
 def smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.engine.vllm_core import VLLMCore
+    from tidal.adapters.vllm_core import VLLMCore
 
     path = smollm2_dir
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -1,7 +1,7 @@
 """SGLang's weight update by broadcast against `tidal serve` in-process: the trainer's side is
 played here by hand (rank 0 of the group, posting SGLang's bodies while it broadcasts), so each
 protocol step and each refusal is checked on its own. `tidal.sync.distributed` drives the same
-routes in tests/engine/test_distributed_sync.py."""
+routes in tests/sync/test_distributed_sync.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from tidal.engine.async_engine import AsyncEngine
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum, weights_checksum
 from tidal.net import free_port

@@ -104,7 +104,7 @@ def test_a_remote_engine_stopped_during_the_weight_push_is_named_within_the_byte
 ):
     import re
 
-    from tidal.engine.client import EngineClient
+    from tidal.adapters.client import EngineClient
     from tidal.sync.base import SyncError
 
     roles = remote_roles(tiny_model_dir, tmp_path / "run", serve.url, transport)

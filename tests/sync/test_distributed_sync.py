@@ -1,6 +1,6 @@
 """The `distributed` weight transport against two `tidal serve` servers in this process: the
 trainer forms one group with both, pushes in buckets and checks version and checksum. A server
-that dies mid-push is covered with real processes in tests/engine/test_sglang_launch.py."""
+that dies mid-push is covered with real processes in tests/adapters/test_sglang_launch.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import EngineClient
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.adapters.client import EngineClient
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum, weights_checksum
 from tidal.server import BackgroundServer, build_app

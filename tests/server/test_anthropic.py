@@ -13,7 +13,7 @@ import pytest
 from conftest import hf_greedy, make_model
 from test_openai_client import TOOLS, USER, ScriptedCore, Served, chat_prompt
 
-from tidal.engine.async_engine import AsyncEngine
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.server import BackgroundServer, build_app
 
 anthropic = pytest.importorskip("anthropic")

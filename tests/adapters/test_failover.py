@@ -11,8 +11,8 @@ import pytest
 from conftest import run_batch, shared_loop
 from test_served_engine import Served, make_model
 
+from tidal.adapters.client import EngineClient, EngineError, HttpEngine
 from tidal.cluster import LocalEngines
-from tidal.engine.client import EngineClient, EngineError, HttpEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.sync.remote import HttpSync
 

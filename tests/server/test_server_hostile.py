@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
+from tidal.adapters.async_engine import AsyncEngine
 from tidal.config import ServerConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.server import BackgroundServer, build_app
 
@@ -177,7 +177,7 @@ def test_non_finite_weights_are_refused_and_the_served_weights_kept(served, tmp_
     """All-NaN weights from disk were loaded and served garbage; so were infinities by tensor."""
     from safetensors.torch import save_file
 
-    from tidal.engine.client import encode_tensors
+    from tidal.adapters.client import encode_tensors
 
     before, weights = greedy_ids(served.url), served_weights(served.url)
     state = {k: v.detach().clone() for k, v in make_model(vocab_size=259, seed=1).state_dict().items()}

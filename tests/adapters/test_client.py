@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from test_server import FakeCore, expected_logprobs, expected_tokens
+from fake_core import FakeCore, expected_logprobs, expected_tokens
 
-from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import EngineClient, EngineError, HttpEngine, Router
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.adapters.client import EngineClient, EngineError, HttpEngine, Router
 from tidal.engine.sampling import SamplingParams
 from tidal.server import BackgroundServer, build_app
 

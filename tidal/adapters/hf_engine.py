@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from tidal.contracts import GenerationOutput, RequestOutput
 from tidal.engine.sampling import SamplingParams, sample_tokens
-from tidal.engine.weights import load_named_tensors, model_checksum, read_safetensors_dir
+from tidal.engine.weights import WeightStage, load_named_tensors, model_checksum, read_safetensors_dir
 from tidal.hardware import CPU, weights_dtype
 
 
@@ -55,7 +55,7 @@ class HFEngine:
         self.max_model_len = self.max_context or 2048
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.queue: dict[str, tuple[list[int], SamplingParams]] = {}  # requests for the next batch
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged = WeightStage()
 
     # ---------------------------------------------------------------- the core's step API
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str:
@@ -121,9 +121,9 @@ class HFEngine:
         the next call without `stage`; `partial`: only the tensors that changed are named)."""
         named = dict(named)
         if stage:
-            self._staged.update(named)
+            self._staged.add(self.model, named)
             return
-        named, self._staged = {**self._staged, **named}, {}
+        named = self._staged.take(named)
         load_named_tensors(self.model, named.items(), share, complete=not partial)
         self.weight_version = self.weight_version + 1 if version is None else version
 

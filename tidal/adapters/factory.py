@@ -57,11 +57,11 @@ def make_core(
     `kv_cache_tokens`. `device` (resolved: `tidal.hardware.resolve_device`) places the tidal and
     hf engines; vLLM places itself."""
     if cfg.engine == "vllm":
-        from tidal.engine.vllm_core import VLLMCore
+        from tidal.adapters.vllm_core import VLLMCore
 
         return VLLMCore(model_dir, tokenizer, **vllm_options(engine_options(cfg, max_prompt_length, prompts)))
     if cfg.engine == "hf":
-        from tidal.engine.hf_engine import HFEngine
+        from tidal.adapters.hf_engine import HFEngine
 
         return HFEngine(model_dir, tokenizer, dtype=cfg.dtype, device=device)
     from tidal.engine.llm_engine import LLMEngine
@@ -82,10 +82,10 @@ def make_engine(
     if cfg.engine == "remote":
         import os
 
-        from tidal.engine.client import HttpEngine
+        from tidal.adapters.client import HttpEngine
 
         key = cfg.api_key or os.environ.get("TIDAL_API_KEY") or None
         return HttpEngine(cfg.engine_urls, timeout=cfg.request_timeout, api_key=key)
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.adapters.async_engine import AsyncEngine
 
     return AsyncEngine(make_core(cfg, model_dir, tokenizer, max_prompt_length, prompts, device))

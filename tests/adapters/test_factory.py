@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import make_model
 
+from tidal.adapters.factory import kv_cache_tokens
 from tidal.config import RolloutConfig
-from tidal.engine.factory import kv_cache_tokens
 from tidal.engine.weights import WeightsError, load_named_tensors
 
 
@@ -46,7 +46,7 @@ def test_copying_is_the_default():
 def test_the_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch, tiny_model_dir):
     import sys
 
-    from tidal.engine.factory import make_core
+    from tidal.adapters.factory import make_core
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as if it were not installed
     with pytest.raises(
