@@ -38,11 +38,11 @@ async def sleeper(ctx, sample, sampling):
 def run(args) -> dict:
     import torch
 
+    from tidal.adapters.async_engine import AsyncEngine
     from tidal.config import RolloutConfig
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.data.dataset import build_prompts
     from tidal.data.envs import make_env_rows
-    from tidal.adapters.async_engine import AsyncEngine
     from tidal.engine.llm_engine import LLMEngine
     from tidal.hardware import resolve_dtype
     from tidal.rollout.manager import RolloutManager

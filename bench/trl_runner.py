@@ -170,7 +170,7 @@ def _trl_dataset(records):
 
 def math_reward(completions, label, **kwargs) -> list[float]:
     """tidal's `math` reward (1.0 when the completion's final answer equals the label) for TRL."""
-    from tidal.rollout.rewards import math_verify
+    from tidal.reward.verifiers import math_verify
 
     return [math_verify(c[-1]["content"], y) for c, y in zip(completions, label, strict=True)]
 

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-# Sync rewards run in a pool of `forkserver` processes (tidal.rollout.reward_pool; 8 by default), and
+# Sync rewards run in a pool of `forkserver` processes (tidal.reward.pool; 8 by default), and
 # each new worker imported torch and this module afresh: ~15 s of a loaded 2-core machine per loop
 # test. Workers forked from a server that has already imported them start at once; what runs in
 # them is unchanged.
-multiprocessing.set_forkserver_preload(["__main__", "torch", "conftest", "tidal.rollout.reward_pool"])
+multiprocessing.set_forkserver_preload(["__main__", "torch", "conftest", "tidal.reward.pool"])
 
 
 def _share_the_cores() -> None:
@@ -49,7 +49,7 @@ def _sandbox_backend_for_tests() -> str | None:
     are ours), so that no test fails for a missing system package; the tests of bubblewrap's
     isolation skip, saying how to install it. The reason, or None where bubblewrap works or a
     backend was chosen. Set in the environment, so worker processes the tests start inherit it."""
-    from tidal.rollout import sandbox
+    from tidal.reward import sandbox
 
     if os.environ.get(sandbox.BACKEND_ENV):
         return None

@@ -7,7 +7,7 @@ from conftest import loop_config, record_weight_versions, train_killed
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
-from tidal.rollout.failures import TooManyFailedSamples
+from tidal.reward.failures import TooManyFailedSamples
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures differ between any two runs
 

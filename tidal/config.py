@@ -1077,7 +1077,7 @@ def _validate_overlap(cfg: Config, need) -> None:
 
 
 def _validate_sandbox(cfg: Config, need) -> None:
-    # whether bubblewrap works here is the sandbox's to say: `tidal.rollout.sandbox.check_run`,
+    # whether bubblewrap works here is the sandbox's to say: `tidal.reward.sandbox.check_run`,
     # called when a run or an evaluation starts, before anything is written
     backend = cfg.sandbox.backend
     if backend is None:

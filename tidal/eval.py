@@ -34,8 +34,8 @@ from tidal.config import Config, DataConfig, EvalConfig, EvalSet, RolloutConfig
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
+from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
-from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
 
 log = logging.getLogger("tidal")
@@ -208,7 +208,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     from tidal.adapters.factory import make_engine
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.hardware import resolve_device
-    from tidal.rollout.sandbox import check_run, set_default_backend
+    from tidal.reward.sandbox import check_run, set_default_backend
 
     if cfg.sandbox.backend is not None:  # the code sandbox of a code_tests reward
         set_default_backend(cfg.sandbox.backend)

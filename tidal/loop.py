@@ -35,10 +35,10 @@ from tidal.debug_rollout import rollout_for_step
 from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
+from tidal.reward.sandbox import check_run, set_default_backend
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
-from tidal.rollout.sandbox import check_run, set_default_backend
 from tidal.run_dir import check_run_dir, start_run_dir
 from tidal.samples_log import record_step
 from tidal.tracking import open_tracker

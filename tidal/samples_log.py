@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tidal.rollout.rewards import scalar_reward
+from tidal.reward.score import scalar_reward
 from tidal.types import Sample
 from tidal.utils import atomic_write_bytes
 

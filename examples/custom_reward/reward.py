@@ -5,7 +5,7 @@ dict. With a dict, `rollout.reward_key` names the entry GRPO trains on; every nu
 logged as `rewards/<key>`.
 """
 
-from tidal.rollout.rewards import math_verify
+from tidal.reward.verifiers import math_verify
 
 
 async def score(sample) -> dict:

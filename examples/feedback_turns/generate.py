@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from tidal.reward.verifiers import math_verify
 from tidal.rollout.generate import turn_seed
 from tidal.rollout.multi_turn import TurnRenderer
-from tidal.rollout.rewards import math_verify
 
 FEEDBACK = "That is wrong. Think again and give only the number."
 

@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from tidal.rollout import sandbox
+from tidal.reward import sandbox
+from tidal.reward.sandbox import SandboxConfig
 from tidal.rollout.builtin_tools import calculator, make_python_tool, python_tool
-from tidal.rollout.sandbox import SandboxConfig
 
 
 @pytest.mark.parametrize(

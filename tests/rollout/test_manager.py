@@ -7,7 +7,7 @@ import pytest
 from tidal.config import RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.rollout.failures import TooManyFailedSamples
+from tidal.reward.failures import TooManyFailedSamples
 from tidal.rollout.manager import RolloutManager, sample_seed
 from tidal.types import Status
 

@@ -11,7 +11,7 @@ import ast
 import math
 import operator
 
-from tidal.rollout.sandbox import SandboxConfig, arun_code
+from tidal.reward.sandbox import SandboxConfig, arun_code
 
 __all__ = ["PYTHON_TOOL_SANDBOX", "calculator", "make_python_tool", "python_tool"]
 

@@ -12,8 +12,8 @@ import torch
 from tidal.algo import Groups, groups_with_signal, overlong_penalty
 from tidal.config import AlgoConfig
 from tidal.data.source import DataSource
+from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
-from tidal.rollout.rewards import scalar_reward
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 

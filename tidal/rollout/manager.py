@@ -20,9 +20,10 @@ from tidal.config import RolloutConfig
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.engine.sampling import SamplingParams
-from tidal.rollout.failures import ErrorLog
+from tidal.reward.checks import GroupRewardFn, RewardFn
+from tidal.reward.failures import ErrorLog
+from tidal.reward.score import check_reward_key, get_reward_fn, score_rollout
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, load_async_fn, single_turn
-from tidal.rollout.rewards import GroupRewardFn, RewardFn, check_reward_key, get_reward_fn, score_rollout
 from tidal.types import Sample, Status
 
 __all__ = [
@@ -103,11 +104,11 @@ def load_rewards(cfg: RolloutConfig) -> tuple[RewardFn | None, GroupRewardFn | N
     """(per-sample reward, group reward) from the config; exactly one of them is set:
     `rollout.group_reward` when given, else `rollout.reward` (``judge`` builds the LLM judge)."""
     if cfg.group_reward:
-        from tidal.rollout.group_reward import load_group_reward
+        from tidal.reward.group import load_group_reward
 
         return None, load_group_reward(cfg.group_reward)
     if cfg.reward == "judge":
-        from tidal.rollout.judge import JudgeReward
+        from tidal.reward.judge import JudgeReward
 
         return JudgeReward(cfg), None
     return get_reward_fn(cfg.reward, cfg.reward_workers), None

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from tidal.rollout.code_reward import extract_code, make_code_reward, parse_tests
-from tidal.rollout.rewards import get_reward_fn, score_samples
-from tidal.rollout.sandbox import SandboxConfig
+from tidal.reward.code_tests import extract_code, make_code_reward, parse_tests
+from tidal.reward.sandbox import SandboxConfig
+from tidal.reward.score import get_reward_fn, score_samples
 from tidal.types import Sample, Status
 
 STDIO_TESTS = [

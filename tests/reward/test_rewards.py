@@ -11,16 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from tidal.rollout.rewards import (
-    BUILTIN_REWARDS,
-    exact_match,
-    extract_answer,
-    get_reward_fn,
-    math_verify,
-    parse_number,
-    scalar_reward,
-    score_samples,
-)
+from tidal.reward.score import get_reward_fn, scalar_reward, score_samples
+from tidal.reward.verifiers import BUILTIN_REWARDS, exact_match, extract_answer, math_verify, parse_number
 from tidal.types import Sample, Status
 
 

@@ -15,9 +15,9 @@ import asyncio
 import inspect
 from typing import Any
 
-from tidal.rollout.failures import ErrorLog
-from tidal.rollout.reward_pool import is_async_callable
-from tidal.rollout.rewards import GroupRewardFn, _check_reward, _retryable
+from tidal.reward.checks import GroupRewardFn, check_reward, retryable
+from tidal.reward.failures import ErrorLog
+from tidal.reward.pool import is_async_callable
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
@@ -56,7 +56,7 @@ def _check_group(value: Any, n: int, name: str) -> list[float | dict]:
     out = []
     for i, v in enumerate(value):
         try:
-            out.append(_check_reward(v))
+            out.append(check_reward(v))
         except (TypeError, ValueError) as e:
             raise type(e)(f"group reward {name}, reward {i} of {n}: {e}") from None
     return out
@@ -72,7 +72,7 @@ async def score_groups(
     errors: ErrorLog | None = None,
 ) -> int:
     """Score `samples` group by group (by ``group_index``) with `group_fn` and store each reward on
-    its sample. Limits and retries as in `tidal.rollout.rewards.score_samples`, per group call; the
+    its sample. Limits and retries as in `tidal.reward.score.score_samples`, per group call; the
     retry count is kept in ``metadata["reward_retries"]`` of the group's samples.
 
     Returns:
@@ -106,7 +106,7 @@ async def score_groups(
                     s.reward = r
                 return 0
             except Exception as e:
-                if attempt < retries and _retryable(e):
+                if attempt < retries and retryable(e):
                     attempt += 1
                     for s in group:
                         s.metadata["reward_retries"] = attempt

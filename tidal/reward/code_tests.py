@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from tidal.rollout.sandbox import SandboxConfig, SandboxResult, arun_code
+from tidal.reward.sandbox import SandboxConfig, SandboxResult, arun_code
 from tidal.types import Sample
 
 __all__ = ["code_reward", "extract_code", "make_code_reward", "parse_tests"]

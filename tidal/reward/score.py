@@ -1,190 +1,33 @@
-"""Reward functions: built-in answer checkers, user functions by dotted path, and concurrent scoring."""
+"""Scoring a rollout's samples: the reward `reward.fn` names (a built-in or a user function by
+dotted path) called concurrently under the reward group's limits, or a group reward per prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
-import re
-from collections.abc import Awaitable, Callable
-from decimal import Decimal
-from fractions import Fraction
-from typing import Any
 
 from tidal.config import RolloutConfig
-from tidal.rollout.failures import ErrorLog, check_failed_ratio
-from tidal.rollout.reward_pool import RewardPool, is_async_callable
+from tidal.reward.checks import GroupRewardFn, RewardFn, check_reward, retryable
+from tidal.reward.failures import ErrorLog, check_failed_ratio
+from tidal.reward.group import score_groups
+from tidal.reward.pool import RewardPool, is_async_callable
+from tidal.reward.verifiers import BUILTIN_REWARDS
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
 __all__ = [
-    "BUILTIN_REWARDS",
     "BUILTIN_SAMPLE_REWARDS",
-    "GroupRewardFn",
-    "RewardFn",
     "check_reward_key",
-    "exact_match",
-    "extract_answer",
     "get_reward_fn",
-    "math_verify",
-    "parse_number",
     "scalar_reward",
     "score_rollout",
     "score_samples",
 ]
 
-RewardFn = Callable[[Sample], Awaitable[float | dict]]
-GroupRewardFn = Callable[[list[Sample]], Awaitable[list[float | dict]]]
-
-# A number in free text. The look-behind keeps us from starting inside a word ("x2", "H2O") or
-# after a decimal point, and makes "8-3" read as 8 and 3 rather than 8 and -3. Alternatives are
-# tried in order: fraction, comma-grouped thousands, plain integer/decimal, bare ".5".
-_TEXT_NUMBER_RE = re.compile(
-    r"(?<![\w.])(?P<sign>-)?"
-    r"(?P<body>\d+/\d+|\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-)
-_PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)")
-_LATEX_FRAC_RE = re.compile(r"(?P<sign>[+-]?)\s*\\[dt]?frac\s*\{(?P<num>[^{}]*)\}\s*\{(?P<den>[^{}]*)\}")
-_SLASH_FRAC_RE = re.compile(r"(?P<num>[^/]+)/(?P<den>[^/]+)")
-
-
-def _last_boxed(text: str) -> str | None:
-    """Contents of the last complete ``\\boxed{...}``, matching nested braces; None if there is none.
-
-    A truncated final ``\\boxed{`` with no closing brace is skipped in favour of an earlier complete
-    one, since a cut-off answer is not an answer.
-    """
-    end = len(text)
-    while True:
-        start = text.rfind("\\boxed", 0, end)
-        if start < 0:
-            return None
-        i = start + len("\\boxed")
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1 : j]
-        end = start
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a model response.
-
-    The contents of the last ``\\boxed{...}`` (nested braces handled) if there is one, else the last
-    number in the text: integers, decimals, negatives, thousands-grouped numbers such as ``1,234``
-    (returned without commas) and simple fractions such as ``3/4`` or ``-3/4``. None if neither.
-    """
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    last = None
-    for last in _TEXT_NUMBER_RE.finditer(text):  # noqa: B007 - only the final match is wanted
-        pass
-    if last is None:
-        return None
-    return (last.group("sign") or "") + last.group("body").replace(",", "")
-
-
-def _parse_plain(s: str) -> Fraction | None:
-    s = s.strip()
-    if not _PLAIN_NUMBER_RE.fullmatch(s):
-        return None
-    return Fraction(s.replace(",", "").rstrip("."))
-
-
-def _parse_ratio(num: str, den: str) -> Fraction | None:
-    a, b = _parse_plain(num), _parse_plain(den)
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def parse_number(s: str) -> Fraction | None:
-    """Parse `s` exactly as a rational number, or return None if it is not a plain number.
-
-    Accepts integers, decimals (``0.25``, ``.5``), ``a/b``, ``\\frac{a}{b}``, ``\\dfrac{a}{b}``
-    (and ``\\tfrac``), with an optional sign (a leading ``+`` included), thousands commas
-    (``1,234`` or LaTeX ``1{,}234``), surrounding ``$`` and whitespace and a trailing period.
-    Fractions with a zero denominator give None. Exact: ``parse_number("0.1") == Fraction(1, 10)``.
-    """
-    if not isinstance(s, str):
-        return None
-    t = s.strip().rstrip(".").strip().strip("$").strip().rstrip(".").strip()
-    t = t.replace("{,}", ",")
-    if not t:
-        return None
-    m = _LATEX_FRAC_RE.fullmatch(t)
-    if m:
-        value = _parse_ratio(m.group("num"), m.group("den"))
-        if value is None:
-            return None
-        return -value if m.group("sign") == "-" else value
-    m = _SLASH_FRAC_RE.fullmatch(t)
-    if m:
-        return _parse_ratio(m.group("num"), m.group("den"))
-    return _parse_plain(t)
-
-
-def _label_number(label: Any) -> Fraction | None:
-    """An exact number from a dataset label, or None when the label is not numeric."""
-    if isinstance(label, bool):
-        return None  # True/False are answers like "yes"/"no", not 1/0
-    if isinstance(label, numbers.Rational):
-        return Fraction(int(label.numerator), int(label.denominator))
-    if isinstance(label, Decimal):
-        return Fraction(label) if label.is_finite() else None
-    if isinstance(label, numbers.Real):
-        value = float(label)
-        if not math.isfinite(value):
-            return None
-        # Via repr, so the label 0.1 means the decimal 0.1 and not its binary approximation.
-        return Fraction(repr(value))
-    if isinstance(label, str):
-        return parse_number(label)
-    return None
-
-
-def math_verify(response: str, label: Any) -> float:
-    """1.0 if the response's final answer (see `extract_answer`) equals `label`, else 0.0.
-
-    When both the answer and the label parse as numbers they are compared exactly as fractions,
-    so "0.5", "1/2" and "\\frac{1}{2}" all match the label 0.5. When neither is numeric and the
-    label is a string, the stripped texts are compared. A numeric answer never matches a
-    non-numeric label or vice versa.
-    """
-    answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    got, want = parse_number(answer), _label_number(label)
-    if got is not None and want is not None:
-        return float(got == want)
-    if got is None and want is None and isinstance(label, str):
-        return float(answer.strip() == label.strip())
-    return 0.0
-
-
-def exact_match(response: str, label: Any) -> float:
-    """1.0 if ``response.strip() == str(label).strip()``, else 0.0."""
-    return float(response.strip() == str(label).strip())
-
-
-BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
-    "math": math_verify,
-    "exact_match": exact_match,
-}
-
 # Built-in rewards that take the whole sample and are async (they run code), by dotted path;
 # imported on first use.
 BUILTIN_SAMPLE_REWARDS: dict[str, str] = {
-    "code_tests": "tidal.rollout.code_reward:code_reward",
+    "code_tests": "tidal.reward.code_tests:code_reward",
 }
 
 
@@ -198,7 +41,7 @@ def get_reward_fn(spec: str, workers: int = 0) -> RewardFn:
 
     Async functions run on the event loop. Sync ones would block it (one sample at a time, and a
     timeout could not interrupt them), so they run elsewhere: with `workers` > 0 in that many
-    worker processes (`tidal.rollout.reward_pool`: a call past its timeout has its process
+    worker processes (`tidal.reward.pool`: a call past its timeout has its process
     terminated); with 0 in threads, where a timeout marks the sample failed but cannot stop the
     call, which keeps its thread until it returns. The builtins are cheap and run inline.
 
@@ -241,28 +84,6 @@ def get_reward_fn(spec: str, workers: int = 0) -> RewardFn:
 
     user_reward.__name__ = name
     return user_reward
-
-
-def _check_reward(value: Any) -> float | dict:
-    """Normalise a reward to float or dict; raise TypeError/ValueError for anything else."""
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, numbers.Real):
-        value = float(value)
-        # A NaN/inf reward would poison every advantage in its group, so it counts as a failure.
-        if not math.isfinite(value):
-            raise ValueError(f"reward is not finite: {value}")
-        return value
-    raise TypeError(f"reward function returned {type(value).__name__}, expected a number or a dict")
-
-
-RETRYABLE = (TimeoutError, ConnectionError)
-
-
-def _retryable(error: BaseException) -> bool:
-    """A timeout, a lost connection, or a reward worker process that died: worth another try. Other
-    exceptions come from the reward's own logic and would fail again."""
-    return isinstance(error, RETRYABLE) or type(error).__name__ == "ProcessExpired"
 
 
 async def score_samples(
@@ -309,7 +130,7 @@ async def score_samples(
                 raise  # a TimeoutError raised by the reward function itself
             # asyncio's own TimeoutError has an empty message; say which limit was hit.
             raise TimeoutError(f"reward did not finish within {timeout} s") from e
-        return _check_reward(value)
+        return check_reward(value)
 
     async def score_one(sample: Sample) -> bool:
         attempt = 0
@@ -319,7 +140,7 @@ async def score_samples(
                     sample.reward = await call(sample)
                 return False
             except Exception as e:  # CancelledError is a BaseException and still propagates
-                if attempt < retries and _retryable(e):
+                if attempt < retries and retryable(e):
                     attempt += 1
                     sample.metadata["reward_retries"] = attempt
                     await asyncio.sleep(backoff * 2 ** (attempt - 1))
@@ -348,15 +169,13 @@ async def score_rollout(
     (raises `TooManyFailedSamples`). Returns the number of samples the reward marked FAILED.
 
     With `group_fn` (`rollout.group_reward`) every group is scored by one call of it
-    (`tidal.rollout.group_reward.score_groups`), over rewards a generate function set; otherwise
+    (`tidal.reward.group.score_groups`), over rewards a generate function set; otherwise
     `reward_fn` scores, with `score_samples`, the samples that have no reward yet (a generate
     function may have set one). A reward that bounds its own calls (``own_limits``: the judge, with
     its own timeout and retries per request) is not wrapped in `rollout.reward_timeout` and retries.
     """
     limits = {"timeout": cfg.reward_timeout, "retries": cfg.reward_retries, "backoff": cfg.reward_backoff}
     if group_fn is not None:
-        from tidal.rollout.group_reward import score_groups
-
         failed = await score_groups(samples, group_fn, errors=errors, **limits)
     else:
         if reward_fn is None:

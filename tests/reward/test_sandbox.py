@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import INSTALL_BWRAP
 
-from tidal.rollout import sandbox
-from tidal.rollout.sandbox import (
+from tidal.reward import sandbox
+from tidal.reward.sandbox import (
     BACKEND_ENV,
     SANDBOX_UID,
     WORKDIR_PREFIX,
@@ -450,7 +450,7 @@ def test_interpreter_under_tmp_still_runs_in_bwrap():
         script = textwrap.dedent(
             """
             import sys
-            from tidal.rollout import sandbox
+            from tidal.reward import sandbox
             print(sys.prefix)
             r = sandbox.run_code("import sys; print(sys.prefix, sys.executable)")
             print(r.backend, r.status, r.stdout.strip(), sep="|")

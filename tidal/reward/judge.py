@@ -20,7 +20,7 @@ import weakref
 import httpx
 
 from tidal.config import RolloutConfig
-from tidal.rollout.rewards import _TEXT_NUMBER_RE, parse_number
+from tidal.reward.verifiers import _TEXT_NUMBER_RE, parse_number
 from tidal.types import Sample
 
 __all__ = ["JudgeError", "JudgeReward", "read_score"]

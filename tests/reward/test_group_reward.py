@@ -11,8 +11,8 @@ import pytest
 from tidal.config import Config, ConfigError, RolloutConfig, validate
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
-from tidal.rollout.failures import ErrorLog
-from tidal.rollout.group_reward import load_group_reward, score_groups
+from tidal.reward.failures import ErrorLog
+from tidal.reward.group import load_group_reward, score_groups
 from tidal.rollout.manager import RolloutManager
 from tidal.types import Sample, Status
 

@@ -18,10 +18,10 @@ import pytest
 from fastapi import FastAPI, Request
 
 from tidal.config import Config, ConfigError, RolloutConfig, ServerConfig, validate
-from tidal.rollout.failures import ErrorLog
-from tidal.rollout.judge import JudgeReward, read_score
+from tidal.reward.failures import ErrorLog
+from tidal.reward.judge import JudgeReward, read_score
+from tidal.reward.score import score_rollout
 from tidal.rollout.manager import load_rewards
-from tidal.rollout.rewards import score_rollout
 from tidal.server import BackgroundServer
 from tidal.types import Sample, Status
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from tidal.rollout.failures import ErrorLog, TooManyFailedSamples, check_failed_ratio
-from tidal.rollout.reward_pool import RewardPool, is_async_callable
-from tidal.rollout.rewards import get_reward_fn, score_samples
+from tidal.reward.failures import ErrorLog, TooManyFailedSamples, check_failed_ratio
+from tidal.reward.pool import RewardPool, is_async_callable
+from tidal.reward.score import get_reward_fn, score_samples
 from tidal.types import Sample, Status
 
 _counter = itertools.count()
