@@ -9,7 +9,7 @@ Three things measured in one process, one after another, on the machine it runs 
 - **formats**: `none` is the linear layers run by MKL on the parameters themselves (torch's
   default), `packed` the engine's default for float32 on a CPU (`pack_weights`: oneDNN's kernel on
   copies in its blocked layout, `tidal.engine.quant.PACKED`), `fp16`/`int8`/`fp8` the
-  `rollout.quantization` formats.
+  `engine.quantization` formats.
 - **limits**: the read bandwidth of memory (a sum over 1 GiB) and the matmul rate of the model's
   own linear layers at the batch size, two ways: `hot` (each weight multiplied 20 times in a row,
   its matrix in cache: the kernel's best) and `stream` (all of the model's weights once, in the

@@ -13,7 +13,7 @@ bf16 where the CPU computes it natively, else fp32). The engines:
 - `hf_generate`: one `model.generate(do_sample=True, num_return_sequences=n)` over the
   left-padded prompts; the batch runs until its longest sample ends (EOS-padded rows keep going).
 - `tidal`: `LLMEngine.generate`: continuous batching, paged KV cache shared within each group.
-- `tidal_int8`: the same with `rollout.quantization: int8` (weight-only int8 linear layers: another
+- `tidal_int8`: the same with `engine.quantization: int8` (weight-only int8 linear layers: another
   policy, whose log-probs the engine returns; `tidal.engine.quant`).
 - `vllm`: `VLLMCore` (vLLM's in-process engine, eager, `processed_logprobs`) stepped until the
   batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:

@@ -65,7 +65,7 @@ def child(args) -> None:
     """One arm in this process; prints `RESULT {json}`."""
     import torch
 
-    from tidal.cluster import build_roles
+    from tidal.cluster.roles import build_roles
     from tidal.config import build_config
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.data.load import prompt_source
@@ -93,9 +93,9 @@ def child(args) -> None:
     try:
         trainer, a_cfg = roles.trainer, cfg.algo
         first_push = roles.sync.push(0)  # what the loop does before its first rollout
-        rollout = RolloutManager(roles.engines.engine, cfg.rollout, tokenizer, roles.engines.loop)
+        rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
         t_roll = time.perf_counter()
-        batch, _ = collect(source, rollout, 0, a_cfg, cfg.rollout.reward_key)
+        batch, _ = collect(source, rollout, 0, a_cfg, cfg.reward.key)
         rollout_s = time.perf_counter() - t_roll
         rss_built, peak_built = rss_mb(), peak_rss_mb()
 
@@ -104,7 +104,7 @@ def child(args) -> None:
         for i in range(args.warmup + args.steps):
             samples = copy.deepcopy(batch)  # the trainer may mark samples; every step starts alike
             t0 = time.perf_counter()
-            rewards = shaped_rewards(samples, a_cfg, cfg.rollout.reward_key, cfg.rollout.response_budget)
+            rewards = shaped_rewards(samples, a_cfg, cfg.reward.key, cfg.rollout.response_budget)
             valid = torch.tensor([s.status != Status.FAILED for s in samples])
             ref = trainer.compute_log_probs(samples, "reference")
             rss_after["reference"] = max(rss_after["reference"], rss_mb())

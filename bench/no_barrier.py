@@ -39,13 +39,13 @@ def run(args) -> dict:
     import torch
 
     from tidal.adapters.async_engine import AsyncEngine
-    from tidal.config import RolloutConfig
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.data.dataset import build_prompts
     from tidal.data.envs import make_env_rows
     from tidal.engine.llm_engine import LLMEngine
     from tidal.hardware import resolve_dtype
     from tidal.rollout.manager import RolloutManager
+    from tidal.rollout.options import RolloutConfig
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "--dtype").dtype

@@ -108,7 +108,7 @@ def child(args) -> dict:
         "log.log_samples": 0,
     }
     if args.engine == "simulated":
-        values["rollout.reward"] = "bench.overlap:parity_reward"
+        values["reward.fn"] = "bench.overlap:parity_reward"
     t0 = time.perf_counter()
     history = train(build_config(str(QUICKSTART), values))
     wall = time.perf_counter() - t0

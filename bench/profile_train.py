@@ -69,9 +69,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
-    from tidal.config import AlgoConfig, TrainConfig
+    from tidal.algo.options import AlgoConfig
     from tidal.convert import ensure_model
     from tidal.train.actor import Actor
+    from tidal.train.options import TrainConfig
 
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(

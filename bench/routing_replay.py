@@ -120,8 +120,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tidal.config import AlgoConfig, TrainConfig
+    from tidal.algo.options import AlgoConfig
     from tidal.train.actor import Actor
+    from tidal.train.options import TrainConfig
 
     cfg = TrainConfig(micro_batch_size=8, global_batch_size=8, dtype="float32")
     rows = []

@@ -93,7 +93,8 @@ def child_rollout(args) -> dict:
 
 def grpo_overrides(args, out_dir: str) -> dict:
     """Config overrides of one GRPO point: group size n, one optimizer step per rollout step."""
-    from tidal.config import RolloutConfig, load_yaml, parse_value
+    from tidal.config import load_yaml, parse_value
+    from tidal.rollout.options import RolloutConfig
 
     extra = dict(kv.split("=", 1) for kv in args.grpo_set)
     extra = {k: parse_value(v) for k, v in extra.items()}

@@ -69,7 +69,7 @@ def synthetic_samples(n: int, prompt_range, response_range, seed: int, vocab: in
 
 def train_config(layout: str, args):
     """The `TrainConfig` of one layout: a single optimizer step over all samples."""
-    from tidal.config import TrainConfig
+    from tidal.train.options import TrainConfig
 
     cfg = TrainConfig(
         global_batch_size=args.samples,
@@ -133,7 +133,7 @@ def time_optimizer(optimizer) -> list[float]:
 
 def child_layout(args) -> dict:
     """Warm up and time `args.steps` train steps of one layout."""
-    from tidal.config import AlgoConfig
+    from tidal.algo.options import AlgoConfig
     from tidal.convert import ensure_model
     from tidal.train.actor import Actor
 

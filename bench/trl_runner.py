@@ -66,7 +66,7 @@ class Workload:
     # auto: each side in the best dtype the machine computes natively (bf16 only with AVX512-BF16/AMX)
     trl_dtype: str = "auto"  # bfloat16 = TRL's bf16=True (autocast over fp32 weights) | float32
     tidal_dtype: str = "auto"  # train.dtype; autocast is TRL's bf16=True precision recipe
-    rollout_dtype: str = "auto"  # tidal's rollout.dtype
+    rollout_dtype: str = "auto"  # tidal's engine.dtype
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -74,13 +74,13 @@ class Workload:
             "rollout.rollout_batch_size": self.prompts,
             "rollout.n_samples_per_prompt": self.samples,
             "rollout.max_new_tokens": self.max_new_tokens,
-            "rollout.temperature": self.temperature,
-            "rollout.seed": self.seed,
+            "sampling.temperature": self.temperature,
+            "sampling.seed": self.seed,
             "train.global_batch_size": self.prompts * self.samples,
             "train.micro_batch_size": self.micro_batch,
             "train.lr": self.lr,
             "train.dtype": self.tidal_dtype,
-            "rollout.dtype": self.rollout_dtype,
+            "engine.dtype": self.rollout_dtype,
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,
@@ -136,8 +136,8 @@ def run_tidal(w: Workload, steps: int) -> tuple[list[dict], dict]:
         history = train(cfg)
         resolved = json.loads((Path(tmp) / "config.json").read_text())["resolved"]
     info = {
-        "engine": cfg.rollout.engine,
-        "rollout_dtype": resolved["rollout.dtype"]["dtype"],
+        "engine": cfg.engine.kind,
+        "rollout_dtype": resolved["engine.dtype"]["dtype"],
         "train_dtype": resolved["train.dtype"]["dtype"],
     }
     return [_tidal_record(m) for m in history], info

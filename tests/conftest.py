@@ -230,7 +230,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 def token_parity_reward(sample) -> float:
     """A reward a random tiny model earns about half the time, so GRPO has signal in loop tests
-    (used as `rollout.reward: conftest:token_parity_reward`)."""
+    (used as `reward.fn: conftest:token_parity_reward`)."""
     return float(sample.response_tokens[0] % 2 == 0)
 
 
@@ -283,14 +283,14 @@ def loop_config(model_dir, out_dir, **over):
         "train.micro_batch_size": 4,
         "train.lr": 1e-3,
         "train.dtype": "float32",
-        "rollout.dtype": "float32",
+        "engine.dtype": "float32",
         "rollout.rollout_batch_size": 4,
         "rollout.n_samples_per_prompt": 4,
         "rollout.max_new_tokens": 8,
         "log.tensorboard": False,
         "log.console": False,
         "data.env_args": {"n": 50},
-        "rollout.reward": "conftest:token_parity_reward",
+        "reward.fn": "conftest:token_parity_reward",
     }
     values.update(over)
     from tidal.config import build_config

@@ -41,6 +41,8 @@ def expected_logprobs(n: int) -> list[float]:
 class FakeCore:
     """A scripted, step-based core engine that records every call made to it."""
 
+    partial_updates = False
+
     def __init__(self, tokenizer, max_model_len: int = 64, step_delay: float = 0.0) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

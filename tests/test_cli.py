@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+import typing
 
 import pytest
 
 from tidal.cli import main
-from tidal.config import GROUPS, Config, _field_types, _type_name
+from tidal.config import GROUPS, Config
+from tidal.options import type_name as _type_name
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def test_train_help_lists_every_option_with_default(capsys):
     for group in GROUPS:
         assert f"{group} options:" in out
         group_cfg = getattr(defaults, group)
-        hints = _field_types(type(group_cfg))
+        hints = typing.get_type_hints(type(group_cfg))
         for f in dataclasses.fields(group_cfg):
             option = f"--{group}.{f.name}"
             assert option in out
@@ -77,7 +79,7 @@ def test_wrong_type_override_exits_2(fake_loop, capsys):
         (["--train.lrr=1"], "unknown option '--train.lrr'; did you mean '--train.lr'?"),
         (["--train.num_step", "3"], "unknown option '--train.num_step'; did you mean '--train.num_steps'?"),
         (["--train.num=1"], "unknown option '--train.num'; did you mean '--train.num_steps'?"),  # no prefixes
-        (["--rollout.rewardkey=acc"], "unknown option '--rollout.rewardkey'; did you mean '--rollout.reward_key'?"),
+        (["--rollout.rewardkey=acc"], "unknown option '--rollout.rewardkey'; did you mean '--reward.key'?"),
         (["--zzzzzz"], "unknown option '--zzzzzz'; see tidal train --help"),
     ],
 )
@@ -119,7 +121,7 @@ def test_overrides_reach_train(fake_loop):
         "--data.env_args={level: 2, n: 10}",
         "--algo.eps_clip_high=null",
         "--log.tensorboard=false",
-        "--rollout.temperature=1",
+        "--sampling.temperature=1",
     ]
     assert main(argv) == 0
     [(cfg, resume)] = fake_loop
@@ -132,7 +134,7 @@ def test_overrides_reach_train(fake_loop):
     assert cfg.data.env_args == {"level": 2, "n": 10}
     assert cfg.algo.eps_clip_high is None
     assert cfg.log.tensorboard is False
-    assert cfg.rollout.temperature == 1.0 and type(cfg.rollout.temperature) is float
+    assert cfg.sampling.temperature == 1.0 and type(cfg.sampling.temperature) is float
     # everything else is the default
     assert cfg.train.num_steps == Config().train.num_steps
     assert cfg.data == dataclasses.replace(Config().data, env_args={"level": 2, "n": 10})
@@ -192,8 +194,8 @@ def test_a_run_that_stops_itself_exits_1_with_its_reason(fake_loop, monkeypatch,
 def test_a_key_on_the_command_line_is_taken_verbatim_and_the_user_warned(fake_loop, capsys):
     # read as YAML, 0123 would be the number 123 and `null` no key at all
     for key in ("0123", "null", "1e5"):
-        assert main(["train", f"--rollout.api_key={key}"]) == 0
-        assert fake_loop[-1][0].rollout.api_key == key
+        assert main(["train", f"--engine.api_key={key}"]) == 0
+        assert fake_loop[-1][0].engine.api_key == key
         err = capsys.readouterr().err
-        assert "note: --rollout.api_key on a command line is visible to other users of this machine (ps)" in err
+        assert "note: --engine.api_key on a command line is visible to other users of this machine (ps)" in err
         assert key not in err

@@ -191,7 +191,7 @@ def test_a_bad_data_file_is_one_line_naming_it(tidal_cli_runs, tiny_model_dir, t
 def test_tidal_eval_names_a_bad_eval_set_in_one_line(tidal_cli_runs, tiny_model_dir, tmp_path):
     data = tmp_path / "eval.jsonl"
     _missing_key(data)
-    proc = tidal_cli_runs("eval", str(tiny_model_dir), f"--dataset={data}", "--rollout.dtype=float32", cwd=tmp_path)
+    proc = tidal_cli_runs("eval", str(tiny_model_dir), f"--dataset={data}", "--engine.dtype=float32", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -6,23 +6,16 @@ import dataclasses
 
 import pytest
 
+from tidal.adapters.options import EngineConfig
+from tidal.algo.options import AlgoConfig
+from tidal.cluster.options import ClusterConfig
 from tidal.config import (
     API_KEY_ENV,
     GROUPS,
     REDACTED,
     SECRET_FIELDS,
-    AlgoConfig,
-    ClusterConfig,
-    CodeSandboxConfig,
     Config,
-    ConfigError,
-    DataConfig,
     DebugConfig,
-    EvalConfig,
-    LogConfig,
-    OverlapConfig,
-    RolloutConfig,
-    TrainConfig,
     apply_overrides,
     build_config,
     load_yaml,
@@ -30,6 +23,13 @@ from tidal.config import (
     redact,
     validate,
 )
+from tidal.data.options import DataConfig
+from tidal.eval.options import EvalConfig
+from tidal.log import LogConfig
+from tidal.options import ConfigError
+from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
+from tidal.rollout.options import AgentConfig, OverlapConfig, RolloutConfig, SamplingConfig, ToolsConfig
+from tidal.train.options import TrainConfig
 
 
 def write(tmp_path, text: str, name: str = "cfg.yaml"):
@@ -53,13 +53,31 @@ def errors_of(cfg: Config) -> list[str]:
 
 def test_default_values():
     cfg = Config()
-    assert GROUPS == ["data", "rollout", "algo", "train", "cluster", "overlap", "log", "eval", "debug", "sandbox"]
+    assert GROUPS == [
+        "data",
+        "rollout",
+        "sampling",
+        "engine",
+        "reward",
+        "judge",
+        "tools",
+        "agent",
+        "algo",
+        "train",
+        "cluster",
+        "overlap",
+        "log",
+        "eval",
+        "debug",
+        "sandbox",
+    ]
+    assert cfg.engine.kind == "tidal" and cfg.reward.fn == "math" and cfg.sampling.temperature == 1.0
     assert cfg.data.path == "env:arithmetic"
     assert cfg.data.env_args == {}
     assert cfg.data.system_prompt is None
     assert cfg.rollout.rollout_batch_size == 8
     assert cfg.rollout.n_samples_per_prompt == 4
-    assert cfg.rollout.stop == []
+    assert cfg.sampling.stop == []
     assert cfg.algo.advantage == "grpo"
     assert cfg.algo.eps_clip == 0.2
     assert cfg.algo.eps_clip_high is None
@@ -81,10 +99,10 @@ def test_mutable_defaults_are_not_shared():
     a, b = Config(), Config()
     a.train.adam_betas.append(0.5)
     a.data.env_args["level"] = 3
-    a.rollout.stop.append("x")
+    a.sampling.stop.append("x")
     assert b.train.adam_betas == [0.9, 0.999]
     assert b.data.env_args == {}
-    assert b.rollout.stop == []
+    assert b.sampling.stop == []
     assert TrainConfig().adam_betas == [0.9, 0.999]
 
 
@@ -97,7 +115,8 @@ def test_defaults_validate():
 def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
-    classes = [DataConfig, RolloutConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
+    classes = [DataConfig, RolloutConfig, SamplingConfig, EngineConfig, RewardConfig, JudgeConfig, ToolsConfig]
+    classes += [AgentConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
     classes += [EvalConfig, DebugConfig, CodeSandboxConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
         assert list(d[group]) == [f.name for f in dataclasses.fields(cls)]
@@ -110,51 +129,52 @@ KEY = "sk-tidal-test-0123456789"
 
 
 def test_secret_fields_are_declared_in_one_place_and_masked_wherever_config_is_shown():
-    assert SECRET_FIELDS == {"rollout.api_key"}  # a new secret field: declare it with _opt(..., secret=True)
-    cfg = build_config(None, {"rollout.api_key": KEY})
-    assert cfg.rollout.api_key == KEY  # the live value, for the engine client
-    assert cfg.to_dict()["rollout"]["api_key"] == REDACTED  # config.json, the report, wandb
-    assert KEY not in repr(cfg) and KEY not in str(cfg.rollout)  # logs, tracebacks
+    assert SECRET_FIELDS == {"engine.api_key"}  # a new secret field: declare it with _opt(..., secret=True)
+    cfg = build_config(None, {"engine.api_key": KEY})
+    assert cfg.engine.api_key == KEY  # the live value, for the engine client
+    assert cfg.to_dict()["engine"]["api_key"] == REDACTED  # config.json, the report, wandb
+    assert KEY not in repr(cfg) and KEY not in str(cfg.engine)  # logs, tracebacks
     assert KEY not in str(cfg.to_dict())
-    assert Config().to_dict()["rollout"]["api_key"] is None  # unset stays visibly unset
-    # a config.json an older tidal wrote with the key in it is masked when read back
+    assert Config().to_dict()["engine"]["api_key"] is None  # unset stays visibly unset
+    # a config.json an older tidal wrote with the key in it (under its old name too) is masked when read back
     assert redact({"rollout": {"api_key": KEY, "seed": 1}, "train": {}}) == {
         "rollout": {"api_key": REDACTED, "seed": 1},
         "train": {},
     }
+    assert redact({"engine": {"api_key": KEY}}) == {"engine": {"api_key": REDACTED}}
 
 
 def test_the_api_key_comes_from_the_option_else_a_file_else_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     key_file = write(tmp_path, KEY + "\n", "key.txt")
-    assert build_config(None, {}).rollout.api_key == "from-env"
-    from_file = build_config(None, {"rollout.api_key_file": str(key_file)})
-    assert from_file.rollout.api_key == KEY
-    assert from_file.to_dict()["rollout"]["api_key_file"] == str(key_file)  # the path, never the key
-    assert from_file.to_dict()["rollout"]["api_key"] == REDACTED
-    given = {"rollout.api_key": "explicit", "rollout.api_key_file": str(key_file)}
-    assert build_config(None, given).rollout.api_key == "explicit"
+    assert build_config(None, {}).engine.api_key == "from-env"
+    from_file = build_config(None, {"engine.api_key_file": str(key_file)})
+    assert from_file.engine.api_key == KEY
+    assert from_file.to_dict()["engine"]["api_key_file"] == str(key_file)  # the path, never the key
+    assert from_file.to_dict()["engine"]["api_key"] == REDACTED
+    given = {"engine.api_key": "explicit", "engine.api_key_file": str(key_file)}
+    assert build_config(None, given).engine.api_key == "explicit"
     monkeypatch.delenv(API_KEY_ENV)
-    assert build_config(None, {}).rollout.api_key is None
+    assert build_config(None, {}).engine.api_key is None
 
 
 def test_a_bad_key_file_is_named_and_its_content_never_shown(tmp_path):
     empty = write(tmp_path, "\n", "empty.txt")
-    with pytest.raises(ConfigError, match=rf"^rollout.api_key_file: {empty} is empty; its first line must be"):
-        build_config(None, {"rollout.api_key_file": str(empty)})
-    with pytest.raises(ConfigError, match=r"^rollout.api_key_file: cannot read .*nope.txt \(No such file"):
-        build_config(None, {"rollout.api_key_file": str(tmp_path / "nope.txt")})
+    with pytest.raises(ConfigError, match=rf"^engine.api_key_file: {empty} is empty; its first line must be"):
+        build_config(None, {"engine.api_key_file": str(empty)})
+    with pytest.raises(ConfigError, match=r"^engine.api_key_file: cannot read .*nope.txt \(No such file"):
+        build_config(None, {"engine.api_key_file": str(tmp_path / "nope.txt")})
     binary = tmp_path / "key.bin"
     binary.write_bytes(b"\xffsecret\n")
     with pytest.raises(ConfigError, match=r"is not UTF-8 text$"):
-        build_config(None, {"rollout.api_key_file": str(binary)})
+        build_config(None, {"engine.api_key_file": str(binary)})
 
 
 def test_a_secret_of_the_wrong_type_is_refused_without_quoting_it(tmp_path):
-    path = write(tmp_path, "rollout:\n  api_key: 8675309\n")
+    path = write(tmp_path, "engine:\n  api_key: 8675309\n")
     with pytest.raises(ConfigError) as err:
         build_config(str(path), {})
-    assert str(err.value) == f"{path}: rollout.api_key: expected str or null, got a value of type int"
+    assert str(err.value) == f"{path}: engine.api_key: expected str or null, got a value of type int"
     assert "8675309" not in str(err.value)
 
 
@@ -170,6 +190,7 @@ data:
   system_prompt: be brief
 rollout:
   rollout_batch_size: 4
+sampling:
   temperature: 1          # int → float
   stop: ["</answer>"]
 algo:
@@ -189,8 +210,8 @@ log:
     assert cfg.data.env_args == {"level": 1, "n": 50}
     assert cfg.data.system_prompt == "be brief"
     assert cfg.rollout.rollout_batch_size == 4
-    assert cfg.rollout.temperature == 1.0 and type(cfg.rollout.temperature) is float
-    assert cfg.rollout.stop == ["</answer>"]
+    assert cfg.sampling.temperature == 1.0 and type(cfg.sampling.temperature) is float
+    assert cfg.sampling.stop == ["</answer>"]
     assert cfg.algo.eps_clip_high is None
     assert cfg.algo.kl_coef == 0.0 and type(cfg.algo.kl_coef) is float
     assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
@@ -262,7 +283,8 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, algo, train, cluster, overlap, log, eval, debug, sandbox"
+    known = "data, rollout, sampling, engine, reward, judge, tools, agent, algo, train, cluster, overlap, log, eval, "
+    known += "debug, sandbox"
     assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
 
 
@@ -355,9 +377,9 @@ def test_validate_collects_several_errors():
     cfg = Config()
     cfg.train.num_steps = 0
     cfg.train.lr = 0.0
-    cfg.rollout.top_p = 1.5
+    cfg.sampling.top_p = 1.5
     assert errors_of(cfg) == [
-        "rollout.top_p: must be in (0, 1], got 1.5",
+        "sampling.top_p: must be in (0, 1], got 1.5",
         "train.num_steps: must be >= 1, got 0",
         "train.lr: must be > 0, got 0.0",
     ]
@@ -394,8 +416,8 @@ def test_validate_group_size_for_grpo():
     cfg.rollout.generate = "my_module:fan_out"
     validate(cfg)
     cfg.rollout.generate = "agent"
-    cfg.rollout.agent = "my_agents:agent"
-    cfg.rollout.agent_samples = "all"
+    cfg.agent.fn = "my_agents:agent"
+    cfg.agent.samples = "all"
     validate(cfg)
 
 
@@ -409,7 +431,7 @@ def test_validate_micro_batch_larger_than_global():
     "group, key, value, message",
     [
         ("train", "dtype", "float16", "train.dtype: one of auto, bfloat16, autocast, float32, got 'float16'"),
-        ("rollout", "dtype", "fp8", "rollout.dtype: one of auto, bfloat16, float32, got 'fp8'"),
+        ("engine", "dtype", "fp8", "engine.dtype: one of auto, bfloat16, float32, got 'fp8'"),
         ("algo", "kl_kind", "k4", "algo.kl_kind: k1, k2 or k3, got 'k4'"),
         (
             "algo",
@@ -431,12 +453,12 @@ def test_validate_micro_batch_larger_than_global():
         ),
         ("algo", "teacher", "/nonexistent", "algo.teacher: '/nonexistent' is not a model folder"),
         ("train", "max_tokens_per_micro_batch", -1, "train.max_tokens_per_micro_batch: must be >= 0 (0 = off)"),
-        ("rollout", "top_p", 0.0, "rollout.top_p: must be in (0, 1], got 0.0"),
-        ("rollout", "top_p", 1.01, "rollout.top_p: must be in (0, 1], got 1.01"),
-        ("rollout", "temperature", -0.1, "rollout.temperature: must be >= 0, got -0.1"),
-        ("rollout", "top_k", -1, "rollout.top_k: must be >= 0, got -1"),
-        ("rollout", "stop", [""], "rollout.stop: must be a list of non-empty strings"),
-        ("rollout", "stop_token_ids", [1, "2"], "rollout.stop_token_ids: must be a list of integers"),
+        ("sampling", "top_p", 0.0, "sampling.top_p: must be in (0, 1], got 0.0"),
+        ("sampling", "top_p", 1.01, "sampling.top_p: must be in (0, 1], got 1.01"),
+        ("sampling", "temperature", -0.1, "sampling.temperature: must be >= 0, got -0.1"),
+        ("sampling", "top_k", -1, "sampling.top_k: must be >= 0, got -1"),
+        ("sampling", "stop", [""], "sampling.stop: must be a list of non-empty strings"),
+        ("sampling", "stop_token_ids", [1, "2"], "sampling.stop_token_ids: must be a list of integers"),
         ("algo", "eps_clip_high", 0.0, "algo.eps_clip_high: must be > 0 or null"),
         ("algo", "kl_coef", -1.0, "algo.kl_coef: must be >= 0, got -1.0"),
         ("train", "adam_betas", [0.9], "train.adam_betas: two numbers in [0, 1), got [0.9]"),
@@ -453,10 +475,10 @@ def test_validate_single_field(group, key, value, message):
 
 def test_validate_accepted_values():
     cfg = Config()
-    cfg.train.dtype = cfg.rollout.dtype = "float32"
+    cfg.train.dtype = cfg.engine.dtype = "float32"
     cfg.algo.kl_kind = "k1"
-    cfg.rollout.top_p = 1.0
-    cfg.rollout.temperature = 0.0
+    cfg.sampling.top_p = 1.0
+    cfg.sampling.temperature = 0.0
     cfg.algo.eps_clip_high = 0.28
     validate(cfg)
 

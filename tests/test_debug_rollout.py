@@ -6,8 +6,8 @@ from conftest import loop_config
 from transformers import AutoModelForCausalLM
 
 import tidal.loop
-from tidal.config import ConfigError
 from tidal.debug_rollout import load_rollout, save_rollout
+from tidal.options import ConfigError
 from tidal.samples_log import read_samples
 from tidal.train.actor import Actor
 

@@ -20,7 +20,8 @@ import torch
 
 from tests.conftest import make_model, make_samples, make_tokenizer
 from tidal import hardware
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
+from tidal.train.options import TrainConfig
 
 TIDAL = Path(__file__).resolve().parents[1] / "tidal"
 
@@ -163,8 +164,8 @@ def test_bind_device_takes_the_first_visible_gpu_or_the_local_rank(monkeypatch):
 def test_colocated_trainer_and_engine_ask_for_a_share_of_the_same_gpus(cluster, expected):
     """Ray hides every GPU from an actor that asked for none: a colocated engine asking for 0 could
     not see the GPU its trainer rank frees for it."""
+    from tidal.cluster.options import ClusterConfig
     from tidal.cluster.ray_setup import actor_gpus
-    from tidal.config import ClusterConfig
 
     assert actor_gpus(ClusterConfig(**cluster)) == expected
 
@@ -186,7 +187,7 @@ def test_the_run_records_the_device_and_resolves_the_dtypes_for_it(monkeypatch):
         "device": "cuda",
         "reason": "auto: torch sees 1 CUDA device(s)",
     }
-    assert (cfg.train.dtype, cfg.rollout.dtype) == ("bfloat16", "bfloat16")
+    assert (cfg.train.dtype, cfg.engine.dtype) == ("bfloat16", "bfloat16")
     assert "Faked GPU computes bf16" in record["train.dtype"]["reason"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg, record = resolve_precision(Config())

@@ -1,5 +1,5 @@
 """One set of tests for every engine behind the contract (tiny model, fp32): tidal's engine in this
-process, a remote `tidal serve` (`rollout.engine: remote`), SGLang's protocol (`rollout.engine:
+process, a remote `tidal serve` (`engine.kind: remote`), SGLang's protocol (`engine.kind:
 sglang`, launched servers; here `tidal serve` stands in for `sglang.launch_server`) and vLLM (where
 it is installed). Each builds the run's roles as the
 loop does and checks what a trainer relies on: log-probs that match the trainer's, every weight
@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import loop_config
 
-from tidal.cluster import build_roles
+from tidal.cluster.roles import build_roles
 from tidal.convert import load_tokenizer
 from tidal.data.dataset import PromptRecord
 from tidal.rollout.manager import RolloutManager
@@ -59,8 +59,8 @@ def build(tiny_model_dir, tmp_path, monkeypatch):
             served = AsyncEngine(core)
             server = BackgroundServer(build_app(served, "tiny")).start()
             servers.append((server, served))
-            over = {"rollout.engine_urls": [server.url], **over}
-        cfg = loop_config(tiny_model_dir, tmp_path / kind, **{"rollout.engine": kind, **over})
+            over = {"engine.urls": [server.url], **over}
+        cfg = loop_config(tiny_model_dir, tmp_path / kind, **{"engine.kind": kind, **over})
         tok = load_tokenizer(tiny_model_dir)
         roles = build_roles(cfg, Path(tiny_model_dir), tok, None)
         made.append(roles)
@@ -102,7 +102,7 @@ def nudge(trainer, seed: int) -> None:
 def test_step_zero_log_probs_match_the_trainer(build, kind):
     cfg, tok, roles = build(kind)
     assert roles.sync.push(0)["sync/tensors"] > 0
-    manager = RolloutManager(roles.engines.engine, cfg.rollout, tok, roles.engines.loop)
+    manager = RolloutManager.from_config(roles.engines.engine, cfg, tok, roles.engines.loop)
     samples = manager.generate(records(tok), step=0)
     assert len(samples) == 8 and {s.weight_version for s in samples} == {0}
     assert_log_probs_match(roles.trainer, samples)
@@ -111,7 +111,7 @@ def test_step_zero_log_probs_match_the_trainer(build, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_push_is_checked_and_served(build, kind):
     cfg, tok, roles = build(kind)
-    manager = RolloutManager(roles.engines.engine, cfg.rollout, tok, roles.engines.loop)
+    manager = RolloutManager.from_config(roles.engines.engine, cfg, tok, roles.engines.loop)
     for version in (1, 2):
         nudge(roles.trainer, version)
         roles.sync.push(version)
@@ -157,9 +157,9 @@ def test_a_partial_rollout_continues_on_the_new_weights(build, kind):
     over = {"overlap.mode": "full", "overlap.max_staleness": 1, "algo.is_correction": "truncate"}
     # (the overlapped loop's roles: an in-process engine keeps its own copy of the weights, which the
     # trainer changes while it generates)
-    cfg, tok, roles = build(kind, **{"rollout.max_new_tokens": 200, "rollout.kv_cache_tokens": 8192, **over})
+    cfg, tok, roles = build(kind, **{"rollout.max_new_tokens": 200, "engine.kv_cache_tokens": 8192, **over})
     roles.sync.push(0)
-    manager = RolloutManager(roles.engines.engine, cfg.rollout, tok, roles.engines.loop)
+    manager = RolloutManager.from_config(roles.engines.engine, cfg, tok, roles.engines.loop)
     manager.continue_partial = True
     old = {n: t.clone() for n, t in roles.trainer.model.state_dict().items()}
     start = decoded_tokens(roles)
@@ -190,7 +190,7 @@ def test_a_partial_rollout_continues_on_the_new_weights(build, kind):
 def test_sleep_and_wake(build, kind):
     cfg, tok, roles = build(kind)
     roles.sync.push(0)
-    manager = RolloutManager(roles.engines.engine, cfg.rollout, tok, roles.engines.loop)
+    manager = RolloutManager.from_config(roles.engines.engine, cfg, tok, roles.engines.loop)
     before = manager.generate(records(tok), step=0)
     engine, loop = roles.engines.engine, roles.engines.loop
     loop.run(engine.sleep(), 60)
@@ -207,7 +207,7 @@ def test_a_launched_sglang_server_killed_mid_rollout_is_restarted(build):
     cfg, tok, roles = build("sglang", **{"cluster.engines": 2, "rollout.max_new_tokens": 64})
     roles.sync.push(0)
     engine, loop = roles.engines.engine, roles.engines.loop
-    manager = RolloutManager(engine, cfg.rollout, tok, loop)
+    manager = RolloutManager.from_config(engine, cfg, tok, loop)
     reference = manager.generate(records(tok, 4), step=0)
     victim = engine.control.clients[1]
     loop.run(victim.pause(), 30)  # its requests wait there...
@@ -244,7 +244,7 @@ def test_the_overlapped_loop_trains_on_every_engine(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(tidal.loop, "compute_advantages", spy)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(STANDIN), os.environ.get("PYTHONPATH")) if p))
     over = {
-        "rollout.engine": kind,
+        "engine.kind": kind,
         "train.num_steps": 3,
         "overlap.mode": "full",
         "overlap.max_staleness": 1,
@@ -258,7 +258,7 @@ def test_the_overlapped_loop_trains_on_every_engine(tiny_model_dir, tmp_path, mo
 
         served = AsyncEngine(LLMEngine(tiny_model_dir, load_tokenizer(tiny_model_dir), dtype="float32"))
         server = BackgroundServer(build_app(served, "tiny")).start()
-        over["rollout.engine_urls"] = [server.url]
+        over["engine.urls"] = [server.url]
     try:
         history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
     finally:

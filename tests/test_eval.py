@@ -7,8 +7,9 @@ import pytest
 from conftest import loop_config
 
 import tidal.loop
-from tidal.config import Config, ConfigError, build_config
-from tidal.eval import pass_at_k, results_table
+from tidal.config import Config, build_config
+from tidal.eval.evaluate import pass_at_k, results_table
+from tidal.options import ConfigError
 
 VOLATILE = ("time/", "perf/")
 
@@ -56,7 +57,7 @@ def test_eval_sets_take_their_sampling_from_the_rollout_group(tmp_path):
         None,
         {
             "rollout.n_samples_per_prompt": 4,
-            "rollout.temperature": 0.7,
+            "sampling.temperature": 0.7,
             "eval.interval": 5,
             "eval.datasets": [
                 {"path": str(f), "n": 8, "max_new_tokens": 32, "input_key": "question"},
@@ -64,14 +65,14 @@ def test_eval_sets_take_their_sampling_from_the_rollout_group(tmp_path):
             ],
         },
     )
-    a, b = cfg.eval.sets(cfg.data, cfg.rollout)
+    a, b = cfg.eval.sets(cfg.data, cfg.rollout, cfg.sampling)
     assert (a.name, a.n, a.temperature, a.max_new_tokens, a.data.input_key) == ("held_out", 8, 0.7, 32, "question")
     assert a.data.path == str(f) and a.data.env_args == {}
     assert (b.name, b.n, b.temperature, b.max_new_tokens) == ("arith", 4, 0.0, 64)
     assert b.data.env_args == {"level": 2, "n": 10} and b.data.input_key == "prompt"
     cfg.data.env_args = {"level": 3}
     cfg.eval.datasets = ["env:arithmetic", {"path": "env:arithmetic", "name": "other", "env_args": {"n": 3}}]
-    same, other = cfg.eval.sets(cfg.data, cfg.rollout)
+    same, other = cfg.eval.sets(cfg.data, cfg.rollout, cfg.sampling)
     assert same.data.env_args == {"level": 3} and other.data.env_args == {"n": 3}
 
 
@@ -103,7 +104,7 @@ class FakeRollout:
     def __init__(self, n, rewards, statuses=None):
         from types import SimpleNamespace
 
-        self.cfg = SimpleNamespace(n_samples_per_prompt=n)
+        self.rollout = SimpleNamespace(n_samples_per_prompt=n)
         self.rewards, self.statuses, self.calls = rewards, statuses or {}, []
 
     def generate(self, records, step, first_index=0):
@@ -111,8 +112,8 @@ class FakeRollout:
 
         self.calls.append((len(records), step, first_index))
         out = []
-        for i in range(first_index, first_index + len(records) * self.cfg.n_samples_per_prompt):
-            g = (i - first_index) // self.cfg.n_samples_per_prompt
+        for i in range(first_index, first_index + len(records) * self.rollout.n_samples_per_prompt):
+            g = (i - first_index) // self.rollout.n_samples_per_prompt
             s = Sample(tokens=[1, 2, 3], response_length=i % 3 + 1, index=i, group_index=g)
             s.reward, s.status = self.rewards[i], self.statuses.get(i, Status.COMPLETED)
             out.append(s)
@@ -120,11 +121,11 @@ class FakeRollout:
 
 
 def test_evaluate_set_groups_samples_by_prompt_and_counts_correct_at_the_threshold(monkeypatch):
-    import tidal.eval
-    from tidal.eval import evaluate_set, set_seed_step
+    import tidal.eval.evaluate
+    from tidal.eval.evaluate import evaluate_set, set_seed_step
     from tidal.types import Status
 
-    monkeypatch.setattr(tidal.eval, "PROMPTS_PER_CALL", 2)  # chunks must not change seeds or results
+    monkeypatch.setattr(tidal.eval.evaluate, "PROMPTS_PER_CALL", 2)  # chunks must not change seeds or results
     # 3 prompts x 4 samples; correct = reward >= 0.9; sample 5 failed (its reward does not count)
     rewards = [1.0, 0.0, 0.0, 0.0, 0.5, 1.0, 0.95, 0.0, 1.0, 1.0, 1.0, 1.0]
     fake = FakeRollout(4, rewards, {5: Status.FAILED})
@@ -161,10 +162,10 @@ class RaggedRollout(FakeRollout):
 
 
 def test_evaluate_set_scores_ragged_groups_per_prompt(monkeypatch):
-    import tidal.eval
-    from tidal.eval import evaluate_set
+    import tidal.eval.evaluate
+    from tidal.eval.evaluate import evaluate_set
 
-    monkeypatch.setattr(tidal.eval, "PROMPTS_PER_CALL", 2)
+    monkeypatch.setattr(tidal.eval.evaluate, "PROMPTS_PER_CALL", 2)
     # prompt 0: [1.0]; prompt 1: [0, 1, 1]; prompt 2 (a second call): [0, 0]
     rewards = {0: 1.0, 11: 0.0, 12: 1.0, 13: 1.0, 20: 0.0, 21: 0.0}
     m = evaluate_set(RaggedRollout([1, 3, 2], rewards), [object()] * 3, "ragged", [2], 0.9, "score")
@@ -254,9 +255,9 @@ def test_standalone_eval_prints_a_table_and_reproduces_the_loops_eval(tiny_model
         "1,2",
         "--out",
         str(out),
-        "--rollout.reward=conftest:token_parity_reward",
+        "--reward.fn=conftest:token_parity_reward",
         "--rollout.max_new_tokens=8",
-        "--rollout.dtype=float32",
+        "--engine.dtype=float32",
     ]
     # --dataset replaces the config's sets
     args_config = [a for a in args if a not in ("--dataset", "env:arithmetic")]

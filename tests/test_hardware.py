@@ -13,9 +13,10 @@ import torch
 
 from tests.conftest import make_model
 from tidal import hardware
-from tidal.config import Config, TrainConfig
+from tidal.config import Config
 from tidal.hardware import resolve_dtype, weights_dtype
 from tidal.loop import resolve_precision
+from tidal.train.options import TrainConfig
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def cpu_bf16(monkeypatch):
 @pytest.mark.parametrize(("native", "expected"), [(False, "float32"), (True, "bfloat16")])
 def test_auto_resolves_from_native_bf16(cpu_bf16, native, expected):
     cpu_bf16(native)
-    for field in ("rollout.dtype", "train.dtype"):
+    for field in ("engine.dtype", "train.dtype"):
         choice = resolve_dtype("auto", field)
         assert choice.dtype == expected
         assert choice.reason.startswith("auto: ")
@@ -55,7 +56,7 @@ def test_explicit_bf16_without_native_warns_once_with_the_measured_reason(cpu_bf
 def test_explicit_choices_on_native_hardware_are_kept_silently(cpu_bf16, caplog):
     cpu_bf16(True)
     with caplog.at_level(logging.WARNING, logger="tidal"):
-        assert resolve_dtype("float32", "rollout.dtype").dtype == "float32"
+        assert resolve_dtype("float32", "engine.dtype").dtype == "float32"
         assert resolve_dtype("autocast", "train.dtype").dtype == "autocast"
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
@@ -69,8 +70,8 @@ def test_weights_dtype_rejects_unknown_names():
 def test_run_config_records_the_choice_and_its_reason(cpu_bf16, native, expected):
     cpu_bf16(native)
     cfg, record = resolve_precision(Config())
-    assert (cfg.rollout.dtype, cfg.train.dtype) == (expected, expected)
-    for field in ("rollout.dtype", "train.dtype"):
+    assert (cfg.engine.dtype, cfg.train.dtype) == (expected, expected)
+    for field in ("engine.dtype", "train.dtype"):
         assert record[field]["requested"] == "auto"
         assert record[field]["dtype"] == expected
         assert ("emulated" in record[field]["reason"]) != native
@@ -79,7 +80,7 @@ def test_run_config_records_the_choice_and_its_reason(cpu_bf16, native, expected
 
 
 def test_actor_on_auto_computes_in_what_the_hardware_has(cpu_bf16):
-    from tidal.config import AlgoConfig
+    from tidal.algo.options import AlgoConfig
     from tidal.train.actor import Actor
 
     cpu_bf16(False)

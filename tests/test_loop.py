@@ -82,7 +82,7 @@ def test_failing_reward_marks_samples_failed_and_the_run_goes_on(tiny_model_dir,
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     history = tidal.loop.train(
-        config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "rollout.reward": "flaky_reward:reward"})
+        config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "reward.fn": "flaky_reward:reward"})
     )
     assert [h["response/failed_ratio"] for h in history] == [0.25, 0.25]
     assert [h["step"] for h in history] == [1, 2]
@@ -91,7 +91,7 @@ def test_failing_reward_marks_samples_failed_and_the_run_goes_on(tiny_model_dir,
 def test_a_reward_failing_on_every_sample_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
     (tmp_path / "broken_reward.py").write_text("def reward(sample):\n    raise KeyError('answer')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "rollout.reward": "broken_reward:reward"})
+    cfg = config(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2, "reward.fn": "broken_reward:reward"})
     with pytest.raises(TooManyFailedSamples, match=r"^16 of 16 samples failed \(100%\), more than "):
         tidal.loop.train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -109,11 +109,11 @@ def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):
         "6",
         "--out",
         str(out),
-        "--rollout.reward=conftest:token_parity_reward",
+        "--reward.fn=conftest:token_parity_reward",
         "--rollout.max_new_tokens=4",
         "--log.console=false",
         "--data.env_args={n: 20}",
-        "--rollout.dtype=float32",
+        "--engine.dtype=float32",
     ]
     assert main(args) == 0
     first = json.loads(out.read_text())
@@ -175,9 +175,9 @@ def test_jsonl_prompts_without_chat_template_and_stop_strings(tiny_model_dir, tm
                 "data.input_key": "q",
                 "data.label_key": "a",
                 "data.apply_chat_template": False,
-                "rollout.stop": ["a", "e", "i", "o", "u", " "],
-                "rollout.top_p": 0.9,
-                "rollout.top_k": 50,
+                "sampling.stop": ["a", "e", "i", "o", "u", " "],
+                "sampling.top_p": 0.9,
+                "sampling.top_k": 50,
                 "rollout.max_new_tokens": 32,
             },
         )
@@ -206,6 +206,6 @@ def test_in_process_engine_shares_the_trainers_weights(tiny_model_dir, tmp_path,
 
     monkeypatch.setattr(tidal.loop, "rl_step", spy)
     tidal.loop.train(
-        config(tiny_model_dir, tmp_path, **{"train.num_steps": 2, "train.dtype": dtype, "rollout.dtype": dtype})
+        config(tiny_model_dir, tmp_path, **{"train.num_steps": 2, "train.dtype": dtype, "engine.dtype": dtype})
     )
     assert seen == {0: True, 1: True, "version": 2}

@@ -87,7 +87,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model_dir, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     over = {
         "train.num_steps": 1,
-        "rollout.reward": "half_signal:reward",
+        "reward.fn": "half_signal:reward",
         "algo.dynamic_sampling": True,
         "algo.max_sampling_rounds": 4,
         "algo.oversample": 2.0,
@@ -113,7 +113,8 @@ def test_sft_mode_lowers_the_nll_of_the_chats(tiny_model_dir, tmp_path):
 
 
 def test_critic_values_come_from_the_positions_that_predict_each_token(tiny_model_dir):
-    from tidal.config import AlgoConfig, TrainConfig
+    from tidal.algo.options import AlgoConfig
+    from tidal.train.options import TrainConfig
     from tidal.types import Sample
 
     critic = Critic(tiny_model_dir, TrainConfig(dtype="float32", micro_batch_size=2), AlgoConfig())

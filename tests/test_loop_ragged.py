@@ -47,7 +47,7 @@ def test_ragged_fan_out_trains_with_per_prompt_advantages(tiny_model_dir, tmp_pa
             "train.micro_batch_size": 2,
             "rollout.n_samples_per_prompt": 1,
             "rollout.generate": "test_loop_ragged:fan_out",
-            "rollout.reward": "test_loop_ragged:odd_position",
+            "reward.fn": "test_loop_ragged:odd_position",
             "data.shuffle": False,
         },
     )

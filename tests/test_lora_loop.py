@@ -87,10 +87,11 @@ def test_the_delta_transport_sends_what_changed_and_the_engine_checks_the_whole_
     from tidal.adapters.async_engine import AsyncEngine
     from tidal.adapters.client import EngineClient
     from tidal.aio import LoopThread
-    from tidal.config import AlgoConfig, TrainConfig
+    from tidal.algo.options import AlgoConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.server import BackgroundServer, build_app
     from tidal.sync.remote import HttpSync
+    from tidal.train.options import TrainConfig
 
     engine = AsyncEngine(LLMEngine(make_model(seed=0), tokenizer, dtype="float32", block_size=4, kv_cache_tokens=256))
     server = BackgroundServer(build_app(engine, "tiny")).start()
@@ -147,7 +148,7 @@ def test_an_unmerged_lora_run_samples_with_the_trainers_own_adapters(tiny_model_
 
 
 def test_unmerged_lora_needs_the_in_process_engine(tiny_model_dir, tmp_path):
-    from tidal.config import ConfigError
+    from tidal.options import ConfigError
 
     with pytest.raises(ConfigError, match="train.lora_merge: false shares the trainer's LoRA model"):
         loop_config(tiny_model_dir, tmp_path, **{**LORA, "train.lora_merge": False, "cluster.engines": 2})

@@ -13,12 +13,14 @@ from safetensors.torch import load_file
 
 import tidal.loop
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ConfigError, RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
 from tidal.engine.llm_engine import LLMEngine
+from tidal.options import ConfigError
+from tidal.reward.options import RewardConfig
 from tidal.rollout.buffer import Buffer, newest_first, oldest_version, reward_stratified
 from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import RolloutConfig
 from tidal.rollout.overlap import mask_older_segments, staleness_metrics
 from tidal.types import Sample, Status
 
@@ -131,7 +133,8 @@ class AbortingEngine:
 
 def test_an_aborted_request_continues_from_its_own_tokens():
     engine = AbortingEngine()
-    manager = RolloutManager(engine, RolloutConfig(n_samples_per_prompt=2, reward="exact_match", max_new_tokens=5))
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=5)
+    manager = RolloutManager(engine, cfg, reward=RewardConfig(fn="exact_match"))
     manager.continue_partial = True
     rec = PromptRecord(index=0, prompt="p", text="p", input_ids=[1, 2], label="x")
     samples = manager.generate([rec], step=0)
@@ -170,8 +173,8 @@ def test_a_partial_rollout_on_the_real_engine_keeps_its_tokens_and_log_probs():
     tok = make_tokenizer()
     core = HeldEngine(make_model(), tok, dtype="float32", block_size=4, kv_cache_tokens=512, hold_after=5)
     engine = AsyncEngine(core)
-    cfg = RolloutConfig(n_samples_per_prompt=2, reward="exact_match", max_new_tokens=12, temperature=1.0)
-    manager = RolloutManager(engine, cfg, tok)
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=12)
+    manager = RolloutManager(engine, cfg, tok, reward=RewardConfig(fn="exact_match"))
     manager.continue_partial = True
     cut = []
     real = RolloutManager._call

@@ -122,11 +122,11 @@ def test_config_changes_compare_field_by_field():
 def test_a_key_an_older_run_saved_is_compared_masked_and_never_logged():
     saved = {"rollout": {"api_key": "sk-old-0123456789", "seed": 0}}
     current = Config().to_dict()
-    changes = [c for c in config_changes(saved, current) if c.field == "rollout.api_key"]
-    assert changes == [ConfigChange("rollout.api_key", REDACTED, None)]  # it was set, now it is not
+    changes = [c for c in config_changes(saved, current) if c.field == "engine.api_key"]
+    assert changes == [ConfigChange("engine.api_key", REDACTED, None)]  # it was set, now it is not
     assert "sk-old" not in str(config_changes(saved, current))
     same = {"rollout": {"api_key": "sk-new-9876543210"}}  # a different key is not a change worth a line
-    assert not [c for c in config_changes(saved, same, defaults=current) if c.field == "rollout.api_key"]
+    assert not [c for c in config_changes(saved, same, defaults=current) if c.field == "engine.api_key"]
 
 
 KILL_DURING_SAVE = """

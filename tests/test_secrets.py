@@ -10,8 +10,9 @@ import urllib.request
 
 from test_cli_inputs import tidal_cli
 
-from tidal.config import REDACTED, ServerConfig
+from tidal.config import REDACTED
 from tidal.convert import load_tokenizer
+from tidal.server.options import ServerConfig
 
 KEY = "sk-tidal-e2e-5f1c0a9e7b3d"
 
@@ -39,17 +40,17 @@ def test_a_key_on_the_command_line_reaches_the_server_and_no_file_or_page(tiny_m
             "--train.global_batch_size=4",
             "--train.micro_batch_size=4",
             "--train.dtype=float32",
-            "--rollout.dtype=float32",
+            "--engine.dtype=float32",
             "--rollout.rollout_batch_size=2",
             "--rollout.n_samples_per_prompt=2",
             "--rollout.max_new_tokens=4",
-            "--rollout.reward=conftest:token_parity_reward",
-            "--rollout.reward_workers=0",
+            "--reward.fn=conftest:token_parity_reward",
+            "--reward.workers=0",
             "--data.env_args={n: 8}",
             "--log.tensorboard=false",
-            "--rollout.engine=remote",
-            f"--rollout.engine_urls=[{server.url}]",
-            f"--rollout.api_key={KEY}",
+            "--engine.kind=remote",
+            f"--engine.urls=[{server.url}]",
+            f"--engine.api_key={KEY}",
             cwd=tmp_path,
         )
         assert train.returncode == 0, train.stderr[-3000:]
@@ -60,7 +61,7 @@ def test_a_key_on_the_command_line_reaches_the_server_and_no_file_or_page(tiny_m
     report = tidal_cli("report", str(run), cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-3000:]
 
-    assert json.loads((run / "config.json").read_text())["rollout"]["api_key"] == REDACTED
+    assert json.loads((run / "config.json").read_text())["engine"]["api_key"] == REDACTED
     assert "redacted" in (run / "report.html").read_text()
     files = [p for p in run.rglob("*") if p.is_file()]
     assert {"config.json", "report.html", "metrics.jsonl", "trainer_state.pt"} <= {p.name for p in files}

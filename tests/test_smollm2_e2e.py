@@ -64,7 +64,7 @@ def test_two_grpo_steps_on_smollm2(smollm2, tmp_path):
             "rollout.n_samples_per_prompt": 4,
             "rollout.max_new_tokens": 16,
             # a reward with signal in every group, so the step really moves the weights
-            "rollout.reward": "conftest:token_sum_parity_reward",
+            "reward.fn": "conftest:token_sum_parity_reward",
             "train.global_batch_size": 8,
             "train.micro_batch_size": 4,
             "train.lr": 1e-5,

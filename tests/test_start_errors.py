@@ -6,8 +6,8 @@ import pytest
 from conftest import loop_config, make_tokenizer
 
 import tidal.loop
-from tidal.config import ConfigError
 from tidal.convert import load_tokenizer
+from tidal.options import ConfigError
 from tidal.train.actor import Actor
 
 
@@ -32,8 +32,8 @@ def test_a_dict_reward_without_reward_key_stops_before_any_training(tiny_model_d
     (tmp_path / "parts.py").write_text("def reward(sample):\n    return {'correct': 1.0, 'short': 0.0}\n")
     trained = []
     monkeypatch.setattr(Actor, "train_step", lambda self, *a: trained.append(1))
-    cfg = loop_config(tiny_model_dir, tmp_path / "run", **{"rollout.reward": f"{tmp_path / 'parts.py'}:reward"})
-    with pytest.raises(ConfigError, match=r"^rollout.reward_key: the reward returned a dict without the key 'score' "):
+    cfg = loop_config(tiny_model_dir, tmp_path / "run", **{"reward.fn": f"{tmp_path / 'parts.py'}:reward"})
+    with pytest.raises(ConfigError, match=r"^reward.key: the reward returned a dict without the key 'score' "):
         tidal.loop.train(cfg)
     assert trained == []
     assert not (tmp_path / "run" / "checkpoints").exists()

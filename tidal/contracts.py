@@ -225,6 +225,7 @@ class EngineCore(Protocol):
     weight_version: int
     tokenizer: Any
     max_model_len: int
+    partial_updates: bool  # an update may name only the tensors that changed (`partial=True`)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
         """Queue a request; ValueError (naming it) when it cannot be served."""
@@ -262,10 +263,13 @@ class EngineCore(Protocol):
 class Engines(Protocol):
     """The rollout role: one engine (in this process, N servers behind a router, Ray engine
     actors, vLLM, SGLang), the long-lived event loop every call to it runs on, and what the loop
-    drives between steps. All methods here are synchronous, for the loop."""
+    and the weight sync drive between steps. All methods here are synchronous, for the loop."""
 
     engine: Engine
     loop: LoopThread
+    urls: list[str]  # the servers behind `engine` (none for an engine in this process)
+    api_key: str | None  # the key those servers take
+    restarts: int  # engines restarted or dropped so far
 
     def health(self) -> bool: ...
 
@@ -274,7 +278,18 @@ class Engines(Protocol):
         the weight sync must then give them the current weights before they serve."""
         ...
 
-    def live_urls(self) -> list[str]: ...
+    def live_urls(self) -> list[str]:
+        """The URLs of the servers in service."""
+        ...
+
+    def down(self) -> dict[str, str]:
+        """The servers out of service, by URL, with why."""
+        ...
+
+    def confirmed(self, version: int) -> dict[str, float]:
+        """Every engine holds `version` (a push was checked): the rollout's engine reports it from
+        now on. Returns the failure counts so far (`engines/restarts`, `engines/resent_requests`)."""
+        ...
 
     def sleep(self) -> None: ...
 
@@ -319,10 +334,12 @@ class Trainer(Protocol):
         ...
 
     def named_weights(
-        self, dtype: torch.dtype | None = None, changed_only: bool = False
+        self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True
     ) -> Iterable[tuple[str, Tensor]]:
         """The policy's weights by name (for weight sync), under the base model's names (LoRA
-        adapters merged); `changed_only`: only the ones training can change."""
+        adapters merged); `changed_only`: only the ones training can change; `merged` False: a
+        LoRA model's own tensors, base and adapters (an engine in this process that runs the
+        trainer's LoRA layers, `train.lora_merge` false)."""
         ...
 
     def state_dict(self) -> dict: ...

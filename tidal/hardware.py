@@ -9,7 +9,7 @@ bf16 pays only where the hardware computes it natively: a CUDA GPU with bf16, or
 AVX512-BF16 or AMX (as oneDNN reports it). A CPU with AVX2 only emulates bf16 matmuls, about 60×
 slower than fp32 (measured: 0.9 against 53 GFLOP/s on one core), so `auto` there means fp32.
 
-    choice = resolve_dtype("auto", "rollout.dtype")   # DtypeChoice("float32", "...AVX2...")
+    choice = resolve_dtype("auto", "engine.dtype")   # DtypeChoice("float32", "...AVX2...")
     device = resolve_device("auto", "cluster.device")  # DeviceChoice("cpu", "auto: torch sees no CUDA device")
 """
 
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tidal.config import DEVICES
+from tidal.backends import DEVICES
 
 log = logging.getLogger("tidal")
 
@@ -169,7 +169,7 @@ _warned: set[str] = set()
 
 
 def resolve_dtype(requested: str, field: str, device: str = "cpu") -> DtypeChoice:
-    """The dtype `field` (`rollout.dtype`, `train.dtype`, `serve --dtype`) runs in.
+    """The dtype `field` (`engine.dtype`, `train.dtype`, `serve --dtype`) runs in.
 
     `auto`: bf16 where the device computes it natively (for `train.dtype`, the bf16 compute copy
     of fp32 master weights), else float32. An explicit bf16 choice on a device without native bf16

@@ -15,11 +15,30 @@ import numbers
 import os
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["MetricsLogger", "print_reward_table", "read_metrics", "reward_table"]
+from tidal.options import Need, opt
+
+__all__ = ["LogConfig", "MetricsLogger", "print_reward_table", "read_metrics", "reward_table"]
+
+
+@dataclass
+class LogConfig:
+    dir: str | None = opt(None, "metrics folder (default: train.output_dir)")
+    tensorboard: bool = opt(True, "write TensorBoard scalars")
+    console: bool = opt(True, "print a line per step")
+    log_samples: int = opt(2, "responses printed per step (0 = none)")
+    save_samples: bool = opt(True, "keep every step's samples in output_dir/samples/step_N.jsonl.gz (tidal report)")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install 'tidal[wandb]')")
+    wandb_project: str = opt("tidal", "wandb project")
+    wandb_mode: str = opt("offline", "wandb mode: offline (files under output_dir/wandb, no network) | online")
+
+    def check(self, need: Need) -> None:
+        need(self.wandb_mode in ("offline", "online"), f"log.wandb_mode: offline or online, got {self.wandb_mode!r}")
+
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from tidal.cluster import Roles, build_roles
+from tidal.cluster.roles import Roles, build_roles
 from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
-from tidal.eval import Evaluator
+from tidal.eval.evaluate import Evaluator
 from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.reward.sandbox import check_run, set_default_backend
@@ -51,7 +51,7 @@ log = logging.getLogger("tidal")
 
 def resolve_precision(cfg: Config) -> tuple[Config, dict]:
     """`cfg` with `cluster.device` resolved (`auto`: cuda where torch sees a GPU) and then
-    `rollout.dtype` and `train.dtype` for that device (`auto`: bf16 only where it is native), and
+    `engine.dtype` and `train.dtype` for that device (`auto`: bf16 only where it is native), and
     a record of each choice, its reason and the CPU, for config.json. On Ray each worker resolves
     `auto` on its own machine, so `cfg` keeps it."""
     record: dict = {"machine": cpu_info()}
@@ -66,7 +66,7 @@ def resolve_precision(cfg: Config) -> tuple[Config, dict]:
         device = choice.device
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device=device))
     groups = {}
-    for group, name in (("rollout", "dtype"), ("train", "dtype")):
+    for group, name in (("engine", "dtype"), ("train", "dtype")):
         field_name = f"{group}.{name}"
         requested = getattr(getattr(cfg, group), name)
         choice = resolve_dtype(requested, field_name, device)
@@ -76,11 +76,11 @@ def resolve_precision(cfg: Config) -> tuple[Config, dict]:
         log.info("%s: %s (%s)", field_name, choice.dtype, choice.reason)
         record[field_name] = {"requested": requested, **choice.to_dict()}
         groups[group] = dataclasses.replace(getattr(cfg, group), **{name: choice.dtype})
-    if cfg.rollout.quantization != "none" and cfg.algo.is_correction == "none":
+    if cfg.engine.quantization != "none" and cfg.algo.is_correction == "none":
         log.warning(
-            "rollout.quantization %s samples from a rounded copy of the policy and algo.is_correction is none: "
+            "engine.quantization %s samples from a rounded copy of the policy and algo.is_correction is none: "
             "the trainer treats those tokens as its own (set algo.is_correction: truncate or mask)",
-            cfg.rollout.quantization,
+            cfg.engine.quantization,
         )
     return dataclasses.replace(cfg, **groups), record
 
@@ -92,7 +92,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     t_cfg, sft = cfg.train, cfg.algo.mode == "sft"
     if cfg.sandbox.backend is not None:  # the code sandbox of rewards and tools, here and in workers
         set_default_backend(cfg.sandbox.backend)
-    check_run(cfg.rollout, cfg.sandbox.backend)  # bubblewrap usable where model-written code runs
+    check_run(cfg.runs_model_code, cfg.sandbox.backend)  # bubblewrap usable where model-written code runs
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)
@@ -125,18 +125,12 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
         overlapped = None
         if not sft:
             roles.sync.push(start)
-            rollout = RolloutManager(
-                roles.engines.engine,
-                cfg.rollout,
-                tokenizer,
-                roles.engines.loop,
-                cfg.algo.routing_replay,
-            )
+            rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
             if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
                 overlap_state = state.get("overlap") if ckpt is not None else None
                 overlapped = OverlappedRollout(cfg, source, rollout, start, overlap_state)
                 roles.closers.append(overlapped.close)
-            evaluator = Evaluator(cfg.eval, cfg.rollout, cfg.data, tokenizer, roles.engines.engine, roles.engines.loop)
+            evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop)
         logger = MetricsLogger(
             cfg.log.dir or out_dir,
             tensorboard=cfg.log.tensorboard,
@@ -221,18 +215,18 @@ def rl_step(
         samples, metrics = overlapped.next_batch(step)
     else:
         samples, metrics = rollout_for_step(
-            cfg.debug, step + 1, lambda: collect(source, rollout, step, a_cfg, r_cfg.reward_key)
+            cfg.debug, step + 1, lambda: collect(source, rollout, step, a_cfg, cfg.reward.key)
         )
     t_rollout = time.perf_counter() - t0
     if cfg.debug.rollout_only:  # no forward pass, update or sync: the weights stay as loaded
-        rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.response_budget)
+        rewards = shaped_rewards(samples, a_cfg, cfg.reward.key, r_cfg.response_budget)
         _keep_samples(cfg, step, samples, rewards, None)
         return {**metrics, **rollout_metrics(samples, rewards, group_size(samples)), "time/rollout": t_rollout}
     if roles.colocate:  # the engines give their memory to the trainers until the next push
         roles.engines.sleep()
 
     t1 = time.perf_counter()
-    rewards = shaped_rewards(samples, a_cfg, r_cfg.reward_key, r_cfg.response_budget)
+    rewards = shaped_rewards(samples, a_cfg, cfg.reward.key, r_cfg.response_budget)
     # n_samples_per_prompt times a generate function's fan-out: an int, or each group's size when
     # the fan-out differs from prompt to prompt (ragged groups; every estimator takes either)
     group = group_size(samples)
@@ -291,5 +285,5 @@ def _keep_samples(cfg: Config, step: int, samples, rewards, adv) -> None:
     save = cfg.log.save_samples or cfg.debug.rollout_only
     run_dir = cfg.log.dir or cfg.train.output_dir
     record_step(
-        run_dir, step + 1, samples, rewards, adv, reward_key=cfg.rollout.reward_key, show=cfg.log.log_samples, save=save
+        run_dir, step + 1, samples, rewards, adv, reward_key=cfg.reward.key, show=cfg.log.log_samples, save=save
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tidal.config import redact
+from tidal.config import redact, upgrade
 from tidal.log import read_metrics, reward_table
 from tidal.samples_log import SAMPLES_DIR, read_samples, saved_steps
 
@@ -266,7 +266,7 @@ def build_report(run_dir: str | Path, sample_steps: int = 50) -> str:
     history = read_metrics(run_dir)
     config_file = run_dir / "config.json"
     # masked again here: a config.json written by an older tidal may still hold a key
-    config = redact(json.loads(config_file.read_text(encoding="utf-8"))) if config_file.exists() else {}
+    config = redact(upgrade(json.loads(config_file.read_text(encoding="utf-8")))) if config_file.exists() else {}
     e = html.escape
 
     panels, missing = panels_for(history)
@@ -300,7 +300,7 @@ def build_report(run_dir: str | Path, sample_steps: int = 50) -> str:
         ("model", "train", "model"),
         ("advantage", "algo", "advantage"),
         ("data", "data", "path"),
-        ("reward", "rollout", "reward"),
+        ("reward", "reward", "fn"),
         ("lr", "train", "lr"),
     ):
         if cfg(group, key) is not None:

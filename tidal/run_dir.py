@@ -11,8 +11,8 @@
       train.num_steps, train.save_interval, train.keep_checkpoints, train.num_threads,
       train.gradient_checkpointing, train.offload_optimizer, train.logits_chunk_tokens (same math,
       less memory), cluster.device,
-      rollout.request_timeout, rollout.reward_timeout, rollout.engine_urls, rollout.api_key(_file),
-      rollout.max_num_seqs, rollout.kv_cache_tokens, cluster.address, cluster.sync_timeout,
+      engine.request_timeout, reward.timeout, engine.urls, engine.api_key(_file),
+      engine.max_num_seqs, engine.kv_cache_tokens, cluster.address, cluster.sync_timeout,
       cluster.sync_base_timeout, cluster.sync_min_mb_per_s, cluster.sync_dir, cluster.cpus_per_trainer,
       cluster.cpus_per_engine,
       and every field of the `log` and `eval` groups.
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.config import Config, ConfigError, redact
+from tidal.config import Config, redact, upgrade
+from tidal.options import ConfigError
 from tidal.train.checkpoint import (
     TRAINER_STATE_FILE,
     latest_checkpoint,
@@ -61,13 +62,14 @@ HARMLESS_FIELDS = frozenset(
         "train.offload_optimizer",
         "train.logits_chunk_tokens",
         "cluster.device",
-        "rollout.request_timeout",
-        "rollout.reward_timeout",
-        "rollout.engine_urls",
-        "rollout.api_key",
-        "rollout.api_key_file",
-        "rollout.max_num_seqs",
-        "rollout.kv_cache_tokens",
+        "engine.request_timeout",
+        "agent.request_timeout",
+        "reward.timeout",
+        "engine.urls",
+        "engine.api_key",
+        "engine.api_key_file",
+        "engine.max_num_seqs",
+        "engine.kv_cache_tokens",
         "cluster.address",
         "cluster.sync_timeout",
         "cluster.sync_base_timeout",
@@ -114,7 +116,7 @@ def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> 
     A field `saved` lacks (written by an older tidal) is compared as its value in `defaults`.
     Secret fields are compared masked (`redact`), so no key reaches the log, even one an older
     tidal wrote into config.json."""
-    old, new = _flatten(redact(saved)), _flatten(redact(current))
+    old, new = _flatten(redact(upgrade(saved))), _flatten(redact(current))
     base = _flatten(defaults or Config().to_dict())
     missing = object()
     changes = []

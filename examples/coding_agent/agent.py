@@ -4,7 +4,7 @@ It is given a task, may run Python through a `run_python` tool, and answers with
 fenced block. The tool runs in tidal's code sandbox (bubblewrap, time and memory limits): the
 agent's one import from tidal, as an agent would import any sandbox it trusts. During RL the
 client points at the sample's session on tidal's agent door, so every completion becomes a
-token-exact training sample; the hidden tests (`rollout.reward: code_tests`) score the last
+token-exact training sample; the hidden tests (`reward.fn: code_tests`) score the last
 program of the answer.
 """
 

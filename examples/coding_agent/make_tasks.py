@@ -2,7 +2,7 @@
 
     python examples/coding_agent/make_tasks.py        # -> examples/coding_agent/tasks.jsonl
 
-Each row is a task in words and hidden tests for `rollout.reward: code_tests`: the program runs
+Each row is a task in words and hidden tests for `reward.fn: code_tests`: the program runs
 with no input and must print the value. The model never sees the expected output.
 """
 

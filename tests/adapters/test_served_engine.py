@@ -123,7 +123,7 @@ def test_bad_requests_are_400_and_the_engine_keeps_serving(served, caplog):
 
 
 def test_training_loop_against_two_remote_servers(tiny_model_dir, tmp_path, tokenizer):
-    """rollout.engine remote: rollouts come from HTTP servers and every step's weights reach both."""
+    """engine.kind remote: rollouts come from HTTP servers and every step's weights reach both."""
     from test_loop import config
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +131,7 @@ def test_training_loop_against_two_remote_servers(tiny_model_dir, tmp_path, toke
 
     a, b = (Served(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, block_size=16) for _ in range(2))
     try:
-        over = {"rollout.engine": "remote", "rollout.engine_urls": [a.url, b.url], "train.num_steps": 2}
+        over = {"engine.kind": "remote", "engine.urls": [a.url, b.url], "train.num_steps": 2}
         history = tidal.loop.train(config(tiny_model_dir, tmp_path, **over))
         assert [h["step"] for h in history] == [1, 2]
         assert a.core.weight_version == b.core.weight_version == 2

@@ -1,4 +1,4 @@
-"""`rollout.engine: sglang` on this CPU: the launcher starts real processes of a stand-in
+"""`engine.kind: sglang` on this CPU: the launcher starts real processes of a stand-in
 `sglang.launch_server` (tests/adapters/sglang_standin: SGLang's flags mapped onto `tidal serve`,
 since SGLang itself needs CUDA), and the real sglang-router (Rust, from PyPI) runs in front of
 tidal servers. Tests that need the router skip when it is not installed."""
@@ -20,6 +20,7 @@ from conftest import make_model, make_tokenizer
 import tidal
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import EngineClient
+from tidal.adapters.options import EngineConfig
 from tidal.adapters.sglang_launch import (
     HOST,
     ServerProcess,
@@ -29,11 +30,13 @@ from tidal.adapters.sglang_launch import (
     router_command,
     server_command,
 )
-from tidal.config import ClusterConfig, Config, ConfigError, RolloutConfig, validate
+from tidal.cluster.options import ClusterConfig
+from tidal.config import Config, validate
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import model_checksum
 from tidal.net import free_port
+from tidal.options import ConfigError
 from tidal.server import BackgroundServer, build_app
 from tidal.sync.base import SyncError
 from tidal.sync.distributed import DistributedSync
@@ -104,30 +107,30 @@ def errors(cfg: Config) -> str:
 
 
 def test_config_names_the_field():
-    assert "rollout.router_url: needs rollout.engine sglang and rollout.engine_urls" in errors(
-        config(rollout__engine="sglang", rollout__router_url="http://r:1")
+    assert "engine.router_url: a router in front of engine.urls" in errors(
+        config(engine__kind="sglang", engine__router_url="http://r:1")
     )
-    assert "rollout.launch_router: starts sglang-router in front of the servers tidal launches" in errors(
-        config(rollout__engine="sglang", rollout__engine_urls=["http://a:1"], rollout__launch_router=True)
+    assert "engine.launch_router: starts sglang-router in front of the servers tidal launches" in errors(
+        config(engine__kind="sglang", engine__urls=["http://a:1"], engine__launch_router=True)
     )
-    assert "cluster.weight_sync: SGLang servers take weights by broadcast (distributed) or from a folder" in errors(
-        config(rollout__engine="sglang", cluster__weight_sync="http")
+    assert "cluster.weight_sync: engine.kind sglang takes distributed, disk (or auto), got http" in errors(
+        config(engine__kind="sglang", cluster__weight_sync="http")
     )
-    assert "cluster.gpus_per_engine: a launched SGLang server takes whole GPUs, got 0.5" in errors(
-        config(rollout__engine="sglang", cluster__gpus_per_engine=0.5)
+    assert "cluster.gpus_per_engine: a launched engine.kind sglang server takes whole GPUs, got 0.5" in errors(
+        config(engine__kind="sglang", cluster__gpus_per_engine=0.5)
     )
-    assert "rollout.engine_urls: http:// URLs of SGLang servers" in errors(
-        config(rollout__engine="sglang", rollout__engine_urls=["a:1"])
+    assert "engine.urls: http(s):// URLs of servers, got ['a:1']" in errors(
+        config(engine__kind="sglang", engine__urls=["a:1"])
     )
-    assert "cluster.weight_sync: distributed sends weights over SGLang's protocol" in errors(
+    assert "cluster.weight_sync: engine.kind tidal takes in-process, broadcast, http, delta, disk (or auto)" in errors(
         config(cluster__weight_sync="distributed")
     )
-    validate(config(rollout__engine="sglang", cluster__engines=2, cluster__weight_sync="distributed"))
+    validate(config(engine__kind="sglang", cluster__engines=2, cluster__weight_sync="distributed"))
 
 
 # ---------------------------------------------------------------------- launching
 def test_a_server_that_exits_at_once_is_named_with_its_output(tiny_model_dir, tmp_path):
-    rollout = RolloutConfig(engine="sglang", sglang_args=["--no-such-flag"])
+    rollout = EngineConfig(kind="sglang", sglang_args=["--no-such-flag"])
     with pytest.raises(RuntimeError) as err:
         launch_sglang(rollout, ClusterConfig(), tiny_model_dir, tmp_path, env=standin_env())
     message = str(err.value)
@@ -138,7 +141,7 @@ def test_a_server_that_exits_at_once_is_named_with_its_output(tiny_model_dir, tm
 
 
 def test_a_server_that_never_answers_times_out_and_is_killed(tiny_model_dir, tmp_path, monkeypatch):
-    rollout = RolloutConfig(engine="sglang", sglang_args=["--standin-hang"])
+    rollout = EngineConfig(kind="sglang", sglang_args=["--standin-hang"])
     cluster = ClusterConfig(engines=2, engine_startup_timeout=3)  # nothing ever answers: no race with the clock
     started: list[ServerProcess] = []
     real_start = ServerProcess.start
@@ -159,7 +162,7 @@ def test_a_server_that_never_answers_times_out_and_is_killed(tiny_model_dir, tmp
 @pytest.fixture(scope="module")
 def launched(tiny_model_dir, tmp_path_factory):
     """Two stand-in servers (and the real router when installed), started by the launcher."""
-    rollout = RolloutConfig(engine="sglang", dtype="float32", launch_router=HAS_ROUTER)
+    rollout = EngineConfig(kind="sglang", dtype="float32", launch_router=HAS_ROUTER)
     cluster = ClusterConfig(engines=2, engine_startup_timeout=300)
     servers = launch_sglang(rollout, cluster, tiny_model_dir, tmp_path_factory.mktemp("logs"), env=standin_env())
     yield servers
@@ -172,7 +175,7 @@ def test_launched_servers_answer_with_version_zero(launched):
         assert httpx.get(url + "/get_weight_version").json() == {"weight_version": 0}  # --weight-version 0
     assert launched.generation_urls == ([launched.router_url] if HAS_ROUTER else launched.worker_urls)
     attached = attach_sglang(
-        RolloutConfig(engine="sglang", engine_urls=launched.worker_urls, router_url=launched.router_url),
+        EngineConfig(kind="sglang", urls=launched.worker_urls, router_url=launched.router_url),
         ClusterConfig(),
     )
     assert attached.worker_urls == launched.worker_urls and attached.router_url == launched.router_url
@@ -183,7 +186,7 @@ def test_launched_servers_answer_with_version_zero(launched):
 def test_attaching_to_a_silent_url_names_it():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TimeoutError) as err:
-        attach_sglang(RolloutConfig(engine="sglang", engine_urls=[url]), ClusterConfig(engine_startup_timeout=1))
+        attach_sglang(EngineConfig(kind="sglang", urls=[url]), ClusterConfig(engine_startup_timeout=1))
     assert (
         str(err.value) == f"sglang server 0 at {url} did not answer /health within 1 s (cluster.engine_startup_timeout)"
     )

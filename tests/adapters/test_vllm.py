@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import hf_greedy, make_model, make_tokenizer
 
+from tidal.adapters.options import EngineConfig
 from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import WeightsError, weights_checksum
 
@@ -64,12 +65,12 @@ def original(ref):
 
 @pytest.fixture(scope="module")
 def shared_core(model_dir):
-    """Built as the rollout builds it (`make_core`, `rollout.engine: vllm`)."""
+    """Built as the rollout builds it (`make_core`, `engine.kind: vllm`)."""
     from tidal.adapters.factory import make_core
-    from tidal.config import RolloutConfig
+    from tidal.rollout.options import RolloutConfig
 
-    cfg = RolloutConfig(engine="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
-    core = make_core(cfg, model_dir, make_tokenizer())
+    cfg = EngineConfig(kind="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
+    core = make_core(cfg, RolloutConfig(), model_dir, make_tokenizer())
     yield core
     core.close()
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from tidal.algo import group_ids, groups_with_signal, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
-from tidal.config import AlgoConfig, RolloutConfig
+from tidal.algo.options import AlgoConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
+from tidal.reward.options import RewardConfig
 from tidal.rollout.collect import collect, rollout_metrics
 from tidal.rollout.manager import RolloutManager, group_size, group_sizes
+from tidal.rollout.options import RolloutConfig
 from tidal.train.update import batch_normalizers, optimizer_batches
 from tidal.types import Sample
 
@@ -191,11 +193,8 @@ class Source:
 
 
 def test_dynamic_sampling_keeps_whole_ragged_groups():
-    cfg = RolloutConfig(
-        rollout_batch_size=2, n_samples_per_prompt=1, generate="test_ragged_groups:fan_out",
-        reward="test_ragged_groups:position_reward",
-    )  # fmt: skip
-    manager = RolloutManager(Engine(), cfg)
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1, generate="test_ragged_groups:fan_out")
+    manager = RolloutManager(Engine(), cfg, reward=RewardConfig(fn="test_ragged_groups:position_reward"))
     try:
         algo = AlgoConfig(dynamic_sampling=True, max_sampling_rounds=2, oversample=1.5)
         samples, metrics = collect(Source(6), manager, 0, algo, "score")

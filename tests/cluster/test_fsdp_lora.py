@@ -10,7 +10,7 @@ from conftest import make_samples
 from safetensors.torch import load_file
 from test_fsdp_ranks import ADV, TRAIN, _port
 
-from tidal.config import AlgoConfig
+from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
 from tidal.train.update import Sums
 

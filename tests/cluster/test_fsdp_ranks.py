@@ -8,8 +8,9 @@ import torch
 import torch.multiprocessing as mp
 from conftest import make_samples
 
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
+from tidal.train.options import TrainConfig
 
 # packing with a token budget and shared prompts, fp32, two optimizer steps per train_step
 TRAIN = TrainConfig(

@@ -88,7 +88,7 @@ def test_two_trainers_and_two_engines_train_like_one_process(
 def engine_roles(tiny_model_dir, tmp_path, timeout, **over):
     from transformers import AutoTokenizer
 
-    from tidal.cluster import build_roles
+    from tidal.cluster.roles import build_roles
 
     cfg = config(
         tiny_model_dir,
@@ -210,7 +210,7 @@ def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
     prompts = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4 + [[100, 7]] * 4
     params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=50 + i) for i in range(len(prompts))]
     model_dir = h32_model_dir if kind == "vllm" else tiny_model_dir
-    over = {"cluster.engine_failure": policy, "rollout.engine": kind}
+    over = {"cluster.engine_failure": policy, "engine.kind": kind}
     roles = engine_roles(model_dir, tmp_path, timeout=120, **over)
     try:
         roles.sync.push(1)
@@ -267,7 +267,7 @@ def test_an_engine_that_dies_after_its_rollout_is_restarted_by_the_push_on_the_p
     from tidal.engine.sampling import SamplingParams
     from tidal.types import Sample
 
-    over = {"rollout.temperature": 1.0, "cluster.colocate": colocate}
+    over = {"sampling.temperature": 1.0, "cluster.colocate": colocate}
     roles = engine_roles(tiny_model_dir, tmp_path, timeout=120, **over)
     try:
         roles.sync.push(1)

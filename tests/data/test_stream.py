@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tidal.config import DataConfig
 from tidal.data.load import load_data, prompt_options, prompt_source
+from tidal.data.options import DataConfig
 from tidal.data.source import DataSource
 from tidal.data.stream import StreamingSource
 

@@ -153,7 +153,7 @@ def test_an_unsupported_architecture_is_refused_by_name():
         LLMEngine(model, None, dtype="float32", kv_cache_tokens=64, block_size=BLOCK)
     assert str(e.value) == (
         f"the tidal engine runs {', '.join(model_runner.FAMILIES)} models; config model_type is 'gpt2' "
-        "(rollout.engine: hf runs any transformers model, slower)"
+        "(engine.kind: hf runs any transformers model, slower)"
     )
 
 

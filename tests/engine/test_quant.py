@@ -1,4 +1,4 @@
-"""Low-precision rollout weights (`rollout.quantization`, `tidal.engine.quant`): the rounding by
+"""Low-precision rollout weights (`engine.quantization`, `tidal.engine.quant`): the rounding by
 hand, the engine computing exactly the rounded model, re-quantization after every kind of weight
 change, and the loop training on quantized samples with the importance correction."""
 
@@ -9,7 +9,7 @@ import torch
 from conftest import loop_config, make_model, make_moe_model
 
 import tidal.loop
-from tidal.config import ConfigError, build_config
+from tidal.config import build_config
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.quant import (
     PACKED,
@@ -24,6 +24,7 @@ from tidal.engine.quant import (
     quantize_int8,
 )
 from tidal.engine.sampling import SamplingParams
+from tidal.options import ConfigError
 
 CPU_KINDS = ("fp16", "int8")
 PROMPTS = [[5, 9, 14, 3, 7], [5, 9, 14, 3, 8, 11, 6], [20, 21]]
@@ -263,25 +264,25 @@ def test_sleep_drops_the_copies_and_a_sync_rebuilds_them():
 
 
 def test_errors_name_the_option():
-    with pytest.raises(ValueError, match=r"rollout.quantization: one of none, fp16, int8, fp8, got 'int4'"):
+    with pytest.raises(ValueError, match=r"engine.quantization: one of none, fp16, int8, fp8, got 'int4'"):
         check_quantization("int4", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"rollout.quantization: int8 runs on the CPU, the engine is on meta; use fp8"):
+    with pytest.raises(ValueError, match=r"engine.quantization: int8 runs on the CPU, the engine is on meta; use fp8"):
         check_quantization("int8", torch.device("meta"))
-    msg = r"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on cpu; use int8"
+    msg = r"engine.quantization: fp8 runs on CUDA GPUs, the engine is on cpu; use int8"
     with pytest.raises(ValueError, match=msg):
         check_quantization("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"engine quantization: one of none, fp16, int8, fp8, got 'q4'"):
         LLMEngine(make_model(), kv_cache_tokens=512, quantization="q4")
-    with pytest.raises(ConfigError, match=r"rollout.quantization: one of none, fp16, int8, fp8, got 'bf8'"):
-        build_config(None, {"rollout.quantization": "bf8"})
-    with pytest.raises(ConfigError, match=r"rollout.quantization: runs in tidal's engine; rollout.engine 'hf'"):
-        build_config(None, {"rollout.quantization": "int8", "rollout.engine": "hf"})
+    with pytest.raises(ConfigError, match=r"engine.quantization: one of none, fp16, int8, fp8, got 'bf8'"):
+        build_config(None, {"engine.quantization": "bf8"})
+    with pytest.raises(ConfigError, match=r"engine.quantization: engine.kind hf runs none; got 'int8'"):
+        build_config(None, {"engine.quantization": "int8", "engine.kind": "hf"})
 
 
 def test_the_loop_trains_on_quantized_samples_with_the_correction(tiny_model_dir, tmp_path):
     over = {
         "train.num_steps": 3,
-        "rollout.quantization": "int8",
+        "engine.quantization": "int8",
         "cluster.device": "cpu",  # int8 is a CPU format (on a GPU machine too)
         "algo.is_correction": "truncate",
         "algo.is_high": 2.0,
@@ -319,9 +320,12 @@ def test_fp8_on_a_gpu():
 
 
 def test_the_rollout_config_turns_packing_off():
-    from tidal.adapters.factory import engine_options, vllm_options
+    from tidal.adapters.factory import core_options
+    from tidal.backends import ENGINES
 
-    assert engine_options(build_config(None, {}).rollout)["pack_weights"] is True
-    opts = engine_options(build_config(None, {"rollout.pack_weights": False}).rollout)
-    assert opts["pack_weights"] is False and "pack_weights" not in vllm_options(opts)
+    cfg = build_config(None, {})
+    assert core_options(cfg.engine, cfg.rollout)["pack_weights"] is True
+    cfg = build_config(None, {"engine.pack_weights": False})
+    assert core_options(cfg.engine, cfg.rollout)["pack_weights"] is False
+    assert "pack_weights" in ENGINES["tidal"].core_options and "pack_weights" not in ENGINES["vllm"].core_options
     assert LLMEngine(make_model(), dtype="float32", kv_cache_tokens=512, pack_weights=False).quant is None

@@ -1,4 +1,4 @@
-"""rollout.group_reward: one call per prompt's group with exactly its samples, its rewards landing on
+"""reward.group_fn: one call per prompt's group with exactly its samples, its rewards landing on
 them in order, and a wrong answer (length, type, NaN) failing that group with an exact message."""
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ import math
 
 import pytest
 
-from tidal.config import Config, ConfigError, RolloutConfig, validate
+from tidal.config import Config, validate
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
+from tidal.options import ConfigError
 from tidal.reward.failures import ErrorLog
 from tidal.reward.group import load_group_reward, score_groups
+from tidal.reward.options import RewardConfig
 from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import RolloutConfig
 from tidal.types import Sample, Status
 
 # Group rewards named by dotted path: pytest imports this file as the module `test_group_reward`.
@@ -72,13 +75,13 @@ def group(g: int, n: int = 3) -> list[Sample]:
 def test_called_once_per_group_with_exactly_its_samples():
     CALLS.clear()
     records = [PromptRecord(index=i, prompt=p, text=p, input_ids=[i + 1], label="x") for i, p in enumerate("ab")]
-    cfg = RolloutConfig(n_samples_per_prompt=3, group_reward="test_group_reward:rank")
-    manager = RolloutManager(Engine(), cfg)
+    cfg = RolloutConfig(n_samples_per_prompt=3)
+    manager = RolloutManager(Engine(), cfg, reward=RewardConfig(group_fn="test_group_reward:rank"))
     try:
         samples = manager.generate(records, step=0)
     finally:
         manager.close()
-    assert manager.reward_fn is None  # the group reward scores instead of rollout.reward
+    assert manager.reward_fn is None  # the group reward scores instead of reward.fn
     assert sorted(CALLS) == [
         [(0, 0, "answer 0"), (0, 1, "answer 1"), (0, 2, "answer 2")],
         [(1, 3, "answer 3"), (1, 4, "answer 4"), (1, 5, "answer 5")],
@@ -137,15 +140,14 @@ def test_retryable_errors_retry_the_whole_group():
 
 def test_config_refuses_both_rewards_and_a_bad_path():
     cfg = Config()
-    cfg.rollout.group_reward = "my_judges:rank"
-    validate(cfg)  # with rollout.reward left at its default
-    cfg.rollout.reward = "exact_match"
+    cfg.reward.group_fn = "my_judges:rank"
+    validate(cfg)  # with reward.fn left at its default
+    cfg.reward.fn = "exact_match"
     with pytest.raises(ConfigError) as exc:
         validate(cfg)
     assert str(exc.value).split("\n")[1:] == [
-        "  rollout.group_reward: scores instead of rollout.reward; set one of them, not both "
-        "(rollout.reward is 'exact_match')"
+        "  reward.group_fn: scores instead of reward.fn; set one of them, not both (reward.fn is 'exact_match')"
     ]
-    cfg.rollout.reward, cfg.rollout.group_reward = "math", "rank"
-    with pytest.raises(ConfigError, match=r"rollout.group_reward: a dotted path or file.py:fn, got 'rank'$"):
+    cfg.reward.fn, cfg.reward.group_fn = "math", "rank"
+    with pytest.raises(ConfigError, match=r"reward.group_fn: a dotted path or file.py:fn, got 'rank'$"):
         validate(cfg)

@@ -1,4 +1,4 @@
-"""rollout.reward judge: the request it sends, reading the score, the concurrency limit, retries, a
+"""reward.fn judge: the request it sends, reading the score, the concurrency limit, retries, a
 judge that times out (that sample fails, the others are scored), and a real `tidal serve` as judge.
 
 Most tests use a stand-in judge: a FastAPI app answering OpenAI chat completions with text the test
@@ -17,12 +17,15 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from tidal.config import Config, ConfigError, RolloutConfig, ServerConfig, validate
+from tidal.config import Config, validate
+from tidal.options import ConfigError
 from tidal.reward.failures import ErrorLog
 from tidal.reward.judge import JudgeReward, read_score
+from tidal.reward.options import JudgeConfig, RewardConfig
 from tidal.reward.score import score_rollout
 from tidal.rollout.manager import load_rewards
 from tidal.server import BackgroundServer
+from tidal.server.options import ServerConfig
 from tidal.types import Sample, Status
 
 KEY = "sk-judge-7f3a9c"
@@ -99,25 +102,25 @@ def stand_in():
         j.close()
 
 
-def config(url: str, **kw) -> RolloutConfig:
-    kw = {
-        "judge_prompt_template": TEMPLATE,
-        "reward_backoff": 0.0,
-        "judge_model": "judge-m",
-        "max_failed_ratio": 1.0,
-        **kw,
-    }
-    return RolloutConfig(reward="judge", judge_url=url, **kw)
+REWARD = RewardConfig(fn="judge", backoff=0.0)
+
+
+def config(url: str, **kw) -> JudgeConfig:
+    return JudgeConfig(url=url, **{"prompt_template": TEMPLATE, "model": "judge-m", **kw})
+
+
+def judge_of(cfg: JudgeConfig):
+    return load_rewards(REWARD, cfg)
 
 
 def samples(*responses: str) -> list[Sample]:
     return [Sample(prompt=f"p{i}", response=r, label=i, index=i, group_index=i) for i, r in enumerate(responses)]
 
 
-def score(cfg: RolloutConfig, batch: list[Sample], errors: ErrorLog | None = None) -> int:
-    reward_fn, group_fn = load_rewards(cfg)
+def score(cfg: JudgeConfig, batch: list[Sample], errors: ErrorLog | None = None) -> int:
+    reward_fn, group_fn = judge_of(cfg)
     assert isinstance(reward_fn, JudgeReward) and group_fn is None
-    return asyncio.run(score_rollout(batch, reward_fn, cfg, errors or ErrorLog()))
+    return asyncio.run(score_rollout(batch, reward_fn, REWARD, 1.0, errors or ErrorLog()))
 
 
 def test_read_score():
@@ -136,7 +139,7 @@ def test_request_shape_key_and_scores(stand_in, monkeypatch, caplog):
     monkeypatch.setenv("TIDAL_JUDGE_API_KEY", KEY)
     batch = samples("x score=0.75", "y score=1", "nothing to read")
     with caplog.at_level(logging.WARNING):
-        assert score(config(judge.url, judge_max_tokens=32), batch) == 1
+        assert score(config(judge.url, max_tokens=32), batch) == 1
     assert next(b for b in judge.bodies if "p0" in b["messages"][0]["content"]) == {
         "model": "judge-m",
         "messages": [{"role": "user", "content": "Q: p0\nA: x score=0.75\nRef: 0\nScore it."}],
@@ -149,13 +152,13 @@ def test_request_shape_key_and_scores(stand_in, monkeypatch, caplog):
     assert batch[2].metadata["error"] == (
         f"JudgeError: judge {judge.url} answered without a score (a number): 'I cannot say.'"
     )
-    assert KEY not in caplog.text and KEY not in repr(load_rewards(config(judge.url))[0])
+    assert KEY not in caplog.text and KEY not in repr(judge_of(config(judge.url))[0])
 
 
 def test_concurrency_limit_is_reached_and_never_exceeded(stand_in):
     judge = stand_in(batch=3)  # each request waits for its batch of 3: a serial client would time out
     batch = samples(*[f"r{i} score=0.5" for i in range(9)])
-    assert score(config(judge.url, judge_concurrency=3, judge_timeout=60.0), batch) == 0
+    assert score(config(judge.url, concurrency=3, timeout=60.0), batch) == 0
     assert [s.reward for s in batch] == [0.5] * 9
     assert (judge.arrived, judge.max_active) == (9, 3)
 
@@ -163,7 +166,7 @@ def test_concurrency_limit_is_reached_and_never_exceeded(stand_in):
 def test_retries_after_a_server_error_and_not_after_a_client_error(stand_in):
     judge = stand_in()
     batch = samples("a fail=1 score=0.25", "b fail=5 score=1", "bad")
-    assert score(config(judge.url, judge_retries=1), batch) == 2
+    assert score(config(judge.url, retries=1), batch) == 2
     assert batch[0].reward == 0.25 and batch[0].status == Status.COMPLETED
     assert (
         batch[1].metadata["error"]
@@ -179,8 +182,8 @@ def test_a_judge_that_times_out_fails_only_its_sample(stand_in):
     judge = stand_in()
     batch = samples("x score=0.5", "slow score=1", "z score=0.25")
     errors = ErrorLog()
-    # judge_timeout bounds each request; rollout.reward_timeout (60 s) and its retries are not added
-    assert score(config(judge.url, judge_timeout=10.0, judge_retries=1), batch, errors) == 1
+    # judge_timeout bounds each request; reward.timeout (60 s) and its retries are not added
+    assert score(config(judge.url, timeout=10.0, retries=1), batch, errors) == 1
     assert [s.status for s in batch] == [Status.COMPLETED, Status.FAILED, Status.COMPLETED]
     assert [s.reward for s in batch] == [0.5, 0.0, 0.25]
     assert batch[1].metadata["error"] == f"TimeoutError: judge {judge.url} did not answer within 10 s (2 tries)"
@@ -190,18 +193,18 @@ def test_a_judge_that_times_out_fails_only_its_sample(stand_in):
 
 def test_config_names_the_keys():
     cfg = Config()
-    cfg.rollout.reward = "judge"
-    cfg.rollout.judge_prompt_template = "{prompt} {answer}"
-    cfg.rollout.judge_score_regex = "("
-    cfg.rollout.judge_concurrency = 0
+    cfg.reward.fn = "judge"
+    cfg.judge.prompt_template = "{prompt} {answer}"
+    cfg.judge.score_regex = "("
+    cfg.judge.concurrency = 0
     with pytest.raises(ConfigError) as exc:
         validate(cfg)
     assert str(exc.value).split("\n")[1:] == [
-        "  rollout.judge_url: rollout.reward judge needs the judge's http(s):// base URL, got ''",
-        "  rollout.judge_prompt_template: a format string with only {prompt}, {response} and {label} (write other "
+        "  judge.url: reward.fn judge needs the judge's http(s):// base URL, got ''",
+        "  judge.prompt_template: a format string with only {prompt}, {response} and {label} (write other "
         "braces twice), failed with KeyError: 'answer'",
-        "  rollout.judge_score_regex: not a regular expression (missing ), unterminated subpattern at position 0)",
-        "  rollout.judge_concurrency: must be >= 1, got 0",
+        "  judge.score_regex: not a regular expression (missing ), unterminated subpattern at position 0)",
+        "  judge.concurrency: must be >= 1, got 0",
     ]
 
 
@@ -218,9 +221,9 @@ def test_a_real_tidal_serve_as_judge(tiny_model_dir, monkeypatch):
     server = BackgroundServer(build_app(served, "tiny", ServerConfig(api_key=KEY))).start()
     try:
         url = f"{server.url}/v1"
-        cfg = config(url, judge_model="tiny", judge_max_tokens=8, judge_score_regex=r"(.+)")
+        cfg = config(url, model="tiny", max_tokens=8, score_regex=r"(.+)")
         batch = samples("4")
-        judge = load_rewards(cfg)[0]
+        judge = judge_of(cfg)[0]
         body = judge.request(batch[0])
         direct = httpx.post(
             f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60

@@ -752,11 +752,12 @@ def test_config_sandbox_backend(monkeypatch, tmp_path):
     model code (the code_tests reward, the python tool) and would need bubblewrap where it is not
     usable stops at its start (`check_run`, before anything is written), naming the field, the
     reason and the opt-in; rlimits, asked for, passes."""
-    from tidal.config import ConfigError, build_config
+    from tidal.config import build_config
+    from tidal.options import ConfigError
 
     def check(**values):
-        cfg = build_config(None, {"rollout.reward": "math", **values})
-        sandbox.check_run(cfg.rollout, cfg.sandbox.backend)
+        cfg = build_config(None, {"reward.fn": "math", **values})
+        sandbox.check_run(cfg.runs_model_code, cfg.sandbox.backend)
         return cfg
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
@@ -768,14 +769,14 @@ def test_config_sandbox_backend(monkeypatch, tmp_path):
         check()
     monkeypatch.delenv(BACKEND_ENV)
     if "bwrap" in BACKENDS:
-        check(**{"rollout.reward": "code_tests"})  # bubblewrap works here: nothing to say
+        check(**{"reward.fn": "code_tests"})  # bubblewrap works here: nothing to say
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     sandbox._bwrap_problem.cache_clear()
     try:
         check()  # math reward and no python tool: no sandbox needed, so no complaint
         for values in (
-            {"rollout.reward": "code_tests"},
-            {"rollout.generate": "tools", "rollout.tools": ["calculator", "python"]},
+            {"reward.fn": "code_tests"},
+            {"rollout.generate": "tools", "tools.names": ["calculator", "python"]},
         ):
             with pytest.raises(ConfigError) as e:
                 check(**values)
@@ -797,6 +798,6 @@ def test_config_sandbox_backend(monkeypatch, tmp_path):
 def test_the_config_knows_the_sandbox_backends():
     """The config validates `sandbox.backend` against its own copy of the names (the sandbox
     module imports nothing but the standard library); the two lists are one."""
-    from tidal.config import SANDBOX_BACKENDS, SANDBOX_ENV
+    from tidal.reward.options import SANDBOX_BACKENDS, SANDBOX_ENV
 
     assert (SANDBOX_BACKENDS, SANDBOX_ENV) == (sandbox.BACKENDS, sandbox.BACKEND_ENV)

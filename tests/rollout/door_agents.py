@@ -1,5 +1,5 @@
 """Agents for the agent-door tests, written as any `openai` user would write them (loaded by
-`rollout.agent: <this file>:<name>`)."""
+`agent.fn: <this file>:<name>`)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ async def short_tool_agent(client, prompt, label):
 
 
 async def scorer_agent(client, prompt, label):
-    """Two turns; the reward is left to rollout.reward."""
+    """Two turns; the reward is left to reward.fn."""
     messages = [{"role": "user", "content": prompt}]
     for _ in range(2):
         resp = await client.chat.completions.create(model="policy", messages=messages, max_tokens=50)

@@ -15,12 +15,13 @@ import pytest
 import torch
 from conftest import loop_config, make_model, make_tokenizer
 
-from tidal.config import RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
+from tidal.reward.options import RewardConfig
 from tidal.rollout.agent import Alignment, align
 from tidal.rollout.generate import GenerateContext, turn_seed
 from tidal.rollout.manager import RolloutManager, group_sizes, sample_seed
+from tidal.rollout.options import AgentConfig, RolloutConfig, SamplingConfig
 from tidal.types import Status
 from tidal.utils import load_object
 
@@ -86,16 +87,19 @@ class ScriptedEngine:
         return out
 
 
-def rollout(reply, agent: str, n=1, prompts=("What is 2 + 3?",), **cfg):
+def rollout(reply, agent: str, n=1, prompts=("What is 2 + 3?",), agent_samples="last", **cfg):
     records = [
         PromptRecord(index=i, prompt=p, text=p, input_ids=chat_ids([{"role": "user", "content": p}]), label="5")
         for i, p in enumerate(prompts)
     ]
-    c = RolloutConfig(
-        n_samples_per_prompt=n, generate="agent", agent=f"{AGENTS}:{agent}", reward="exact_match", seed=11, **cfg
-    )
+    c = RolloutConfig(n_samples_per_prompt=n, generate="agent", **cfg)
+    groups = {
+        "sampling": SamplingConfig(seed=11),
+        "reward": RewardConfig(fn="exact_match"),
+        "agent": AgentConfig(fn=f"{AGENTS}:{agent}", samples=agent_samples),
+    }
     engine = ScriptedEngine(reply)
-    return RolloutManager(engine, c, TOK).generate(records, step=0), engine
+    return RolloutManager(engine, c, TOK, **groups).generate(records, step=0), engine
 
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -161,7 +165,7 @@ def test_a_special_token_sampled_as_text_is_realigned():
     assert engine.calls[1][0] == p0 + answer1 + env  # the model saw what it sampled
     assert s.tokens == p0 + answer1 + env + answer2
     check_layout(s, [(answer1, True), (env, False), (answer2, True)])
-    assert s.reward == 0.0  # scored by rollout.reward (exact_match: the response is not "5"): the agent gave None
+    assert s.reward == 0.0  # scored by reward.fn (exact_match: the response is not "5"): the agent gave None
 
 
 COMPACT = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
@@ -275,7 +279,7 @@ def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
     async def run():
         door = AgentDoor()
         await door.start()
-        c = RolloutConfig(generate="agent", agent="x:y")
+        c = RolloutConfig(generate="agent")
         session = Session(GenerateContext(None, TOK, c), None, None)
         door.sessions[session.token] = session
         url = door.base_url(session)
@@ -383,12 +387,12 @@ def test_an_openai_agent_trains_through_the_door_token_exactly(tmp_path, monkeyp
         **{
             "train.num_steps": 2,
             "rollout.generate": "agent",
-            "rollout.agent": f"{AGENTS}:short_tool_agent",
+            "agent.fn": f"{AGENTS}:short_tool_agent",
             "rollout.rollout_batch_size": 2,
             "rollout.n_samples_per_prompt": 2,
             "train.global_batch_size": 4,
             "rollout.max_response_tokens": 300,
-            "rollout.kv_cache_tokens": 8192,  # the tools' system message alone is ~550 byte tokens
+            "engine.kv_cache_tokens": 8192,  # the tools' system message alone is ~550 byte tokens
         },
     )
     history = tidal.loop.train(cfg)

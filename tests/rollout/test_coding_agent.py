@@ -8,9 +8,10 @@ from pathlib import Path
 
 from test_agent import TOK, ScriptedEngine, chat_ids, ids
 
-from tidal.config import RolloutConfig
 from tidal.data.dataset import PromptRecord
+from tidal.reward.options import RewardConfig
 from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import AgentConfig, RolloutConfig
 from tidal.types import Status
 
 AGENT = Path(__file__).resolve().parents[2] / "examples" / "coding_agent" / "agent.py"
@@ -26,11 +27,10 @@ def run(answers: list[str]):
         input_ids=chat_ids([{"role": "user", "content": TASK}]),
         label=[{"input": "", "output": "42\n"}],
     )
-    cfg = RolloutConfig(
-        n_samples_per_prompt=1, generate="agent", agent=f"{AGENT}:agent", reward="code_tests", max_new_tokens=400
-    )
+    cfg = RolloutConfig(n_samples_per_prompt=1, generate="agent", max_new_tokens=400)
+    groups = {"reward": RewardConfig(fn="code_tests"), "agent": AgentConfig(fn=f"{AGENT}:agent")}
     engine = ScriptedEngine(lambda prompt, k: ids(answers[k]) + [2])
-    return RolloutManager(engine, cfg, TOK).generate([record], step=0), engine
+    return RolloutManager(engine, cfg, TOK, **groups).generate([record], step=0), engine
 
 
 def test_the_tool_runs_in_the_sandbox_and_the_hidden_tests_score_the_answer():

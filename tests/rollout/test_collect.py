@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.config import AlgoConfig, Config, ConfigError, RolloutConfig, validate
+from tidal.algo.options import AlgoConfig
+from tidal.config import Config, validate
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
+from tidal.options import ConfigError
+from tidal.reward.options import RewardConfig
 from tidal.rollout.collect import collect
 from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import RolloutConfig
 from tidal.types import Sample
 
 LABELS = ["0.9", "0.2", "0.7", "0.4", "0.8", "0.1"]
@@ -54,8 +58,8 @@ class Source:
 
 
 def run(algo: AlgoConfig) -> tuple[list[Sample], dict[str, float]]:
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, reward="test_collect:label_reward")
-    manager = RolloutManager(Engine(), cfg)
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
+    manager = RolloutManager(Engine(), cfg, reward=RewardConfig(fn="test_collect:label_reward"))
     try:
         return collect(Source(), manager, 0, algo, "score")
     finally:

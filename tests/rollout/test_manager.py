@@ -4,11 +4,12 @@ import re
 
 import pytest
 
-from tidal.config import RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
 from tidal.reward.failures import TooManyFailedSamples
+from tidal.reward.options import RewardConfig
 from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.rollout.options import RolloutConfig, SamplingConfig
 from tidal.types import Status
 
 
@@ -39,8 +40,9 @@ def records():
 
 def test_samples_follow_the_contract():
     engine = ScriptedEngine()
-    cfg = RolloutConfig(n_samples_per_prompt=3, reward="exact_match", temperature=0.7, max_new_tokens=5, seed=4)
-    samples = RolloutManager(engine, cfg).generate(records(), step=2)
+    cfg = RolloutConfig(n_samples_per_prompt=3, max_new_tokens=5)
+    sampling, reward = SamplingConfig(temperature=0.7, seed=4), RewardConfig(fn="exact_match")
+    samples = RolloutManager(engine, cfg, sampling=sampling, reward=reward).generate(records(), step=2)
     prompts, params = engine.prompts, engine.params
     assert prompts == [[1, 2, 3]] * 3 + [[4, 5]] * 3
     assert len(set(engine.groups)) == 2 and engine.groups[:3] == [engine.groups[0]] * 3  # a group's key
@@ -69,27 +71,30 @@ def test_seeds_depend_on_step_and_index_only():
 def test_a_failing_reward_zeroes_the_loss_mask(tmp_path, monkeypatch):
     (tmp_path / "bad_reward.py").write_text("def score(sample):\n    raise ValueError('no label parser')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward:score", max_failed_ratio=1.0)
-    samples = RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_failed_ratio=1.0)
+    samples = RolloutManager(ScriptedEngine(), cfg, reward=RewardConfig(fn="bad_reward:score")).generate(
+        records(), step=0
+    )
     assert all(s.status == Status.FAILED for s in samples)
     assert all(s.loss_mask == [0, 0] for s in samples)
     assert samples[0].metadata["error"] == "ValueError: no label parser"
 
 
 def test_a_dict_reward_without_reward_key_is_named_on_the_first_batch(tmp_path, monkeypatch):
-    from tidal.config import ConfigError
+    from tidal.options import ConfigError
 
     (tmp_path / "dict_reward.py").write_text("def score(sample):\n    return {'acc': 1.0, 'format': 0.5}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RolloutConfig(n_samples_per_prompt=2, reward="dict_reward:score")  # reward_key left at 'score'
+    cfg, reward = RolloutConfig(n_samples_per_prompt=2), RewardConfig(fn="dict_reward:score")  # key left at 'score'
     with pytest.raises(ConfigError) as err:
-        RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+        RolloutManager(ScriptedEngine(), cfg, reward=reward).generate(records(), step=0)
     assert str(err.value) == (
-        "rollout.reward_key: the reward returned a dict without the key 'score' (sample 0: keys ['acc', 'format']); "
-        "set rollout.reward_key to the entry to train on, e.g. --rollout.reward_key=acc"
+        "reward.key: the reward returned a dict without the key 'score' (sample 0: keys ['acc', 'format']); "
+        "set reward.key to the entry to train on, e.g. --reward.key=acc"
     )
-    cfg.reward_key = "format"
-    assert [s.reward["format"] for s in RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)] == [0.5] * 4
+    reward.key = "format"
+    samples = RolloutManager(ScriptedEngine(), cfg, reward=reward).generate(records(), step=0)
+    assert [s.reward["format"] for s in samples] == [0.5] * 4
 
 
 def test_a_reward_failing_everywhere_stops_the_run(tmp_path, monkeypatch, caplog):
@@ -97,10 +102,10 @@ def test_a_reward_failing_everywhere_stops_the_run(tmp_path, monkeypatch, caplog
     threshold and the first exception, which the console has shown once."""
     (tmp_path / "bad_reward2.py").write_text("def score(sample):\n    raise ValueError('no label parser')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RolloutConfig(n_samples_per_prompt=2, reward="bad_reward2:score")
+    cfg, reward = RolloutConfig(n_samples_per_prompt=2), RewardConfig(fn="bad_reward2:score")
     with caplog.at_level("WARNING", logger="tidal"):
         with pytest.raises(TooManyFailedSamples) as err:
-            RolloutManager(ScriptedEngine(), cfg).generate(records(), step=0)
+            RolloutManager(ScriptedEngine(), cfg, reward=reward).generate(records(), step=0)
     assert str(err.value) == (
         "4 of 4 samples failed (100%), more than rollout.max_failed_ratio 0.5; "
         "first error (sample 0): ValueError: no label parser"

@@ -10,12 +10,13 @@ import json
 import pytest
 from conftest import CHATML
 
-from tidal.config import RolloutConfig
 from tidal.contracts import GenerationOutput
 from tidal.data.dataset import PromptRecord
+from tidal.reward.options import RewardConfig
 from tidal.rollout.generate import GenerateContext, single_turn, turn_seed
 from tidal.rollout.manager import RolloutManager, group_size, group_sizes, sample_seed
 from tidal.rollout.multi_turn import call_tool, tool_spec
+from tidal.rollout.options import RolloutConfig, SamplingConfig, ToolsConfig
 from tidal.types import Sample, Status
 
 
@@ -55,6 +56,8 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+# the tool loop's test tool, its samples scored by exact match
+ADD_TOOL = {"tools": ToolsConfig(names=["test_multi_turn:add"]), "reward": RewardConfig(fn="exact_match")}
 CALL = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>'
 
 
@@ -82,12 +85,10 @@ def test_three_turns_are_token_exact_with_a_tokenizer_that_does_not_round_trip()
     tok = merging_tokenizer()
     turns = [CALL % (2, 3), CALL % (5, 4), "The answer is 9"]
     assert tok.encode(turns[0], add_special_tokens=False) != byte_ids(tok, turns[0])  # "add" merges
-    cfg = RolloutConfig(
-        n_samples_per_prompt=1, rollout_batch_size=1, generate="tools", tools=["test_multi_turn:add"], seed=5,
-        reward="exact_match", max_new_tokens=200,
-    )  # fmt: skip
+    cfg = RolloutConfig(n_samples_per_prompt=1, rollout_batch_size=1, generate="tools", max_new_tokens=200)
+    groups = {"sampling": SamplingConfig(seed=5), **ADD_TOOL}
     engine = ScriptedEngine(tok, {0: turns}, {0: sample_seed(5, 0, 0)})
-    (s,) = RolloutManager(engine, cfg, tok).generate([record()], step=0)
+    (s,) = RolloutManager(engine, cfg, tok, **groups).generate([record()], step=0)
 
     prompt_text = tok.apply_chat_template(
         [{"role": "system", "content": s.prompt.split("<|im_start|>system\n")[1].split("<|im_end|>")[0]},
@@ -128,12 +129,9 @@ def test_tool_errors_are_answers_and_turns_are_bounded():
         2: ["<tool_call>not json</tool_call>", "done"],
         3: [CALL % (1, 1)] * 3,  # never stops calling: cut at max_turns
     }
-    cfg = RolloutConfig(
-        n_samples_per_prompt=4, generate="tools", tools=["test_multi_turn:add"], max_turns=3, reward="exact_match",
-        max_new_tokens=100,
-    )  # fmt: skip
+    cfg = RolloutConfig(n_samples_per_prompt=4, generate="tools", max_turns=3, max_new_tokens=100)
     engine = ScriptedEngine(tok, scripts, {i: sample_seed(0, 0, i) for i in range(4)})
-    samples = RolloutManager(engine, cfg, tok).generate([record()], step=0)
+    samples = RolloutManager(engine, cfg, tok, **ADD_TOOL).generate([record()], step=0)
     tool_answers = [[m["content"] for m in s.metadata["conversation"] if m["role"] == "tool"] for s in samples]
     assert tool_answers[0] == ["error: unknown tool 'nope'; available: add"]
     assert tool_answers[1] == ["error: bad arguments for add: missing a required argument: 'b'"]
@@ -152,12 +150,9 @@ def test_a_response_budget_cuts_before_the_tool_output_that_overflows_it():
     tok = merging_tokenizer()
     call = CALL % (2, 3)
     n_call = len(byte_ids(tok, call)) + 1
-    cfg = RolloutConfig(
-        n_samples_per_prompt=1, generate="tools", tools=["test_multi_turn:add"], max_response_tokens=n_call + 5,
-        reward="exact_match",
-    )  # fmt: skip
+    cfg = RolloutConfig(n_samples_per_prompt=1, generate="tools", max_response_tokens=n_call + 5)
     engine = ScriptedEngine(tok, {0: [call, "x"]}, {0: sample_seed(0, 0, 0)})
-    (s,) = RolloutManager(engine, cfg, tok).generate([record()], step=0)
+    (s,) = RolloutManager(engine, cfg, tok, **ADD_TOOL).generate([record()], step=0)
     assert s.response_length == n_call and s.status == Status.TRUNCATED
     assert s.metadata["stop"] == "max_response_tokens"
 
@@ -290,8 +285,9 @@ async def twice(ctx, sample, sampling):
 
 def test_user_generate_functions_by_path_and_per_prompt_row():
     rows = [record(), PromptRecord(index=1, prompt="q", text="q", input_ids=[7], metadata={"generate": "single_turn"})]
-    cfg = RolloutConfig(n_samples_per_prompt=2, generate="test_multi_turn:twice", reward="exact_match")
-    samples = RolloutManager(Echo(), cfg).generate(rows[:1], step=0)
+    cfg = RolloutConfig(n_samples_per_prompt=2, generate="test_multi_turn:twice")
+    exact = RewardConfig(fn="exact_match")
+    samples = RolloutManager(Echo(), cfg, reward=exact).generate(rows[:1], step=0)
     assert [(s.group_index, s.index, s.reward, s.tokens) for s in samples] == [
         (0, i, float(i % 2), [1, 2, 3, 4]) for i in range(4)
     ]

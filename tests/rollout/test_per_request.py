@@ -11,11 +11,12 @@ import pytest
 from conftest import make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import RolloutConfig
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.engine.llm_engine import LLMEngine
+from tidal.reward.options import RewardConfig
 from tidal.rollout.manager import RolloutManager, sample_seed
+from tidal.rollout.options import RolloutConfig, SamplingConfig
 from tidal.types import Sample
 
 TOK = make_tokenizer()
@@ -30,13 +31,14 @@ def records(n=4):
     return [PromptRecord(index=i, prompt=t, text=t, input_ids=TOK.encode(t), label="x") for i, t in enumerate(texts)]
 
 
-CFG = RolloutConfig(n_samples_per_prompt=4, reward="exact_match", max_new_tokens=10, temperature=1.0, seed=3)
+CFG = RolloutConfig(n_samples_per_prompt=4, max_new_tokens=10)
+GROUPS = {"sampling": SamplingConfig(seed=3), "reward": RewardConfig(fn="exact_match")}
 
 
 def test_a_rollout_is_the_batch_call_step_for_step_and_repeats_exactly():
     engine = AsyncEngine(core())
     assert isinstance(engine, Engine)
-    manager = RolloutManager(engine, CFG, TOK)
+    manager = RolloutManager(engine, CFG, TOK, **GROUPS)
     try:
         first = manager.generate(records(), step=1)
         steps = engine.core.counters["steps"]
@@ -71,8 +73,8 @@ def test_single_turn_samples_do_not_wait_for_a_sample_on_its_tool():
     """16 single-turn samples and one whose tool returns only once those 16 are done: a round
     barrier would hold the 16 (or never end); per request they all finish first."""
     engine = AsyncEngine(core())
-    cfg = RolloutConfig(n_samples_per_prompt=1, reward="exact_match", max_new_tokens=10, temperature=1.0, seed=3)
-    manager = RolloutManager(engine, cfg, TOK)
+    cfg = RolloutConfig(n_samples_per_prompt=1, max_new_tokens=10)
+    manager = RolloutManager(engine, cfg, TOK, **GROUPS)
     rows = records(17)
     rows[16].metadata["generate"] = "test_per_request:call_sleep_call"
     done_at: list[float] = []
@@ -103,7 +105,7 @@ def test_one_bad_request_fails_its_sample_only(bad):
     """Requests that reach the engine in one command are still answered one by one: a request the
     engine refuses fails its own sample, and the others of the same turn run."""
     engine = AsyncEngine(core())
-    manager = RolloutManager(engine, CFG, TOK)
+    manager = RolloutManager(engine, CFG, TOK, **GROUPS)
     rows = records(2)
     if bad == "prompt":
         rows[1].input_ids = [10_000]  # not in the vocabulary

@@ -76,11 +76,11 @@ def remote_roles(model_dir, out_dir, url: str, transport: str):
     from transformers import AutoTokenizer
 
     import tidal.loop
-    from tidal.cluster import build_roles
+    from tidal.cluster.roles import build_roles
 
     over = {
-        "rollout.engine": "remote",
-        "rollout.engine_urls": [url],
+        "engine.kind": "remote",
+        "engine.urls": [url],
         "cluster.weight_sync": transport,
         # the bound is small here (2 s + bytes at 1000 MB/s) and the sync timeout is long, so a
         # push that waits out the sync timeout instead (the stall this tests) fails its assertions

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import make_model, make_samples
 
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
+from tidal.train.options import TrainConfig
 from tidal.types import Sample
 
 

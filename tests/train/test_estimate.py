@@ -17,7 +17,7 @@ import statistics
 import pytest
 import torch
 
-from tidal.config import AlgoConfig
+from tidal.algo.options import AlgoConfig
 from tidal.train.estimate import compute_advantages
 from tidal.types import Sample
 

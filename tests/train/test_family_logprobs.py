@@ -11,11 +11,12 @@ import pytest
 import torch
 from families import FAMILIES, tiny_model
 
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.moe import routing_record
 from tidal.train.actor import Actor
+from tidal.train.options import TrainConfig
 from tidal.types import Sample
 
 PROMPTS = [[1, 5, 9, 33, 70, 8, 100, 11, 12], [7, 300, 17, 250, 99, 3, 64, 128, 190, 211, 16]]

@@ -5,11 +5,12 @@ import pytest
 import torch
 from conftest import make_model, make_samples
 
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.sampling import SamplingParams
 from tidal.train import lora
 from tidal.train.actor import Actor
+from tidal.train.options import TrainConfig
 
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import make_model, make_samples
 
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
 from tidal.train.batching import collate_packed, packed_response_hidden
+from tidal.train.options import TrainConfig
 from tidal.train.precision import Bf16Compute
 
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])

@@ -11,9 +11,11 @@ import torch
 from conftest import MOE_FAMILIES, loop_config, make_model, make_moe_model, make_samples
 
 from tidal import moe
-from tidal.config import AlgoConfig, ConfigError, TrainConfig
+from tidal.algo.options import AlgoConfig
+from tidal.options import ConfigError
 from tidal.train.actor import Actor
 from tidal.train.batching import collate, collate_packed
+from tidal.train.options import TrainConfig
 from tidal.types import Sample
 
 LAYOUTS = {  # TrainConfig options of each micro-batch layout
@@ -221,8 +223,8 @@ def test_routing_replay_needs_an_moe_model(tmp_path, tiny_model_dir):
     cfg = loop_config(moe_dir, tmp_path / "run", **{"algo.routing_replay": True})
     assert cfg.algo.routing_replay is True
     with pytest.raises(ConfigError) as e:
-        loop_config(moe_dir, tmp_path / "run", **{"algo.routing_replay": True, "rollout.engine": "vllm"})
+        loop_config(moe_dir, tmp_path / "run", **{"algo.routing_replay": True, "engine.kind": "vllm"})
     assert (
-        "algo.routing_replay: rollout.engine 'vllm' does not return the experts it chose; tidal's engine "
-        "(in-process or `tidal serve`) and SGLang (--enable-return-routed-experts) do"
+        "algo.routing_replay: engine.kind vllm does not return the experts it chose; engine.kind tidal or remote "
+        "or sglang does (SGLang with --enable-return-routed-experts)"
     ) in str(e.value)

@@ -80,7 +80,7 @@ class AsyncEngine:
             self.dtype = next(model.parameters()).dtype
         self.vocab_size: int | None = _vocab_size(core)
         # whether a weight update may name only the tensors that changed (`partial=True`)
-        self.partial_updates: bool = bool(getattr(core, "partial_updates", False))
+        self.partial_updates: bool = core.partial_updates
         self._weight_version: int = core.weight_version
         self._stats_interval_s = stats_interval_s
         self._stats: dict = {}

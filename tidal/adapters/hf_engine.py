@@ -1,4 +1,4 @@
-"""The fallback engine (`rollout.engine: hf`): a Hugging Face causal LM decoding a whole batch with
+"""The fallback engine (`engine.kind: hf`): a Hugging Face causal LM decoding a whole batch with
 a KV cache, for architectures tidal's own engine does not run.
 
 It samples every row with that row's own parameters and seed, returns the log-prob of each sampled
@@ -102,7 +102,7 @@ class HFEngine:
         return model_checksum(self.model)
 
     def sleep(self) -> None:
-        raise RuntimeError("rollout.engine hf cannot sleep: use the tidal engine to colocate")
+        raise RuntimeError("engine.kind hf cannot sleep: use the tidal engine to colocate")
 
     def wake(self) -> None:
         pass

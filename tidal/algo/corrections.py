@@ -13,11 +13,9 @@ import torch
 from torch import Tensor
 
 from tidal.algo.losses import _upcast, masked_mean
+from tidal.algo.options import IS_LEVELS, IS_MODES
 
 __all__ = ["IS_LEVELS", "IS_MODES", "importance_weights"]
-
-IS_LEVELS = ("token", "sequence", "geometric")
-IS_MODES = ("truncate", "mask")
 
 
 def importance_weights(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tidal.algo.options import AGGREGATE_MODES, KL_KINDS
+
 __all__ = [
     "AGGREGATE_MODES",
     "KL_KINDS",
@@ -21,9 +23,7 @@ __all__ = [
     "value_loss",
 ]
 
-KL_KINDS = ("k1", "k2", "k3")
 POLICY_LOSS_LEVELS = ("token", "sequence")
-AGGREGATE_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def _upcast(x: Tensor) -> Tensor:

@@ -3,7 +3,7 @@ as `tidal serve`), and the loop reaches them through the router like any remote 
 
 Besides HTTP, an engine actor can join a process group with trainer rank 0 and receive weights by
 broadcast (`tidal.sync.broadcast`). Sleep and wake (colocated trainers need the memory) go over
-HTTP like every other control call. An actor runs tidal's engine or vLLM's (`rollout.engine`).
+HTTP like every other control call. An actor runs tidal's engine or vLLM's (`engine.kind`).
 """
 
 from __future__ import annotations
@@ -15,27 +15,17 @@ import time
 
 import torch
 
+from tidal.adapters.options import EngineConfig
 from tidal.aio import LoopThread
-from tidal.config import ClusterConfig, RolloutConfig
+from tidal.cluster.options import ClusterConfig
 from tidal.hardware import CPU, bind_device, resolve_device
 
 log = logging.getLogger("tidal")
 
 
-def _core(kind: str, model: str, tokenizer, engine_kwargs: dict):
-    if kind == "vllm":
-        from tidal.adapters.factory import vllm_options
-        from tidal.adapters.vllm_core import VLLMCore
-
-        return VLLMCore(model, tokenizer, **vllm_options(engine_kwargs))
-    from tidal.engine.llm_engine import LLMEngine
-
-    return LLMEngine(model, tokenizer, **engine_kwargs)
-
-
 class EngineServer:
-    """One engine (a Ray actor): a core (tidal's `LLMEngine`, or vLLM's) on its thread behind
-    `AsyncEngine`, the HTTP app on a port of this node."""
+    """One engine (a Ray actor): the core of `kind` (an `engine.kind` with Ray actors: tidal's
+    `LLMEngine`, vLLM's) on its thread behind `AsyncEngine`, the HTTP app on a port of this node."""
 
     def __init__(
         self, model: str, engine_kwargs: dict, threads: int, api_key: str, kind: str = "tidal", device: str = "auto"
@@ -43,17 +33,21 @@ class EngineServer:
         from transformers import AutoTokenizer
 
         from tidal.adapters.async_engine import AsyncEngine
-        from tidal.config import ServerConfig
+        from tidal.adapters.factory import build_core
+        from tidal.backends import engine_kind
         from tidal.net import node_ip
         from tidal.server import BackgroundServer, build_app
+        from tidal.server.options import ServerConfig
 
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)
-        if kind != "vllm":  # vLLM places itself; tidal's engine takes the GPU Ray gave this actor
+        record = engine_kind(kind)
+        placed = CPU
+        if "device" in record.core_options:  # else the core places itself (vLLM)
             choice = resolve_device(device)
             log.info("engine actor %d: cluster.device %s (%s)", os.getpid(), choice.device, choice.reason)
-            engine_kwargs = {**engine_kwargs, "device": str(bind_device(choice.device))}
-        self.core = _core(kind, model, tokenizer, engine_kwargs)
+            placed = str(bind_device(choice.device))  # the GPU Ray gave this actor
+        self.core = build_core(record, model, tokenizer, engine_kwargs, placed)
         self.device = getattr(self.core, "device", CPU)
         self.engine = AsyncEngine(self.core)
         host = node_ip()
@@ -115,7 +109,7 @@ class EngineGroup:
     def __init__(
         self,
         cluster: ClusterConfig,
-        rollout: RolloutConfig,
+        engine: EngineConfig,
         model: str,
         engine_kwargs: dict,
         group,
@@ -127,7 +121,7 @@ class EngineGroup:
 
         self.remote = ray.remote(EngineServer)
         self.api_key = secrets.token_hex(16)  # a key of this run's own for its engines' HTTP servers
-        self.cluster, self.rollout = cluster, rollout
+        self.cluster, self.options = cluster, engine
         self.model, self.engine_kwargs, self.group = model, engine_kwargs, group
         self.bundles = list(bundles)
         self.loop = LoopThread()  # every call to the engines' HTTP servers runs on it
@@ -138,7 +132,7 @@ class EngineGroup:
         except BaseException:
             self.close()  # nothing else holds them yet
             raise
-        self.engine = HttpEngine(self.urls, timeout=rollout.request_timeout, api_key=self.api_key)
+        self.engine = HttpEngine(self.urls, timeout=engine.request_timeout, api_key=self.api_key)
         self.timeout = cluster.sync_timeout
         self.restarts = 0  # engines restarted (or dropped) so far
 
@@ -155,7 +149,7 @@ class EngineGroup:
             max_concurrency=4,  # HTTP thread + weight receive + control calls
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
         ).remote(
-            self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key, self.rollout.engine, c.device
+            self.model, self.engine_kwargs, int(max(1, c.cpus_per_engine)), self.api_key, self.options.kind, c.device
         )
 
     def _wait_started(self, actors: list, which: list[int]) -> list[str]:
@@ -193,7 +187,7 @@ class EngineGroup:
     def recover(self) -> bool:
         """Restart or drop (`cluster.engine_failure`) the engines that failed: those the router took
         out of service (they failed a request: no connection, no answer within
-        `rollout.request_timeout`, a 5xx) and those that fail /health now (within the client's
+        `engine.request_timeout`, a 5xx) and those that fail /health now (within the client's
         control timeout), such as one that died after its last request of the rollout.
         Returns True when engines changed: the weight sync must then re-form its group and push the
         current weights before they serve (a restarted engine holds the initial ones). Raises
@@ -239,13 +233,23 @@ class EngineGroup:
             raise
         for i, actor, url in zip(which, actors, urls, strict=True):
             self.actors[i], self.urls[i] = actor, url
-            router.replace(i, EngineClient(url, self.rollout.request_timeout, api_key=self.api_key))
+            router.replace(i, EngineClient(url, self.options.request_timeout, api_key=self.api_key))
             log.info("engine %d restarted at %s", i, url)
         return True
 
     def live_urls(self) -> list[str]:
         """The URLs of the engines in service."""
         return [self.urls[i] for i in self.engine.router.live]
+
+    def down(self) -> dict[str, str]:
+        """The engines out of service, by URL, with why (`recover` restarts or drops them)."""
+        return {self.urls[i]: why for i, why in self.engine.router.down.items()}
+
+    def confirmed(self, version: int) -> dict[str, float]:
+        """Every engine holds `version`: the rollout's engine reports it from now on; the failure
+        counts so far (engines restarted or dropped, requests sent again to another engine)."""
+        self.engine.note_version(version)
+        return {"engines/restarts": float(self.restarts), "engines/resent_requests": float(self.engine.router.resent)}
 
     def _run(self, coro, what: str):
         return self.loop.run(coro, self.timeout, f"engines: {what}")

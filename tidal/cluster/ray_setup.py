@@ -11,7 +11,7 @@ import logging
 import os
 import tempfile
 
-from tidal.config import ClusterConfig
+from tidal.cluster.options import ClusterConfig
 
 log = logging.getLogger("tidal")
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tidal.algo.options import AlgoConfig
+from tidal.cluster.options import ClusterConfig
 from tidal.cluster.ranks import rank_name, wait_for_ranks
-from tidal.config import AlgoConfig, ClusterConfig, TrainConfig
 from tidal.hardware import CPU, bind_device, dist_backend, resolve_device
 from tidal.train import lora
+from tidal.train.options import TrainConfig
 from tidal.train.update import Sums
 from tidal.types import Sample
 
@@ -269,7 +271,9 @@ class TrainerGroup:
         extra["actor/tokens"] = sum(e["actor/tokens"] for _, e in results)
         return {**sums.mean(), **extra}
 
-    def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False):
+    def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True):
+        if not merged:  # config validation keeps train.lora_merge false to one trainer in this process
+            raise ValueError("named_weights(merged=False): the ranks send merged weights only")
         weights = self._get([r.full_weights.remote(dtype, changed_only) for r in self.ranks], "gathering the weights")[
             0
         ]

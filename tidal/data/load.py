@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from tidal.config import DataConfig
 from tidal.data.dataset import DataError, PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
+from tidal.data.options import DataConfig
 from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
 from tidal.data.stream import StreamingSource

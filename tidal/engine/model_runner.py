@@ -80,7 +80,7 @@ def check_supported(config) -> None:
     if kind not in FAMILIES:
         raise UnsupportedModelError(
             f"the tidal engine runs {', '.join(FAMILIES)} models; config model_type is {kind!r} "
-            "(rollout.engine: hf runs any transformers model, slower)"
+            "(engine.kind: hf runs any transformers model, slower)"
         )
     for key in ("is_encoder_decoder", "use_bidirectional_attention"):
         if getattr(config, key, False):

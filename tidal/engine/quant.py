@@ -1,4 +1,4 @@
-"""Low-precision rollout weights (`rollout.quantization`): the engine's linear layers read fewer
+"""Low-precision rollout weights (`engine.quantization`): the engine's linear layers read fewer
 weight bytes per token, the trainer stays in full precision.
 
 - `fp16` (CPU): weight-only; each weight is stored in float16 (2x fewer bytes than fp32) and
@@ -53,11 +53,12 @@ import torch
 from torch import Tensor, nn
 
 from tidal import moe
+from tidal.backends import QUANTIZATIONS as QUANTIZATION_RECORDS
 from tidal.hardware import CPU, bf16_native, is_cuda
 
-QUANTIZATIONS = ("none", "fp16", "int8", "fp8")
+QUANTIZATIONS = tuple(QUANTIZATION_RECORDS)  # the names, in `tidal.backends` order
 CPU_KINDS = ("fp16", "int8")
-PACKED = "packed"  # full precision in oneDNN's layout (not a rounding: no `rollout.quantization` value)
+PACKED = "packed"  # full precision in oneDNN's layout (not a rounding: no `engine.quantization` value)
 PACKED_MAX_ROWS = 256  # bigger calls (prefill chunks) run MKL on the parameters
 PACKED_ROWS_HINT = 64  # the batch size oneDNN lays the packed weights out for
 FP8 = torch.float8_e4m3fn
@@ -66,19 +67,19 @@ JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def check_quantization(kind: str, device: torch.device) -> None:
-    """Raise ValueError (naming `rollout.quantization`) unless `kind` runs on `device`."""
+    """Raise ValueError (naming `engine.quantization`) unless `kind` runs on `device`."""
     if kind not in QUANTIZATIONS:
-        raise ValueError(f"rollout.quantization: one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+        raise ValueError(f"engine.quantization: one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     if kind in CPU_KINDS and device.type != CPU:
-        raise ValueError(f"rollout.quantization: {kind} runs on the CPU, the engine is on {device}; use fp8")
+        raise ValueError(f"engine.quantization: {kind} runs on the CPU, the engine is on {device}; use fp8")
     if kind == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError("rollout.quantization: fp16 needs PyTorch's fbgemm kernels (x86), which this build lacks")
+        raise ValueError("engine.quantization: fp16 needs PyTorch's fbgemm kernels (x86), which this build lacks")
     if kind == "fp8":
         if not is_cuda(device):
-            raise ValueError(f"rollout.quantization: fp8 runs on CUDA GPUs, the engine is on {device}; use int8")
+            raise ValueError(f"engine.quantization: fp8 runs on CUDA GPUs, the engine is on {device}; use int8")
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
-            raise ValueError(f"rollout.quantization: fp8 needs compute capability >= 8.9, this GPU has {cap}")
+            raise ValueError(f"engine.quantization: fp8 needs compute capability >= 8.9, this GPU has {cap}")
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:

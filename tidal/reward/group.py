@@ -1,4 +1,4 @@
-"""Group rewards (`rollout.group_reward`): one call per prompt's group, for judges that compare the
+"""Group rewards (`reward.group_fn`): one call per prompt's group, for judges that compare the
 samples of a prompt with each other (pairwise preference, ranking) rather than score each alone.
 
 The function gets the group's samples that generated (a sample whose generation failed has nothing

@@ -1,13 +1,13 @@
-"""The LLM-judge reward (`rollout.reward: judge`): each sample's prompt, response and label are
-written into `rollout.judge_prompt_template` and sent as one chat message to an OpenAI-compatible
-server (`rollout.judge_url`, e.g. another `tidal serve`); the score is read from the answer.
+"""The LLM-judge reward (`reward.fn: judge`): each sample's prompt, response and label are
+written into `judge.prompt_template` and sent as one chat message to an OpenAI-compatible
+server (`judge.url`, e.g. another `tidal serve`); the score is read from the answer.
 
-Requests are greedy (temperature 0), at most `rollout.judge_concurrency` in flight. A request that
-times out (`rollout.judge_timeout`), loses its connection or gets HTTP 429/5xx is tried again up to
-`rollout.judge_retries` times after ``rollout.reward_backoff * 2**k`` seconds; one that still fails,
+Requests are greedy (temperature 0), at most `judge.concurrency` in flight. A request that
+times out (`judge.timeout`), loses its connection or gets HTTP 429/5xx is tried again up to
+`judge.retries` times after ``reward.backoff * 2**k`` seconds; one that still fails,
 any other HTTP error, or an answer with no score fails that sample only (status FAILED, the error
 naming the judge's URL), like any failed reward. The API key is read from the environment variable
-named by `rollout.judge_api_key_env` and only ever put in the Authorization header.
+named by `judge.api_key_env` and only ever put in the Authorization header.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import weakref
 
 import httpx
 
-from tidal.config import RolloutConfig
+from tidal.reward.options import JudgeConfig
 from tidal.reward.verifiers import _TEXT_NUMBER_RE, parse_number
 from tidal.types import Sample
 
@@ -58,22 +58,23 @@ class JudgeReward:
     """``await judge(sample) -> float``: one judge request per sample (see the module docstring).
 
     It bounds its own calls (``own_limits``), so `score_rollout` does not add
-    `rollout.reward_timeout` and `rollout.reward_retries` on top of the judge's own."""
+    `reward.timeout` and `reward.retries` on top of the judge's own."""
 
     own_limits = True
     __name__ = "judge"
 
-    def __init__(self, cfg: RolloutConfig) -> None:
-        self.url = cfg.judge_url.rstrip("/")
-        self.model = cfg.judge_model
-        self.template = cfg.judge_prompt_template
-        self.max_tokens = cfg.judge_max_tokens
-        self.timeout = cfg.judge_timeout
-        self.retries = cfg.judge_retries
-        self.backoff = cfg.reward_backoff
-        self.regex = cfg.judge_score_regex
-        self.concurrency = cfg.judge_concurrency
-        key = os.environ.get(cfg.judge_api_key_env) if cfg.judge_api_key_env else None
+    def __init__(self, cfg: JudgeConfig, backoff: float = 1.0) -> None:
+        """`backoff`: seconds before the first retry, doubling after each (`reward.backoff`)."""
+        self.url = cfg.url.rstrip("/")
+        self.model = cfg.model
+        self.template = cfg.prompt_template
+        self.max_tokens = cfg.max_tokens
+        self.timeout = cfg.timeout
+        self.retries = cfg.retries
+        self.backoff = backoff
+        self.regex = cfg.score_regex
+        self.concurrency = cfg.concurrency
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         # An httpx client and a semaphore belong to the event loop they were made on; tests and
         # evaluation may score on more than one loop, so each loop gets its own pair.

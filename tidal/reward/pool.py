@@ -1,7 +1,7 @@
 """Sync reward functions in worker processes, where a timeout can stop them.
 
 A sync reward called on the event loop blocks every other sample (one at a time) and cannot be
-interrupted, so `rollout.reward_timeout` could not hold. A thread pool would give concurrency but
+interrupted, so `reward.timeout` could not hold. A thread pool would give concurrency but
 a hung thread cannot be killed: it keeps its worker forever. Here each call runs in a process of a
 `pebble.ProcessPool`; when the caller gives up (timeout, or the step is cancelled) the worker
 running that call is terminated and the pool starts a fresh one.

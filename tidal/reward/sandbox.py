@@ -471,16 +471,16 @@ def set_default_backend(backend: str) -> None:
     os.environ[BACKEND_ENV] = backend
 
 
-def check_run(rollout, backend: str | None) -> None:
-    """Before a run or an evaluation starts: where its `rollout` config executes model-written code
-    (the code_tests reward, the python tool) and would need bubblewrap (`backend` auto or bwrap, or
-    None and the process default), raise ConfigError naming `sandbox.backend`, the reason and the
-    opt-in to rlimits, rather than fail at the first reward call mid-run."""
+def check_run(runs_code: bool, backend: str | None) -> None:
+    """Before a run or an evaluation starts: where it executes model-written code (`runs_code`: the
+    code_tests reward, the python tool; `tidal.config.Config.runs_model_code`) and would need
+    bubblewrap (`backend` auto or bwrap, or None and the process default), raise ConfigError naming
+    `sandbox.backend`, the reason and the opt-in to rlimits, rather than fail at the first reward
+    call mid-run."""
     # this module runs on the standard library alone (a bare interpreter imports it), so the
-    # config, which needs PyYAML, is imported only here
-    from tidal.config import ConfigError
+    # config's error is imported only here
+    from tidal.options import ConfigError
 
-    runs_code = rollout.reward == "code_tests" or (rollout.generate == "tools" and "python" in rollout.tools)
     if not runs_code:
         return
     try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from tidal.config import RolloutConfig
 from tidal.reward.checks import GroupRewardFn, RewardFn, check_reward, retryable
 from tidal.reward.failures import ErrorLog, check_failed_ratio
 from tidal.reward.group import score_groups
+from tidal.reward.options import RewardConfig
 from tidal.reward.pool import RewardPool, is_async_callable
 from tidal.reward.verifiers import BUILTIN_REWARDS
 from tidal.types import Sample, Status
@@ -160,21 +160,23 @@ async def score_samples(
 async def score_rollout(
     samples: list[Sample],
     reward_fn: RewardFn | None,
-    cfg: RolloutConfig,
+    cfg: RewardConfig,
+    max_failed_ratio: float,
     errors: ErrorLog,
     group_fn: GroupRewardFn | None = None,
 ) -> int:
-    """Score a rollout step's samples under the `RolloutConfig` limits (timeout, retries, backoff);
-    then log the step's error summary and apply `rollout.max_failed_ratio` to all of `samples`
-    (raises `TooManyFailedSamples`). Returns the number of samples the reward marked FAILED.
+    """Score a rollout step's samples under the reward group's limits (timeout, retries, backoff);
+    then log the step's error summary and apply `max_failed_ratio` (`rollout.max_failed_ratio`) to
+    all of `samples` (raises `TooManyFailedSamples`). Returns the number of samples the reward
+    marked FAILED.
 
-    With `group_fn` (`rollout.group_reward`) every group is scored by one call of it
+    With `group_fn` (`reward.group_fn`) every group is scored by one call of it
     (`tidal.reward.group.score_groups`), over rewards a generate function set; otherwise
     `reward_fn` scores, with `score_samples`, the samples that have no reward yet (a generate
     function may have set one). A reward that bounds its own calls (``own_limits``: the judge, with
-    its own timeout and retries per request) is not wrapped in `rollout.reward_timeout` and retries.
+    its own timeout and retries per request) is not wrapped in `reward.timeout` and retries.
     """
-    limits = {"timeout": cfg.reward_timeout, "retries": cfg.reward_retries, "backoff": cfg.reward_backoff}
+    limits = {"timeout": cfg.timeout, "retries": cfg.retries, "backoff": cfg.backoff}
     if group_fn is not None:
         failed = await score_groups(samples, group_fn, errors=errors, **limits)
     else:
@@ -184,7 +186,7 @@ async def score_rollout(
             limits.update(timeout=None, retries=0)
         failed = await score_samples([s for s in samples if s.reward is None], reward_fn, errors=errors, **limits)
     errors.flush()
-    check_failed_ratio(samples, cfg.max_failed_ratio)
+    check_failed_ratio(samples, max_failed_ratio)
     return failed
 
 
@@ -211,17 +213,17 @@ def scalar_reward(sample: Sample, key: str = "score") -> float:
 
 
 def check_reward_key(samples: list[Sample], key: str) -> None:
-    """Raise ConfigError when a scored sample's dict reward lacks `key` (`rollout.reward_key`).
+    """Raise ConfigError when a scored sample's dict reward lacks `key` (`reward.key`).
 
     A reward's return type is only known once it has run, so the rollout calls this on every scored
     batch: the first one comes before any training, and the message names the setting to change and
     the keys the reward does return, where `scalar_reward` would fail later with a bare KeyError."""
-    from tidal.config import ConfigError
+    from tidal.options import ConfigError
 
     for s in samples:
         if isinstance(s.reward, dict) and key not in s.reward:
             raise ConfigError(
-                f"rollout.reward_key: the reward returned a dict without the key {key!r} (sample {s.index}: keys "
-                f"{sorted(s.reward)}); set rollout.reward_key to the entry to train on, e.g. "
-                f"--rollout.reward_key={sorted(s.reward)[0] if s.reward else 'KEY'}"
+                f"reward.key: the reward returned a dict without the key {key!r} (sample {s.index}: keys "
+                f"{sorted(s.reward)}); set reward.key to the entry to train on, e.g. "
+                f"--reward.key={sorted(s.reward)[0] if s.reward else 'KEY'}"
             )

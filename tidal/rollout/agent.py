@@ -1,11 +1,11 @@
 """The agent door: an unmodified agent program, written against the `openai` package, samples
 through tidal's engine during rollout and its calls become token-exact training samples.
 
-`rollout.generate: agent` runs `rollout.agent`, an `async def agent(client, prompt, label)`, once
+`rollout.generate: agent` runs `agent.fn`, an `async def agent(client, prompt, label)`, once
 per sample. `client` is an `openai.AsyncOpenAI` whose base URL is the sample's own **session** on
 the door, an OpenAI-compatible HTTP server on 127.0.0.1 (`http://127.0.0.1:PORT/s/<token>/v1`,
 the token is also the API key). The agent returns the trajectory's reward (a number or a dict)
-or None, and then `rollout.reward` scores the samples. An agent that runs another program hands
+or None, and then `reward.fn` scores the samples. An agent that runs another program hands
 it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
 
 The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
@@ -122,7 +122,7 @@ class Session:
         self.samples: list[Sample] = [sample]  # the first: the dataset prompt, nothing sampled yet
         self.calls = 0
         self.used = 0  # response tokens (sampled + environment) over every sample of the trajectory
-        self.budget = ctx.cfg.response_budget
+        self.budget = ctx.rollout.response_budget
         self.budget_refused = False
         self.answers: list[tuple[dict, str]] = []  # (an assistant message the door returned, the text sampled)
         self.lock = asyncio.Lock()  # an agent's parallel calls are served one at a time
@@ -206,7 +206,7 @@ class Session:
         output, the ids the engine was given)."""
         sample = self.samples[-1]
         # before anything is sampled there is nothing to realign: the dataset prompt is extended or replaced
-        drift = self.ctx.cfg.agent_max_drift_tokens if self.trained() else 0
+        drift = self.ctx.agent.max_drift_tokens if self.trained() else 0
         fit = align(sample.tokens, prompt, self.decode, drift)
         engine_ids = sample.tokens[: fit.keep] + fit.env_ids
         left = self.budget - self.used - (len(fit.env_ids) if fit.case != "new" else 0)
@@ -358,19 +358,19 @@ async def _release_door(extra: dict, door: AgentDoor) -> None:
 
 
 def load_agent(name: str) -> Any:
-    return load_async_fn(name, "rollout.agent", "async def agent(client, prompt, label)")
+    return load_async_fn(name, "agent.fn", "async def agent(client, prompt, label)")
 
 
 async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> list[Sample]:
-    """Run `rollout.agent` on one prompt through its own session on the door; the samples its
-    calls became (`rollout.agent_samples` picks which), with the agent's reward if it gave one."""
+    """Run `agent.fn` on one prompt through its own session on the door; the samples its calls
+    became (`agent.samples` picks which), with the agent's reward if it gave one."""
     import openai
 
-    cfg = ctx.cfg
+    cfg = ctx.agent
     agents: dict = ctx.extra.setdefault("agent_fns", {})
-    if cfg.agent not in agents:
-        agents[cfg.agent] = load_agent(cfg.agent)
-    agent = agents[cfg.agent]
+    if cfg.fn not in agents:
+        agents[cfg.fn] = load_agent(cfg.fn)
+    agent = agents[cfg.fn]
     door = await _acquire_door(ctx.extra)
     session = Session(ctx, sample, sampling)
     door.sessions[session.token] = session
@@ -384,7 +384,7 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         except Exception as e:
             if not session.budget_refused or not session.trained():
                 raise
-            # the agent stopped on the spent budget: what it sampled is kept, scored by rollout.reward
+            # the agent stopped on the spent budget: what it sampled is kept, scored by reward.fn
             log.info("sample %d: agent stopped after the response budget was spent: %r", sample.index, e)
             session.samples[-1].status = Status.TRUNCATED
             reward = None
@@ -393,13 +393,13 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         await client.close()
         await _release_door(ctx.extra, door)
     if reward is not None and not isinstance(reward, int | float | dict):
-        raise TypeError(f"rollout.agent returned {type(reward).__name__}; expected a number, a dict or None")
+        raise TypeError(f"agent.fn returned {type(reward).__name__}; expected a number, a dict or None")
     samples = session.trained()
     if not samples:
-        raise RuntimeError("rollout.agent made no call to the model: nothing to train on")
-    if cfg.agent_samples == "last":
+        raise RuntimeError("agent.fn made no call to the model: nothing to train on")
+    if cfg.samples == "last":
         samples = samples[-1:]
-    elif cfg.agent_samples == "first":
+    elif cfg.samples == "first":
         samples = samples[:1]
     for s in samples:
         s.reward = float(reward) if isinstance(reward, int | float) else reward

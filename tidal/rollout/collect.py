@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from tidal.algo import Groups, groups_with_signal, overlong_penalty
-from tidal.config import AlgoConfig
+from tidal.algo.options import AlgoConfig
 from tidal.data.source import DataSource
 from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
@@ -78,7 +78,7 @@ def collect(
     function says no to; it sees each group's scored samples, failed ones included); more prompts
     are sampled (up to `max_sampling_rounds` rounds) until `rollout_batch_size` groups remain. If
     the rounds run out, the batch is topped up with dropped groups and the shortfall is logged."""
-    r = rollout.cfg
+    r = rollout.rollout
     if not algo.dynamic_sampling:
         return rollout.generate(source.next_batch(), step), {}
     keep = load_object(algo.dynamic_sampling_filter, callable_required=True) if algo.dynamic_sampling_filter else None

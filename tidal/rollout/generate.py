@@ -10,7 +10,7 @@ A generate function is `async def generate(ctx, sample, sampling) -> Sample | li
 
 It grows the sample with `sample.append_policy(...)` (sampled tokens) and `sample.append_env(...)`
 (tool output, user turns), so the trainer scores exactly the ids the engine sampled. It may set
-`sample.reward`; samples without one are scored by `rollout.reward` afterwards. A list fans the
+`sample.reward`; samples without one are scored by `reward.fn` afterwards. A list fans the
 prompt out: every sample of it joins the prompt's group. The default, `single_turn`, is one
 engine call. `rollout.generate` names the function (`single_turn`, `tools`, `agent`, or a dotted
 path / `file.py:fn`; see `tidal.rollout.manager.load_generate_fn`); a prompt row may name its own
@@ -38,11 +38,10 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.config import RolloutConfig
-from tidal.contracts import Engine, GenerationOutput
+from tidal.contracts import Engine, GenerationOutput, SamplingParams
 from tidal.data.dataset import PromptRecord
-from tidal.engine.sampling import SamplingParams
 from tidal.moe import routing_record
+from tidal.rollout.options import AgentConfig, RolloutConfig, ToolsConfig
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 
@@ -53,16 +52,19 @@ GenerateFn = Callable[["GenerateContext", Sample, SamplingParams], Awaitable[Sam
 
 @dataclass
 class GenerateContext:
-    """What a generate function gets besides its sample: the engine, the tokenizer, the config."""
+    """What a generate function gets besides its sample: the engine, the tokenizer, the rollout's
+    option groups (`rollout`: max_new_tokens, max_turns, `response_budget`; `tools`; `agent`)."""
 
     engine: Engine
     tokenizer: Any
-    cfg: RolloutConfig
+    rollout: RolloutConfig
     record: PromptRecord | None = None
     step: int = 0
     group: Hashable | None = None  # the prompt's group: an engine with several servers keeps it on one
     extra: dict = field(default_factory=dict)  # set by the manager for built-ins (tools, the agent door)
     index: int = 0  # the sample's position in this rollout call
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         """Sample one response to `input_ids`: token ids, one log-prob per id, finish reason, version."""

@@ -16,14 +16,14 @@ import logging
 from collections.abc import Awaitable
 
 from tidal.aio import LoopThread
-from tidal.config import RolloutConfig
-from tidal.contracts import Engine
+from tidal.contracts import Engine, SamplingParams
 from tidal.data.dataset import PromptRecord
-from tidal.engine.sampling import SamplingParams
 from tidal.reward.checks import GroupRewardFn, RewardFn
 from tidal.reward.failures import ErrorLog
+from tidal.reward.options import JudgeConfig, RewardConfig
 from tidal.reward.score import check_reward_key, get_reward_fn, score_rollout
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, load_async_fn, single_turn
+from tidal.rollout.options import AgentConfig, RolloutConfig, SamplingConfig, ToolsConfig
 from tidal.types import Sample, Status
 
 __all__ = [
@@ -100,18 +100,18 @@ def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
     return fn
 
 
-def load_rewards(cfg: RolloutConfig) -> tuple[RewardFn | None, GroupRewardFn | None]:
+def load_rewards(reward: RewardConfig, judge: JudgeConfig) -> tuple[RewardFn | None, GroupRewardFn | None]:
     """(per-sample reward, group reward) from the config; exactly one of them is set:
-    `rollout.group_reward` when given, else `rollout.reward` (``judge`` builds the LLM judge)."""
-    if cfg.group_reward:
+    `reward.group_fn` when given, else `reward.fn` (``judge``: the LLM judge `judge` configures)."""
+    if reward.group_fn:
         from tidal.reward.group import load_group_reward
 
-        return None, load_group_reward(cfg.group_reward)
-    if cfg.reward == "judge":
+        return None, load_group_reward(reward.group_fn)
+    if reward.judged:
         from tidal.reward.judge import JudgeReward
 
-        return JudgeReward(cfg), None
-    return get_reward_fn(cfg.reward, cfg.reward_workers), None
+        return JudgeReward(judge, reward.backoff), None
+    return get_reward_fn(reward.fn, reward.workers), None
 
 
 def _is_partial(out: list[Sample]) -> bool:
@@ -122,25 +122,35 @@ class RolloutManager:
     """Fans prompts out to the generate functions in groups, then scores every sample with the reward.
 
     `generate` is for synchronous callers (the loop): it runs `agenerate` on `loop`, the rollout
-    role's long-lived event loop (one of its own when none is given)."""
+    role's long-lived event loop (one of its own when none is given). The option groups it reads
+    besides `rollout` default to their defaults."""
 
     def __init__(
         self,
         engine: Engine,
-        cfg: RolloutConfig,
+        rollout: RolloutConfig,
         tokenizer=None,
         loop: LoopThread | None = None,
         routed_experts: bool = False,
+        *,
+        sampling: SamplingConfig | None = None,
+        reward: RewardConfig | None = None,
+        judge: JudgeConfig | None = None,
+        tools: ToolsConfig | None = None,
+        agent: AgentConfig | None = None,
     ) -> None:
         self.engine = engine
         self.routed_experts = routed_experts  # ask the engine for MoE routing (algo.routing_replay)
-        self.cfg = cfg
+        self.rollout = rollout
+        self.sampling = sampling or SamplingConfig()
+        self.reward = reward or RewardConfig()
+        self.tools, self.agent = tools or ToolsConfig(), agent or AgentConfig()
         self.tokenizer = tokenizer
         self.loop = loop if loop is not None else LoopThread()
         self._own_loop = loop is None
-        self.reward_fn, self.group_reward_fn = load_rewards(cfg)
+        self.reward_fn, self.group_reward_fn = load_rewards(self.reward, judge or JudgeConfig())
         self.reward_errors = ErrorLog()
-        self.generate_fn = load_generate_fn(cfg.generate)
+        self.generate_fn = load_generate_fn(rollout.generate)
         self.extra: dict = {}  # shared state of built-in generate functions (tools, the agent door)
         # partial rollouts (the overlapped loop): a sample whose request was aborted (new weights
         # were on their way) is sent again at once, continuing from its own tokens; the engine is
@@ -149,13 +159,30 @@ class RolloutManager:
         self.aborted = self.resumed = 0
         self._rollouts = itertools.count()
 
+    @classmethod
+    def from_config(cls, engine: Engine, cfg, tokenizer=None, loop: LoopThread | None = None) -> RolloutManager:
+        """The manager of a run's `tidal.config.Config`: its rollout, sampling, reward, judge, tools
+        and agent groups; MoE routing asked for with `algo.routing_replay`."""
+        return cls(
+            engine,
+            cfg.rollout,
+            tokenizer,
+            loop,
+            cfg.algo.routing_replay,
+            sampling=cfg.sampling,
+            reward=cfg.reward,
+            judge=cfg.judge,
+            tools=cfg.tools,
+            agent=cfg.agent,
+        )
+
     def sampling_params(self, seed: int) -> SamplingParams:
-        c = self.cfg
+        c = self.sampling
         return SamplingParams(
             temperature=c.temperature,
             top_p=c.top_p,
             top_k=c.top_k,
-            max_new_tokens=c.max_new_tokens,
+            max_new_tokens=self.rollout.max_new_tokens,
             stop_token_ids=list(c.stop_token_ids),
             stop=list(c.stop),
             seed=seed,
@@ -170,7 +197,7 @@ class RolloutManager:
         return self.loop.run(self.agenerate(records, step, first_index))
 
     async def agenerate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
-        n = self.cfg.n_samples_per_prompt
+        n = self.rollout.n_samples_per_prompt
         rollout = next(self._rollouts)  # group keys unique to this call
         jobs = []
         for g, rec in enumerate(records):
@@ -187,8 +214,19 @@ class RolloutManager:
                     index=i,
                     metadata={**rec.metadata, "prompt_index": rec.index},
                 )
-                ctx = GenerateContext(self.engine, self.tokenizer, self.cfg, rec, step, (rollout, g), self.extra, i)
-                params = self.sampling_params(sample_seed(self.cfg.seed, step, first_index + i))
+                ctx = GenerateContext(
+                    self.engine,
+                    self.tokenizer,
+                    self.rollout,
+                    rec,
+                    step,
+                    (rollout, g),
+                    self.extra,
+                    i,
+                    self.tools,
+                    self.agent,
+                )
+                params = self.sampling_params(sample_seed(self.sampling.seed, step, first_index + i))
                 jobs.append((fn, ctx, sample, params))
         results = await asyncio.gather(*(self._run_one(*job) for job in jobs))
         samples: list[Sample] = []
@@ -197,8 +235,15 @@ class RolloutManager:
                 s.index = len(samples)
                 samples.append(s)
         group_sizes(samples)  # groups must be contiguous runs for the estimators
-        await score_rollout(samples, self.reward_fn, self.cfg, self.reward_errors, self.group_reward_fn)
-        check_reward_key(samples, self.cfg.reward_key)  # a dict reward must hold the key trained on
+        await score_rollout(
+            samples,
+            self.reward_fn,
+            self.reward,
+            self.rollout.max_failed_ratio,
+            self.reward_errors,
+            self.group_reward_fn,
+        )
+        check_reward_key(samples, self.reward.key)  # a dict reward must hold the key trained on
         for s in samples:
             if s.status == Status.FAILED:  # nothing trustworthy to learn from
                 s.loss_mask = [0] * s.response_length

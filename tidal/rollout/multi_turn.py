@@ -165,7 +165,7 @@ def _clip(tokenizer: Any, text: str, max_tokens: int) -> str:
 
 def _state(ctx: GenerateContext) -> tuple[dict[str, Callable], TurnRenderer]:
     if "tools" not in ctx.extra:  # built once per rollout manager, shared by its samples
-        tools = load_tools(list(ctx.cfg.tools))
+        tools = load_tools(list(ctx.tools.names))
         ctx.extra["tools"] = (tools, TurnRenderer(ctx.tokenizer, tools))
     return ctx.extra["tools"]
 
@@ -174,18 +174,17 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, sampling: SamplingPara
     """Sample turns, run the tools they call, feed the results back; see the module docstring.
     `metadata` records turns, tool calls and tool errors; a sample that runs out of turns or
     tokens while still calling tools is TRUNCATED."""
-    cfg = ctx.cfg
     tools, renderer = _state(ctx)
     if ctx.record is not None:
         sample.tokens, sample.prompt = renderer.prompt(ctx.record.prompt)
     stop_ids = set(sampling.stop_token_ids)
     if ctx.tokenizer.eos_token_id is not None:
         stop_ids.add(ctx.tokenizer.eos_token_id)
-    budget = cfg.response_budget
+    budget = ctx.rollout.response_budget
     calls_made = errors = 0
     conversation: list[dict] = []
     sample.metadata.update(conversation=conversation, turns=0, tool_calls=0, tool_errors=0)
-    for turn in range(cfg.max_turns):
+    for turn in range(ctx.rollout.max_turns):
         left = budget - sample.response_length
         params = dataclasses.replace(
             sampling, max_new_tokens=min(sampling.max_new_tokens, left), seed=turn_seed(sampling.seed, turn)
@@ -200,16 +199,16 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, sampling: SamplingPara
         _, calls, problems = parse_tool_calls(out.text)
         if not calls and not problems:
             return finish(sample, "stop")
-        if turn == cfg.max_turns - 1:
+        if turn == ctx.rollout.max_turns - 1:
             sample.metadata["stop"] = "max_turns"
             break
         results = [f"error: {p}" for p in problems]
         for call in calls:
-            results.append(await call_tool(tools, call.name, call.arguments, cfg.tool_timeout))
+            results.append(await call_tool(tools, call.name, call.arguments, ctx.tools.timeout))
         calls_made += len(calls)
         errors += sum(r.startswith("error:") for r in results)
         sample.metadata.update(tool_calls=calls_made, tool_errors=errors)
-        messages = [{"role": "tool", "content": _clip(ctx.tokenizer, r, cfg.max_tool_output_tokens)} for r in results]
+        messages = [{"role": "tool", "content": _clip(ctx.tokenizer, r, ctx.tools.max_output_tokens)} for r in results]
         env_ids, env_text = renderer.after_turn(out.token_ids, messages, stop_ids)
         if sample.response_length + len(env_ids) >= budget:
             sample.metadata["stop"] = "max_response_tokens"

@@ -137,7 +137,7 @@ class OverlappedRollout:
                     wave = self.next_wave
                     self._busy = True
                 self.manager.aborted = self.manager.resumed = 0
-                samples, metrics = collect(self.source, self.manager, wave, self.cfg.algo, self.cfg.rollout.reward_key)
+                samples, metrics = collect(self.source, self.manager, wave, self.cfg.algo, self.cfg.reward.key)
                 metrics["rollout/aborted"] = float(self.manager.aborted)
                 metrics["rollout/resumed"] = float(self.manager.resumed)
                 groups: dict[int, list[Sample]] = {}

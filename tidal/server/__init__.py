@@ -34,9 +34,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import API_KEY_ENV, ServerConfig
 from tidal.server import anthropic, openai, sglang
 from tidal.server.common import RETRY_AFTER_S, ApiError, Busy, Texts, error_response
+from tidal.server.options import API_KEY_ENV, ServerConfig
 
 __all__ = ["BackgroundServer", "ServerConfig", "build_app", "serve"]
 

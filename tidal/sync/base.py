@@ -9,10 +9,13 @@ compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from tidal.contracts import WeightSync
+from tidal.backends import Transport
+from tidal.cluster.options import ClusterConfig
+from tidal.contracts import Engines, Trainer, WeightSync
 
-__all__ = ["PushBound", "SyncError", "WeightSync", "check_engine", "megabytes"]
+__all__ = ["PushBound", "SyncError", "SyncSetup", "WeightSync", "check_engine", "megabytes"]
 
 
 class SyncError(RuntimeError):
@@ -69,3 +72,28 @@ def check_engine(
             transport,
             f"the engine's weights have checksum {got_checksum}, the trainer sent {want_checksum} (version {version})",
         )
+
+
+@dataclass
+class SyncSetup:
+    """What a transport's `build` classmethod gets (`tidal.cluster.roles.build_sync`): its
+    `tidal.backends` record, the two sides, and the options that shape a push."""
+
+    transport: Transport
+    trainer: Trainer
+    engines: Engines
+    cluster: ClusterConfig
+    output_dir: str
+    share: bool = True  # an in-process engine may alias the trainer's tensors (not while rollout overlaps training)
+    lora_layers: bool = False  # an in-process engine runs the trainer's LoRA layers (`train.lora_merge` false)
+
+    @property
+    def bound(self) -> PushBound:
+        """Each weight request's bound: base seconds + its bytes at the slowest throughput allowed."""
+        c = self.cluster
+        return PushBound(c.sync_base_timeout, c.sync_min_mb_per_s, c.sync_timeout)
+
+    @property
+    def sync_dir(self) -> str:
+        """`cluster.sync_dir`, else the run's `weights` folder."""
+        return self.cluster.sync_dir or str(Path(self.output_dir) / "weights")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tidal.engine.weights import weights_checksum
 from tidal.hardware import CPU, is_cuda
-from tidal.sync.base import SyncError, check_engine
+from tidal.sync.base import SyncError, SyncSetup, check_engine
 
 BUCKET_BYTES = 64 * 2**20
 
@@ -94,6 +94,12 @@ class BroadcastSync:
     targeted matrices), each checked by the checksum of what was sent."""
 
     transport = "broadcast"
+
+    @classmethod
+    def build(cls, setup: SyncSetup) -> BroadcastSync:
+        """Colocated engines sleep while the trainers train and wake with no weights: every push
+        to them is whole."""
+        return cls(setup.trainer, setup.engines, setup.cluster.sync_timeout, partial=not setup.cluster.colocate)
 
     def __init__(
         self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES, partial: bool = True
@@ -198,8 +204,7 @@ class BroadcastSync:
         return {
             "sync/bytes": float(n * self.dtype.itemsize),
             "sync/tensors": float(len(meta)),
-            "engines/restarts": float(self.engines.restarts),
-            "engines/resent_requests": float(self.engines.engine.router.resent),
+            **self.engines.confirmed(version),
         }
 
     def close(self) -> None:

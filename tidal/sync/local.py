@@ -8,7 +8,7 @@ from typing import Any
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.contracts import Trainer
 from tidal.engine.weights import weights_checksum
-from tidal.sync.base import SyncError, check_engine
+from tidal.sync.base import SyncError, SyncSetup, check_engine
 
 
 class InProcessSync:
@@ -44,17 +44,31 @@ class InProcessSync:
         self.timeout = timeout
         self.share = share  # False: the engine keeps a copy (it generates while the trainer updates)
         self.dtype = engine.dtype
-        self.partial = bool(getattr(engine, "partial_updates", False))
+        self.partial = engine.partial_updates
         self._held: dict[str, int] = {}  # name -> storage the engine shares with the trainer
         self._pushed = False  # whether the engine holds a whole push of this trainer's
+
+    @classmethod
+    def build(cls, setup: SyncSetup) -> InProcessSync:
+        """The transport for the engine of `setup.engines` (in this process)."""
+        timeout = setup.cluster.sync_timeout
+        if not setup.lora_layers:
+            return cls(setup.trainer, setup.engines.engine, timeout, share=setup.share)
+        from tidal.train.lora import mirror
+
+        trainer = setup.trainer
+
+        def adopt(core) -> None:  # the engine's model runs the trainer's LoRA layers
+            mirror(core.model, trainer.model)
+
+        return cls(trainer, setup.engines.engine, timeout, share=setup.share, merged=False, adopt=adopt)
 
     def push(self, version: int) -> dict[str, float]:
         partial = self.partial and self._pushed
         if self.adopt is not None and not self._pushed:
             adopt, core = self.adopt, self.engine.core
             self.engine.call(lambda: adopt(core), self.timeout, "giving the engine the trainer's LoRA layers")
-        kw = {} if self.merged else {"merged": False}
-        named = list(self.trainer.named_weights(self.dtype, changed_only=partial, **kw))
+        named = list(self.trainer.named_weights(self.dtype, changed_only=partial, merged=self.merged))
         shared = {n: t.data_ptr() for n, t in named if self.share and t.dtype == self.dtype}
         copied = [(n, t) for n, t in named if n not in shared]
         fresh = [(n, t) for n, t in named if n not in shared or self._held.get(n) != shared[n]]
@@ -67,7 +81,7 @@ class InProcessSync:
             raise SyncError("in-process", self.transport, f"{type(e).__name__}: {e}") from e
         want = None
         if copied:  # the whole model's fingerprint (a partial update leaves the rest as it was)
-            everything = self.trainer.named_weights(self.dtype, **kw) if partial else named
+            everything = self.trainer.named_weights(self.dtype, merged=self.merged) if partial else named
             want = weights_checksum(everything, self.dtype)
         check_engine("in-process", self.transport, version, want, got_version, got_sum)
         self._held = {**self._held, **shared} if partial else shared

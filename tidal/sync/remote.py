@@ -15,7 +15,7 @@ from tidal.adapters.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
 from tidal.engine.weights import tensor_crc, weights_checksum
-from tidal.sync.base import PushBound, SyncError, check_engine, megabytes
+from tidal.sync.base import PushBound, SyncError, SyncSetup, check_engine, megabytes
 from tidal.utils import atomic_directory
 
 
@@ -48,6 +48,19 @@ class _RemoteSync:
         self.check = check
         self._dtypes: dict[str, torch.dtype | None] = {}
         self._wants: dict[torch.dtype, asyncio.Task] = {}  # per push: our checksum per engine dtype
+
+    @classmethod
+    def build(cls, setup: SyncSetup) -> _RemoteSync:
+        """This transport to the servers of `setup.engines` (their URLs and API key), on the
+        rollout role's event loop; `_options` adds what the transport takes besides."""
+        timeout = setup.cluster.sync_timeout
+        clients = [EngineClient(u, timeout, api_key=setup.engines.api_key) for u in setup.engines.urls]
+        kw = {"engines": setup.engines, "loop": setup.engines.loop, "bound": setup.bound}
+        return cls(setup.trainer, clients, timeout=timeout, **cls._options(setup), **kw)
+
+    @classmethod
+    def _options(cls, setup: SyncSetup) -> dict:
+        return {}
 
     def _run(self, coro, limit: float | None = None):
         # every wait inside is bounded (`_bounded`, `_each`, the transports' deadlines); this one
@@ -115,19 +128,18 @@ class _RemoteSync:
         """Let the rollout role recover engines, then push to those in service (a server the
         router took out stays out until it answers again, and then gets this push's weights).
         True when the set changed or a server came back."""
-        if self.engines is None or not hasattr(self.engines, "recover"):
+        if self.engines is None:
             return False
         recovered = self.engines.recover()  # a server restarted at the same URL is new to us too
         known = {c.base_url: c for c in self.clients}
         for url in self.engines.live_urls():  # a restarted engine listens at a new URL
             if url.rstrip("/") not in known:
-                client = EngineClient(url, self.timeout, api_key=getattr(self.engines, "api_key", None))
+                client = EngineClient(url, self.timeout, api_key=self.engines.api_key)
                 self.clients.append(client)
                 known[client.base_url] = client
         active = [known[u.rstrip("/")] for u in self.engines.live_urls()]
         if not active:
-            router = getattr(getattr(self.engines, "engine", None), "control", None)
-            why = "; ".join(getattr(router, "down", {}).values()) or "none is in service"
+            why = "; ".join(self.engines.down().values()) or "none is in service"
             raise SyncError(", ".join(c.base_url for c in self.clients), self.transport, f"no engine to push to: {why}")
         changed = [c.base_url for c in active] != [c.base_url for c in self.active]
         self.active = active
@@ -160,15 +172,9 @@ class _RemoteSync:
     def _confirmed(self, version: int) -> dict[str, float]:
         """Every engine holds `version`: the rollout's engine reports it from now on. Returns the
         engines' failure counts so far (restarts, requests sent again to another server)."""
-        engine = getattr(self.engines, "engine", None)
-        note = getattr(engine, "note_version", None)
-        if note is not None:
-            note(version)
-        router = getattr(engine, "router", None)
-        return {
-            "engines/restarts": float(getattr(self.engines, "restarts", 0)),
-            "engines/resent_requests": float(getattr(router, "resent", 0)),
-        }
+        if self.engines is None:  # engines given as clients alone: nothing failed over
+            return {"engines/restarts": 0.0, "engines/resent_requests": 0.0}
+        return self.engines.confirmed(version)
 
     def close(self) -> None:
         if self._own_loop:
@@ -183,6 +189,10 @@ class HttpSync(_RemoteSync):
     (for slow links, and models with frozen parts: with LoRA, the merged targeted matrices), as a
     partial update (tidal's engine; vLLM's takes whole models); the first push, and any push after
     a failed one, sends everything."""
+
+    @classmethod
+    def _options(cls, setup: SyncSetup) -> dict:
+        return {"delta": setup.transport.changed_only}
 
     def __init__(
         self,
@@ -251,6 +261,10 @@ class DiskSync(_RemoteSync):
     version is removed once every server has moved on."""
 
     transport = "disk"
+
+    @classmethod
+    def _options(cls, setup: SyncSetup) -> dict:
+        return {"root": setup.sync_dir}
 
     def __init__(
         self,

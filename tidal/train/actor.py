@@ -16,15 +16,17 @@ import torch
 from torch import Tensor
 
 from tidal.algo import log_probs_and_entropy, log_probs_from_logits
-from tidal.config import AlgoConfig, ConfigError, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.hardware import CPU, to_device
 from tidal.moe import routing_shape
+from tidal.options import ConfigError
 from tidal.train import lora
 from tidal.train.estimate import response_mask
 from tidal.train.forward import replaying
 from tidal.train.logits import output_head, token_log_probs, token_log_probs_and_entropy
 from tidal.train.model import TrainedModel, load_causal_lm, load_frozen
 from tidal.train.objective import PolicyObjective
+from tidal.train.options import TrainConfig
 from tidal.train.update import (
     Optimizer,
     Sums,

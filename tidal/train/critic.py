@@ -14,10 +14,11 @@ import torch
 from torch import Tensor
 
 from tidal.algo import aggregate, value_loss
-from tidal.config import AlgoConfig, TrainConfig
+from tidal.algo.options import AlgoConfig
 from tidal.hardware import CPU, to_device
 from tidal.train.estimate import response_mask
 from tidal.train.model import TrainedModel, load_causal_lm
+from tidal.train.options import TrainConfig
 from tidal.train.update import Optimizer, Sums, batch_normalizers, optimizer_steps, step_norm_metrics
 from tidal.types import Sample
 

@@ -23,7 +23,7 @@ from tidal.algo import (
     rloo_advantages,
     token_level_rewards,
 )
-from tidal.config import AlgoConfig
+from tidal.algo.options import AlgoConfig
 from tidal.hardware import on_host
 from tidal.types import Sample
 from tidal.utils import load_object

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import torch
 
-from tidal.config import TrainConfig
 from tidal.hardware import CPU, to_device
 from tidal.moe import replay, routing_shape
 from tidal.train.attention import use_packed_attention
@@ -20,6 +19,7 @@ from tidal.train.batching import (
     supports_packing,
     token_budget_batches,
 )
+from tidal.train.options import TrainConfig
 from tidal.types import Sample
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tidal.config import TrainConfig
+from tidal.train.options import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; tidal trains one adapter
 ADAPTER_CONFIG = "adapter_config.json"

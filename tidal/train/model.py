@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from tidal.config import TrainConfig
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.train import lora
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
+from tidal.train.options import TrainConfig
 from tidal.train.precision import Bf16Compute, to_bf16_params
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from tidal.algo import aggregate, cispo_loss, importance_weights, kl_estimate, policy_loss
-from tidal.config import AlgoConfig, resolved_loss_agg, resolved_policy_loss
+from tidal.algo.options import AlgoConfig, resolved_loss_agg, resolved_policy_loss
 from tidal.train.update import Sums
 from tidal.utils import load_object
 

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from tidal.config import TrainConfig
 from tidal.hardware import CPU, is_cuda
 from tidal.train.forward import replaying
 from tidal.train.model import TrainedModel
+from tidal.train.options import TrainConfig
 from tidal.types import RunStopped, Sample
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter state

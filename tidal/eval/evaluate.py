@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from tidal.aio import LoopThread
-from tidal.config import Config, DataConfig, EvalConfig, EvalSet, RolloutConfig
+from tidal.config import Config
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
+from tidal.eval.options import EvalSet
 from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
 from tidal.types import Sample, Status
@@ -71,7 +72,7 @@ def evaluate_set(
     threshold: float,
     reward_key: str,
 ) -> dict[str, float]:
-    """Sample `rollout.cfg.n_samples_per_prompt` responses to each record (through the run's
+    """Sample `rollout.rollout.n_samples_per_prompt` responses to each record (through the run's
     generate function) and score them; returns the set's metrics (unprefixed: `mean_reward`,
     `pass@k`, `response_length`, ...). pass@k's n is each prompt's group size (groups may differ in size)."""
     step = set_seed_step(name)
@@ -80,7 +81,7 @@ def evaluate_set(
     for i in range(0, len(records), PROMPTS_PER_CALL):
         # seeds index samples by their prompt's position, so chunking changes no sample
         chunk = rollout.generate(
-            records[i : i + PROMPTS_PER_CALL], step, first_index=i * rollout.cfg.n_samples_per_prompt
+            records[i : i + PROMPTS_PER_CALL], step, first_index=i * rollout.rollout.n_samples_per_prompt
         )
         correct = [s.status != Status.FAILED and scalar_reward(s, reward_key) >= threshold for s in chunk]
         start = 0
@@ -106,15 +107,21 @@ def evaluate_set(
     return metrics
 
 
-def set_rollout_config(rollout: RolloutConfig, s: EvalSet, seed: int) -> RolloutConfig:
-    """The rollout group with the eval set's sampling (stop strings, reward, engine kept)."""
-    return dataclasses.replace(
+def set_manager(cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: LoopThread) -> RolloutManager:
+    """The run's rollout (generate function, reward, stop strings) with the eval set's sampling and
+    the eval seed (`eval.seed`)."""
+    rollout = dataclasses.replace(cfg.rollout, n_samples_per_prompt=s.n, max_new_tokens=s.max_new_tokens)
+    sampling = dataclasses.replace(cfg.sampling, temperature=s.temperature, top_p=s.top_p, seed=cfg.eval.seed)
+    return RolloutManager(
+        engine,
         rollout,
-        n_samples_per_prompt=s.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        max_new_tokens=s.max_new_tokens,
-        seed=seed,
+        tokenizer,
+        loop,
+        sampling=sampling,
+        reward=cfg.reward,
+        judge=cfg.judge,
+        tools=cfg.tools,
+        agent=cfg.agent,
     )
 
 
@@ -129,23 +136,15 @@ class Evaluator:
     `run(step)` scores every set with the engine's current weights and returns
     `eval/<name>/<metric>` entries. Sets are read once, up front."""
 
-    def __init__(
-        self,
-        cfg: EvalConfig,
-        rollout: RolloutConfig,
-        data: DataConfig,
-        tokenizer: Any,
-        engine: Engine,
-        loop: LoopThread | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.reward_key = rollout.reward_key
+    def __init__(self, run: Config, tokenizer: Any, engine: Engine, loop: LoopThread | None = None) -> None:
+        self.cfg = cfg = run.eval
+        self.reward_key = run.reward.key
         self.sets = []
         self.engine = engine
         self.loop = loop if loop is not None else LoopThread("tidal-eval")
         if cfg.interval:
-            for s in cfg.sets(data, rollout):
-                manager = RolloutManager(engine, set_rollout_config(rollout, s, cfg.seed), tokenizer, self.loop)
+            for s in cfg.sets(run.data, run.rollout, run.sampling):
+                manager = set_manager(run, s, engine, tokenizer, self.loop)
                 self.sets.append((s.name, manager, load_set(s, tokenizer)))
 
     def due(self, step: int) -> bool:
@@ -192,11 +191,11 @@ def standalone_sets(cfg: Config, num_prompts: int | None = None, **sampling: Any
     """`eval.datasets`, or when there are none the run's `data.path` (its first 100 prompts by
     default, as `tidal eval` always scored); `num_prompts` caps every set and `sampling` (n,
     temperature, max_new_tokens given on the command line) overrides every set's own."""
-    sets = cfg.eval.sets(cfg.data, cfg.rollout)
+    sets = cfg.eval.sets(cfg.data, cfg.rollout, cfg.sampling)
     if not sets:
-        r = cfg.rollout
+        r, sp = cfg.rollout, cfg.sampling
         name = cfg.data.path[len("env:") :] if cfg.data.path.startswith("env:") else Path(cfg.data.path).stem
-        sets = [EvalSet(name, cfg.data, r.n_samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens, 100)]
+        sets = [EvalSet(name, cfg.data, r.n_samples_per_prompt, sp.temperature, sp.top_p, r.max_new_tokens, 100)]
     if num_prompts is not None:
         sampling["num_prompts"] = num_prompts
     return [dataclasses.replace(s, **sampling) for s in sets]
@@ -212,7 +211,7 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
 
     if cfg.sandbox.backend is not None:  # the code sandbox of a code_tests reward
         set_default_backend(cfg.sandbox.backend)
-    check_run(cfg.rollout, cfg.sandbox.backend)
+    check_run(cfg.runs_model_code, cfg.sandbox.backend)
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
     sets = standalone_sets(cfg, num_prompts, **sampling)
@@ -226,15 +225,14 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     prompts = min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded))
     max_prompt = max(s.data.max_prompt_length for s in sets)
     device = resolve_device(cfg.cluster.device).device
-    engine = make_engine(sizing, model_dir, tokenizer, max_prompt, prompts=prompts, device=device)
+    engine = make_engine(cfg.engine, sizing, model_dir, tokenizer, max_prompt, prompts=prompts, device=device)
     results = {}
     with LoopThread("tidal-eval") as loop:
         try:
             for s, records in loaded:
-                set_cfg = set_rollout_config(cfg.rollout, s, cfg.eval.seed)
-                manager = RolloutManager(engine, set_cfg, tokenizer, loop)
+                manager = set_manager(cfg, s, engine, tokenizer, loop)
                 metrics = evaluate_set(
-                    manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.rollout.reward_key
+                    manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.reward.key
                 )
                 metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
                 results[s.name] = metrics
