@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from tidal.config import (
-    API_KEY_ENV,
     GROUPS,
     REDACTED,
     SECRET_FIELDS,
@@ -30,6 +29,7 @@ from tidal.config import (
     redact,
     validate,
 )
+from tidal.server.options import API_KEY_ENV
 
 
 def write(tmp_path, text: str, name: str = "cfg.yaml"):

@@ -10,8 +10,9 @@ import urllib.request
 
 from test_cli_inputs import tidal_cli
 
-from tidal.config import REDACTED, ServerConfig
+from tidal.config import REDACTED
 from tidal.convert import load_tokenizer
+from tidal.server.options import ServerConfig
 
 KEY = "sk-tidal-e2e-5f1c0a9e7b3d"
 

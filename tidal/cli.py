@@ -7,7 +7,8 @@ import difflib
 import sys
 import textwrap
 
-from tidal.config import SECRET_FIELDS, ConfigError, ServerConfig, add_config_arguments, build_config
+from tidal.config import SECRET_FIELDS, ConfigError, add_config_arguments, build_config
+from tidal.server.options import ServerConfig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from tidal.server.options import API_KEY_ENV
+
 
 def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
     """A config field with its `--help` text. `secret=True` marks a value that must never reach a
@@ -610,37 +612,6 @@ def redact(config: dict) -> dict:
         if isinstance(body, dict) and body.get(key) not in (None, ""):
             out[group] = {**body, key: REDACTED}
     return out
-
-
-API_KEY_ENV = "TIDAL_API_KEY"
-
-
-@dataclass
-class ServerConfig:
-    """`tidal serve`'s limits, which keep one client from starving the others, and its API key.
-
-    A request may ask for at most `max_n` samples per prompt, `max_batch` prompts, and
-    `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
-    `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). At most
-    `max_tokenising_bytes` of request text is tokenised at once, server-wide (tokenising takes
-    150-250 bytes of memory a byte of text); a request that would go over is answered 503. The
-    defaults protect a laptop."""
-
-    api_key: str | None = None
-    max_body_bytes: int = 8 * 2**20
-    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.adapters.client`)
-    max_weights_body_bytes: int = 64 * 2**20
-    max_n: int = 16
-    max_batch: int = 256
-    max_request_tokens: int = 262_144
-    max_tokenising_bytes: int = 8 * 2**20
-
-    @classmethod
-    def from_env(cls, api_key: str | None = None, **kw: Any) -> ServerConfig:
-        """With the key from `api_key`, else the TIDAL_API_KEY environment variable."""
-        import os
-
-        return cls(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kw)
 
 
 class _Loader(yaml.SafeLoader):

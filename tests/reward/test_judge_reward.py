@@ -17,12 +17,13 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from tidal.config import Config, ConfigError, RolloutConfig, ServerConfig, validate
+from tidal.config import Config, ConfigError, RolloutConfig, validate
 from tidal.reward.failures import ErrorLog
 from tidal.reward.judge import JudgeReward, read_score
 from tidal.reward.score import score_rollout
 from tidal.rollout.manager import load_rewards
 from tidal.server import BackgroundServer
+from tidal.server.options import ServerConfig
 from tidal.types import Sample, Status
 
 KEY = "sk-judge-7f3a9c"

@@ -15,9 +15,9 @@ import torch
 from conftest import hf_greedy, make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ServerConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.server import BackgroundServer, build_app
+from tidal.server.options import ServerConfig
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -16,9 +16,9 @@ import torch
 from conftest import make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ServerConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.server import BackgroundServer, build_app
+from tidal.server.options import ServerConfig
 
 USER = [{"role": "user", "content": "hi"}]
 DEADLINE_S = 300.0  # generous: these machines are shared and slow; a passing run takes a second or two

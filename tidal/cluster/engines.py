@@ -43,9 +43,9 @@ class EngineServer:
         from transformers import AutoTokenizer
 
         from tidal.adapters.async_engine import AsyncEngine
-        from tidal.config import ServerConfig
         from tidal.net import node_ip
         from tidal.server import BackgroundServer, build_app
+        from tidal.server.options import ServerConfig
 
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)

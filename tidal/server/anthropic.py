@@ -33,7 +33,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ServerConfig
 from tidal.server.common import (
     BadRequest,
     Body,
@@ -46,6 +45,7 @@ from tidal.server.common import (
     sampling_params,
 )
 from tidal.server.openai import render_prompt, text_of
+from tidal.server.options import ServerConfig
 from tidal.server.tools import parse_tool_calls
 
 ROUTE = "/v1/messages"

@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ServerConfig
 from tidal.engine.sampling import SamplingParams
 from tidal.hardware import libc_function
+from tidal.server.options import ServerConfig
 
 log = logging.getLogger("tidal.server")
 

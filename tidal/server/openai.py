@@ -27,7 +27,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.config import ServerConfig
 from tidal.server.common import (
     BadRequest,
     Body,
@@ -41,6 +40,7 @@ from tidal.server.common import (
     sampling_params,
     trim_stop,
 )
+from tidal.server.options import ServerConfig
 from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
 
 

@@ -41,7 +41,6 @@ from pydantic import Field
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import decode_tensors, encode_routing
-from tidal.config import ServerConfig
 from tidal.engine.sampling import SamplingParams
 from tidal.server.common import (
     ApiError,
@@ -55,6 +54,7 @@ from tidal.server.common import (
     sampling_params,
     trim_stop,
 )
+from tidal.server.options import ServerConfig
 from tidal.server.weight_group import WeightReceiver
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for the same check

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from tidal.config import ServerConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.server import serve
+    from tidal.server.options import ServerConfig
 
     def core(model_dir: str, **options):
         engine = LLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir), **options)

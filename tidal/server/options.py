@@ -1,0 +1,39 @@
+"""`tidal serve`'s options: its limits and its API key (`ServerConfig`).
+
+Imported by `tidal.config` (the API key's environment variable), so it stays light: the standard
+library only, no FastAPI, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+API_KEY_ENV = "TIDAL_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    """`tidal serve`'s limits, which keep one client from starving the others, and its API key.
+
+    A request may ask for at most `max_n` samples per prompt, `max_batch` prompts, and
+    `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
+    `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). At most
+    `max_tokenising_bytes` of request text is tokenised at once, server-wide (tokenising takes
+    150-250 bytes of memory a byte of text); a request that would go over is answered 503. The
+    defaults protect a laptop."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.adapters.client`)
+    max_weights_body_bytes: int = 64 * 2**20
+    max_n: int = 16
+    max_batch: int = 256
+    max_request_tokens: int = 262_144
+    max_tokenising_bytes: int = 8 * 2**20
+
+    @classmethod
+    def from_env(cls, api_key: str | None = None, **kw: Any) -> ServerConfig:
+        """With the key from `api_key`, else the TIDAL_API_KEY environment variable."""
+        return cls(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kw)
