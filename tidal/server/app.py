@@ -13,75 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
 from tidal.adapters.async_engine import AsyncEngine
+from tidal.chat.http_errors import add_error_handlers, error_for
 from tidal.server import anthropic, openai, sglang
-from tidal.server.common import RETRY_AFTER_S, ApiError, Busy, Texts, error_response
+from tidal.server.common import Texts
 from tidal.server.options import API_KEY_ENV, ServerConfig
 
 log = logging.getLogger("tidal.server")
 
 OPEN_ROUTES = ("/health",)
 WEIGHT_ROUTES = ("/update_weights_from_tensor",)  # chunks of weights: a limit of their own
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-after", "function-plain"}
-
-
-def _format_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(one "field.path: message" per bad field, without pydantic's union-branch tags; the first field)."""
-    errors: list[tuple[tuple[str, ...], str]] = []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            return f"body: invalid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})", "body"
-        loc = tuple(
-            str(x)
-            for x in err.get("loc", ())
-            if x != "body" and not (isinstance(x, str) and (x[:1].isupper() or "[" in x or x in _TYPE_TAGS))
-        )
-        errors.append((loc, err.get("msg", "invalid")))
-    # A union reports one error per branch: keep the most specific one(s) for each field.
-    kept: dict[tuple[str, ...], str] = {}
-    for loc, msg in errors:
-        if not any(len(o) > len(loc) and o[: len(loc)] == loc for o, _ in errors):
-            kept.setdefault(loc, msg)
-    first = ".".join(next(iter(kept), ())) or "body"
-    return "; ".join(f"{'.'.join(loc) or 'body'}: {msg}" for loc, msg in kept.items()), first
-
-
-def error_for(path: str, status: int, message: str, kind: str | None = None, param: str | None = None) -> JSONResponse:
-    """An error in the shape the route's clients read: Anthropic's on `/v1/messages`, else the one
-    shape (`tidal.server.common`)."""
-    if anthropic.speaks_anthropic(path):
-        return anthropic.error_response(status, message)
-    return error_response(status, message, kind, param)
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Answer every error of `app` in its route's shape (`error_for`)."""
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(request: Request, exc: RequestValidationError):
-        message, field = _format_validation_error(exc)
-        return error_for(request.url.path, 400, message, param=field)
-
-    @app.exception_handler(ApiError)
-    async def _on_api_error(request: Request, exc: ApiError):
-        response = error_for(request.url.path, exc.status, str(exc), exc.kind, exc.param)
-        if isinstance(exc, Busy):
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(request: Request, exc: StarletteHTTPException):
-        what = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_for(request.url.path, exc.status_code, f"{request.method} {request.url.path}: {what}")
-
-    @app.exception_handler(Exception)
-    async def _on_error(request: Request, exc: Exception):
-        return error_for(request.url.path, 500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
 def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:

@@ -41,19 +41,12 @@ from pydantic import Field
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import decode_tensors, encode_routing
+from tidal.chat.body import Body
+from tidal.chat.errors import ApiError, BadRequest
+from tidal.chat.http_errors import error_response
+from tidal.chat.text import trim_stop
 from tidal.engine.sampling import SamplingParams
-from tidal.server.common import (
-    ApiError,
-    BadRequest,
-    Body,
-    EventStream,
-    Runner,
-    Texts,
-    check_budget,
-    error_response,
-    sampling_params,
-    trim_stop,
-)
+from tidal.server.common import EventStream, Runner, Texts, check_budget, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.weight_group import WeightReceiver
 
