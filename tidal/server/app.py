@@ -17,9 +17,9 @@ from fastapi import FastAPI
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.http_errors import add_error_handlers, error_for
-from tidal.server import anthropic, openai, sglang
-from tidal.server.common import Texts
+from tidal.server import anthropic, openai, sglang, sglang_weights
 from tidal.server.options import API_KEY_ENV, ServerConfig
+from tidal.server.state import Served
 
 log = logging.getLogger("tidal.server")
 
@@ -32,10 +32,9 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     cfg = config or ServerConfig()
     app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    texts = Texts(engine.tokenizer, engine.max_model_len, cfg)  # one budget for text being tokenised
-    app.include_router(sglang.router(engine, model_name, cfg, texts))
-    app.include_router(openai.router(engine, model_name, cfg, texts))
-    app.include_router(anthropic.router(engine, model_name, cfg, texts))
+    app.state.served = Served.create(engine, model_name, cfg)  # what every route reads (`State`)
+    for family in (sglang, sglang_weights, openai, anthropic):
+        app.include_router(family.routes)
     app.add_middleware(Guard, cfg=cfg)
     return app
 
