@@ -13,7 +13,9 @@ from tidal.chat.tools import render_messages, template_takes_tools
 class TextEncoder(Protocol):
     """What tokenises request text within a server's limits (`tidal.server.common.Texts`)."""
 
-    async def encode(self, texts: Sequence[str], field: str) -> list[list[int]]: ...
+    async def encode(self, texts: Sequence[str], field: str) -> list[list[int]]:
+        """Token ids of `texts`; errors name `field`."""
+        ...
 
 
 async def render_prompt(

@@ -106,6 +106,7 @@ class BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
+        """Start serving; returns once the server accepts connections."""
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -115,6 +116,7 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and free the port."""
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
@@ -127,6 +129,7 @@ class BackgroundServer:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
     return host in ("localhost", "::1") or host.startswith("127.")
 
 

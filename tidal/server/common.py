@@ -169,6 +169,7 @@ class TextStream:
         self.sent = 0
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
+        """The text `ids` add (all that is left when `final`)."""
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip) if self.tokenizer else ""
         if self.stops:
@@ -210,6 +211,7 @@ class Runner:
     async def run(
         self, request: Request, prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str]
     ) -> list[Any]:
+        """The engine's outputs of the requests, aborted if the client goes away meanwhile."""
         gathered = asyncio.gather(*(await self._add(prompts, params, rids)))
         while True:
             done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
