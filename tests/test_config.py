@@ -6,11 +6,10 @@ import dataclasses
 
 import pytest
 
-from tidal.adapters.options import EngineConfig
+from tidal.adapters.options import API_KEY_ENV, EngineConfig
 from tidal.algo.options import AlgoConfig
 from tidal.cluster.options import ClusterConfig
 from tidal.config import (
-    API_KEY_ENV,
     GROUPS,
     REDACTED,
     SECRET_FIELDS,

@@ -34,7 +34,7 @@ def ids(text: str) -> list[int]:
 
 
 def chat_ids(messages, tools=None) -> list[int]:
-    from tidal.server.tools import render_messages
+    from tidal.chat.tools import render_messages
 
     rendered, _ = render_messages(messages, tools, None, native=False)
     return ids(TOK.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False))

@@ -10,11 +10,11 @@ it `client.base_url` and `client.api_key`; that program must finish before the a
 
 The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
 `anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a
-request there is translated to the chat it stands for (`tidal.server.anthropic.translate`) and is
+request there is translated to the chat it stands for (`tidal.chat.anthropic.translate`) and is
 then a chat call like any other, so one conversation makes the same samples through either API.
 
 Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
-functions of `tidal.server.openai`), sampled by the engine with the rollout's sampling (the
+functions of `tidal.chat.openai`), sampled by the engine with the rollout's sampling (the
 request's temperature, top_p and penalties are ignored: the trainer needs the behaviour
 distribution; call k's seed is `turn_seed(sample seed, k)`, as in the tool loop) and recorded:
 prompt ids, sampled ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
@@ -36,11 +36,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from tidal.engine.sampling import SamplingParams
-from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
-from tidal.server.anthropic import MessagesBody, assistant_chat_message, message, translate
-from tidal.server.common import ApiError, BadRequest
-from tidal.server.openai import (
+from tidal.chat.anthropic import MessagesBody, assistant_chat_message, message, translate
+from tidal.chat.errors import ApiError, BadRequest
+from tidal.chat.openai import (
     ChatBody,
     assistant_message,
     chat_logprobs,
@@ -48,11 +46,13 @@ from tidal.server.openai import (
     chat_prompt,
     check_chat,
     models_list,
-    render_prompt,
     stops_of,
     text_of,
     uses_tools,
 )
+from tidal.chat.render import render_prompt
+from tidal.engine.sampling import SamplingParams
+from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.types import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class AgentDoor:
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
-        from tidal.server import add_error_handlers
+        from tidal.chat.http_errors import add_error_handlers
 
         app = FastAPI(title="tidal agent door", docs_url=None, redoc_url=None, openapi_url=None)
         add_error_handlers(app)

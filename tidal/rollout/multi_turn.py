@@ -7,7 +7,7 @@
         run each call (errors and timeouts become the tool's answer, never a crash)
         the template's glue + the tool messages        -> append_env (mask 0)
 
-Tool calls are found by the server's parser (`tidal.server.tools.parse_tool_calls`: the Hermes
+Tool calls are found by the server's parser (`tidal.chat.tools.parse_tool_calls`: the Hermes
 `<tool_call>` format, never inside `<think>`). The sampled ids are never re-encoded: only the
 environment's text (tool results and the chat template's glue around them) is tokenized, once.
 That glue is the difference between the template rendered with and without the new messages,
@@ -25,9 +25,9 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from tidal.chat.tools import parse_tool_calls, render_messages, template_takes_tools
 from tidal.engine.sampling import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, turn_seed
-from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
 from tidal.types import Sample, Status
 from tidal.utils import load_object
 

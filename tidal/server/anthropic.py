@@ -1,259 +1,32 @@
 """Anthropic's Messages API: `POST /v1/messages`.
 
 A request is translated into the chat messages and tools that OpenAI's chat route renders
-(`translate`), so both APIs go through one renderer (`tidal.server.openai.render_prompt`) and one
-conversation is the same prompt whichever API it came through:
-
-- `system` (a string or text blocks) becomes the first, system, message;
-- content is a string or blocks: `text` blocks are joined; an assistant's `tool_use` blocks become
-  `tool_calls` (their `input` as JSON arguments); a user's `tool_result` blocks become tool-role
-  messages (content a string or text blocks; `is_error: true` prefixes it with "Error: ", the only
-  way the model can tell), in the order the blocks come;
-- `tools` ({name, description, input_schema}) become functions; `tool_choice` may only be auto
-  (nothing forces a call: there is no constrained decoding).
-
-The answer is a message whose content is a text block and/or `tool_use` blocks (the `<tool_call>`
-blocks the model wrote, parsed as the OpenAI route parses them) with `stop_reason` end_turn,
-max_tokens, stop_sequence (and the matched `stop_sequence`) or tool_use. Streaming follows
-Anthropic's events (`message_start`, `content_block_start`/`_delta`/`_stop`, `message_delta`,
-`message_stop`); when tools are offered the answer is sent once whole, since a call is only known
-once its text is. Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`
-(`error_response`; the app's handlers use it on this route). `metadata` is ignored, and so are
-unknown fields (with a logged warning).
+(`tidal.chat.anthropic.translate`, which says how), so both APIs go through one renderer
+(`tidal.chat.render.render_prompt`) and one conversation is the same prompt whichever API it came
+through. The answer is a message whose content is a text block and/or `tool_use` blocks
+(`tidal.chat.anthropic.message`). Streaming follows Anthropic's events (`message_start`,
+`content_block_start`/`_delta`/`_stop`, `message_delta`, `message_stop`); when tools are offered
+the answer is sent once whole, since a call is only known once its text is. Errors have
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`
+(`tidal.chat.http_errors.anthropic_error_response`; the app's handlers use it on this route).
+`metadata` is ignored, and so are unknown fields (with a logged warning).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 
-from tidal.adapters.async_engine import AsyncEngine
-from tidal.server.common import (
-    BadRequest,
-    Body,
-    EventStream,
-    Runner,
-    Texts,
-    TextStream,
-    check_budget,
-    room_left,
-    sampling_params,
-)
-from tidal.server.openai import render_prompt, text_of
-from tidal.server.options import ServerConfig
-from tidal.server.tools import parse_tool_calls
-
-ROUTE = "/v1/messages"
-
-# Anthropic's error type for each HTTP status (its clients pick the exception by status; the type
-# is what a user reads)
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def speaks_anthropic(path: str) -> bool:
-    """Whether a request's path is Anthropic's route (on `tidal serve` or a door session)."""
-    return path.endswith(ROUTE)
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """An error in Anthropic's shape."""
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[dict[str, Any]]
-
-
-class MessagesBody(Body):
-    model: str | None = None
-    max_tokens: int
-    messages: list[Message]
-    system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-
-
-# ---------------------------------------------------------------------------- request → chat
-def block_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}: must be a string or a list of text blocks")
-    out = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise BadRequest(f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}")
-        out.append(block["text"])
-    return "".join(out)
-
-
-def tool_call(block: dict, where: str) -> dict:
-    """A `tool_use` block as an OpenAI tool call (the same dict whether it came in a request or
-    went out in an answer, so the agent door knows its own answers sent back)."""
-    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-        raise BadRequest(f"{where}: a tool_use block needs a string id and name")
-    if not isinstance(block.get("input"), dict):
-        raise BadRequest(f"{where}.input: must be an object")
-    arguments = json.dumps(block["input"], ensure_ascii=False)
-    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
-
-
-def assistant_chat_message(blocks: list[dict], where: str = "content") -> dict:
-    """An assistant's content blocks as one OpenAI chat message."""
-    texts, calls = [], []
-    for j, block in enumerate(blocks):
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(block_text([block], where))
-        elif kind == "tool_use":
-            calls.append(tool_call(block, f"{where}[{j}]"))
-        else:
-            raise BadRequest(f"{where}[{j}].type: an assistant's blocks are text or tool_use, got {kind!r}")
-    if calls:
-        return {"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls}
-    return {"role": "assistant", "content": "".join(texts)}
-
-
-def user_chat_messages(blocks: list[dict], where: str) -> list[dict]:
-    """A user's content blocks as chat messages: runs of text as user messages, each tool_result
-    as a tool message, in their order."""
-    out: list[dict] = []
-    texts: list[str] = []
-    for j, block in enumerate(blocks):
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(block_text([block], where))
-        elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "".join(texts)})
-                texts = []
-            if not isinstance(block.get("tool_use_id"), str):
-                raise BadRequest(f"{where}[{j}].tool_use_id: must be a string")
-            text = block_text(block.get("content", ""), f"{where}[{j}].content")
-            if block.get("is_error"):
-                text = f"Error: {text}"
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-        else:
-            raise BadRequest(f"{where}[{j}].type: a user's blocks are text or tool_result, got {kind!r}")
-    if texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
-    return out
-
-
-def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Anthropic's tools as OpenAI's functions."""
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") not in (None, "custom"):
-            raise BadRequest(f"tools[{i}].type: {tool['type']!r} is a server tool; only custom tools are supported")
-        if not isinstance(tool.get("name"), str):
-            raise BadRequest(f"tools[{i}].name: must be a string")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise BadRequest(f"tools[{i}].input_schema: must be a JSON schema object")
-        function = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
-    return out
-
-
-def translate(body: MessagesBody) -> tuple[list[dict], list[dict] | None]:
-    """(OpenAI chat messages, OpenAI tools) of a Messages request; BadRequest naming the field."""
-    if body.tool_choice is not None and body.tool_choice.get("type") != "auto":
-        raise BadRequest(
-            f"tool_choice: only {{'type': 'auto'}} is supported (nothing can force or forbid a call: there is no "
-            f"constrained decoding), got type {body.tool_choice.get('type')!r}"
-        )
-    if body.max_tokens < 1:
-        raise BadRequest(f"max_tokens: must be >= 1, got {body.max_tokens}")
-    if not body.messages:
-        raise BadRequest("messages: at least one message is needed")
-    out: list[dict] = []
-    if body.system:
-        out.append({"role": "system", "content": block_text(body.system, "system")})
-    for i, m in enumerate(body.messages):
-        where = f"messages[{i}].content"
-        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
-        if m.role == "assistant":
-            out.append(assistant_chat_message(blocks, where))
-        elif m.role == "user":
-            out += user_chat_messages(blocks, where)
-        else:
-            raise BadRequest(f"messages[{i}].role: must be 'user' or 'assistant', got {m.role!r}")
-    return out, chat_tools(body.tools)
-
-
-# ---------------------------------------------------------------------------- answer → message
-def matched_stop(text: str, stops: list[str]) -> str | None:
-    """The stop string that ended `text` (the engine's text keeps it): the earliest found."""
-    found = [(text.find(s), k) for k, s in enumerate(stops) if s and s in text]
-    return stops[min(found)[1]] if found else None
-
-
-def content_blocks(text: str, use_tools: bool) -> list[dict]:
-    """The answer's content: its text, and `tool_use` blocks for the `<tool_call>`s it wrote when
-    the request offered tools (the text block then holds what is around them, if anything)."""
-    if use_tools:
-        rest, calls, _ = parse_tool_calls(text)
-        if calls:
-            uses = [
-                {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c.name, "input": c.arguments}
-                for c in calls
-            ]
-            return [{"type": "text", "text": rest}, *uses] if rest else uses
-    return [{"type": "text", "text": text}]
-
-
-def message(out: Any, stops: list[str], requested: list[str], use_tools: bool, model: str, input_tokens: int) -> dict:
-    """The Messages answer of engine output `out`: `stops` are every stop string it ran with,
-    `requested` the request's own `stop_sequences` (the only ones reported as matched)."""
-    blocks = content_blocks(text_of(out, stops), use_tools)
-    stop = matched_stop(out.text, stops) if out.finish_reason == "stop" else None
-    if any(b["type"] == "tool_use" for b in blocks):
-        reason, stop = "tool_use", None
-    elif out.finish_reason == "length":
-        reason = "max_tokens"
-    elif stop is not None and stop in requested:
-        reason = "stop_sequence"
-    else:
-        reason, stop = "end_turn", None
-    return {
-        "id": f"msg_{uuid.uuid4().hex[:24]}",
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": reason,
-        "stop_sequence": stop,
-        "usage": {"input_tokens": input_tokens, "output_tokens": len(out.token_ids)},
-    }
+from tidal.chat.anthropic import MESSAGES_ROUTE as ROUTE
+from tidal.chat.anthropic import MessagesBody, message, translate
+from tidal.chat.render import render_prompt
+from tidal.engine.sampling import SamplingParams
+from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
+from tidal.server.state import Served, State
 
 
 def event(kind: str, data: dict) -> str:
@@ -275,63 +48,6 @@ def block_events(index: int, block: dict) -> list[str]:
     ]
 
 
-# ---------------------------------------------------------------------------- the route
-def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts | None = None) -> APIRouter:
-    """`POST /v1/messages` over `engine`; `texts` tokenises (shared with the other routes)."""
-    api = APIRouter()
-    runner = Runner(engine)
-    texts = texts or Texts(engine.tokenizer, engine.max_model_len, cfg)
-    tok = engine.tokenizer
-
-    @api.post(ROUTE)
-    async def messages(body: MessagesBody, request: Request) -> Any:
-        body.warn_unknown(ROUTE)
-        chat, tools = translate(body)
-        prompt = await render_prompt(tok, chat, tools, None, texts)
-        stops = list(body.stop_sequences or [])
-        params = sampling_params(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            max_new_tokens=min(body.max_tokens, room_left(engine, prompt, "messages")),
-            stop=stops,
-        )
-        check_budget(cfg, [prompt], [params])
-        use_tools = tools is not None
-        rids = [uuid.uuid4().hex]
-        if not body.stream:
-            (out,) = await runner.run(request, [prompt], [params], rids)
-            return message(out, stops, stops, use_tools, model_name, len(prompt))
-
-        async def events():
-            head = message_head(model_name, len(prompt))
-            yield event("message_start", {"message": head})
-            stream = TextStream(tok, stops=stops)
-            if not use_tools:  # text streams as it comes; with tools, the blocks once the answer is whole
-                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            async for _, ids, _, _, out in runner.stream([prompt], [params], rids):
-                if out is None:
-                    if not use_tools and (delta := stream.add(ids)):
-                        yield text_delta(delta)
-                    continue
-                whole = message(out, stops, stops, use_tools, model_name, len(prompt))
-                if use_tools:
-                    for k, block in enumerate(whole["content"]):
-                        for e in block_events(k, block):
-                            yield e
-                else:
-                    if tail := stream.add([], final=True):
-                        yield text_delta(tail)
-                    yield event("content_block_stop", {"index": 0})
-                stop = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
-                yield event("message_delta", {"delta": stop, "usage": {"output_tokens": len(out.token_ids)}})
-            yield event("message_stop", {})
-
-        return EventStream(events(), engine, rids)
-
-    return api
-
-
 def message_head(model: str, input_tokens: int) -> dict:
     """`message_start`'s message: nothing generated yet."""
     return {
@@ -347,4 +63,66 @@ def message_head(model: str, input_tokens: int) -> dict:
 
 
 def text_delta(text: str) -> str:
+    """More text of the answer's one text block."""
     return event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+
+
+routes = APIRouter()
+
+
+@routes.post(ROUTE)
+async def messages(body: MessagesBody, request: Request, s: State) -> Any:
+    """Anthropic's `/v1/messages`: the request as chat, rendered, answered once, whole or streamed."""
+    body.warn_unknown(ROUTE)
+    chat, tools = translate(body)
+    prompt = await render_prompt(s.tok, chat, tools, None, s.texts)
+    stops = list(body.stop_sequences or [])
+    params = sampling_params(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        max_new_tokens=min(body.max_tokens, room_left(s.engine, prompt, "messages")),
+        stop=stops,
+    )
+    check_budget(s.cfg, [prompt], [params])
+    use_tools = tools is not None
+    rids = [uuid.uuid4().hex]
+    if not body.stream:
+        (out,) = await s.runner.run(request, [prompt], [params], rids)
+        return message(out, stops, stops, use_tools, s.model_name, len(prompt))
+    return EventStream(message_events(s, prompt, params, stops, use_tools, rids), s.engine, rids)
+
+
+async def message_events(
+    s: Served, prompt: list[int], params: SamplingParams, stops: list[str], use_tools: bool, rids: list[str]
+) -> AsyncIterator[str]:
+    """The answer as Anthropic's events: text as it comes, or with tools the blocks once whole."""
+    yield event("message_start", {"message": message_head(s.model_name, len(prompt))})
+    stream = TextStream(s.tok, stops=stops)
+    if not use_tools:  # text streams as it comes; with tools, the blocks once the answer is whole
+        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    async for _, ids, _, _, out in s.runner.stream([prompt], [params], rids):
+        if out is None:
+            if not use_tools and (delta := stream.add(ids)):
+                yield text_delta(delta)
+            continue
+        whole = message(out, stops, stops, use_tools, s.model_name, len(prompt))
+        for e in closing_events(whole, out, stream, use_tools):
+            yield e
+    yield event("message_stop", {})
+
+
+def closing_events(whole: dict, out: Any, stream: TextStream, use_tools: bool) -> list[str]:
+    """The events that end the answer `whole` (engine output `out`): its blocks (with tools) or
+    the text held back, then `message_delta` with the stop reason and the tokens generated."""
+    events: list[str] = []
+    if use_tools:
+        for k, block in enumerate(whole["content"]):
+            events += block_events(k, block)
+    else:
+        if tail := stream.add([], final=True):
+            events.append(text_delta(tail))
+        events.append(event("content_block_stop", {"index": 0}))
+    stop = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
+    events.append(event("message_delta", {"delta": stop, "usage": {"output_tokens": len(out.token_ids)}}))
+    return events

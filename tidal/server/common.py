@@ -1,96 +1,26 @@
-"""What every route family shares: limits, errors in one shape, request bodies that warn about
-unknown fields, tokenising off the event loop, and running (or streaming) requests on the engine.
-
-Every error, whatever the route, is
-
-    {"error": {"message": "<field>: <what is wrong>", "type": "...", "param": "<field>" | null, "code": <status>}}
-
-(OpenAI's shape, which OpenAI clients turn into exceptions carrying the message).
+"""What every route family shares: limits, tokenising off the event loop within them, and running
+(or streaming) requests on the engine. Errors and their shapes, request bodies and the chat
+formats are `tidal.chat`'s (the agent door answers with them too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import StreamingResponse
 
 from tidal.adapters.async_engine import AsyncEngine
+from tidal.chat.errors import ApiError, BadRequest, Busy
+from tidal.chat.text import check_text, trim_stop
 from tidal.engine.sampling import SamplingParams
 from tidal.hardware import libc_function
 from tidal.server.options import ServerConfig
 
-log = logging.getLogger("tidal.server")
-
 DISCONNECT_POLL_S = 1.0
-
-
-class ApiError(Exception):
-    """An error answered as `{"error": {...}}` with HTTP `status`."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind = status, kind
-        self.param = param if param is not None else (message.split(":", 1)[0] if ":" in message else None)
-
-
-class BadRequest(ApiError):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, 400, "invalid_request_error", param)
-
-
-class Busy(ApiError):
-    """503: the server cannot take this request now; the client may retry after `RETRY_AFTER_S`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, 503, "server_busy", param)
-
-
-RETRY_AFTER_S = 1
-
-
-def error_response(
-    status: int, message: str, kind: str | None = None, param: str | None = None, extra: dict | None = None
-) -> JSONResponse:
-    """The one error shape; `extra` adds top-level fields a route family's clients read (SGLang's
-    weight routes: `success`, `message`)."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}, **(extra or {})}
-    return JSONResponse(body, status_code=status)
-
-
-_warned: set[tuple[str, str]] = set()
-
-
-class Body(BaseModel):
-    """A request body: wrong types are errors; unknown fields are ignored with a logged warning
-    (once per route and field), as OpenAI-compatible servers do."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    def warn_unknown(self, route: str) -> None:
-        for name in self.model_extra or {}:
-            if (route, name) not in _warned:
-                _warned.add((route, name))
-                log.warning("%s: ignoring unknown field %r", route, name)
-
-
-def check_text(text: str, field: str) -> int:
-    """The size of `text` in UTF-8 bytes; BadRequest unless it is valid Unicode (a lone surrogate
-    cannot be tokenised)."""
-    if text.isascii():
-        return len(text)
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise BadRequest(
-            f"{field}: invalid character at position {e.start} (a lone surrogate); send valid UTF-8"
-        ) from None
 
 
 def longest_token_bytes(tokenizer: Any) -> int | None:
@@ -115,16 +45,6 @@ def _release_freed_memory() -> None:
 
 
 TRIM_AFTER_BYTES = 1 << 20  # texts this large leave enough scratch behind to be worth a trim
-
-
-async def encode(tokenizer: Any, texts: Sequence[str], field: str) -> list[list[int]]:
-    """Token ids of `texts` (no special tokens added), tokenised on a worker thread so a huge text
-    never blocks the event loop. No limits: `tidal serve` tokenises through `Texts`."""
-    if tokenizer is None:
-        raise BadRequest(f"{field}: this engine has no tokenizer; send token ids")
-    for i, t in enumerate(texts):
-        check_text(t, field if len(texts) == 1 else f"{field}[{i}]")
-    return await asyncio.to_thread(lambda: [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts])
 
 
 class Texts:
@@ -238,12 +158,6 @@ def sampling_params(field_prefix: str = "", **kw: Any) -> SamplingParams:
         raise BadRequest(f"{field_prefix}{e}") from None
 
 
-def trim_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` cut before the first stop string it contains (the engine keeps the tokens)."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
-
-
 class TextStream:
     """Incremental detokenisation: the text each new batch of tokens adds. A trailing partial
     UTF-8 character is held back until the tokens that complete it arrive, and so is any tail
@@ -255,6 +169,7 @@ class TextStream:
         self.sent = 0
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
+        """The text `ids` add (all that is left when `final`)."""
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip) if self.tokenizer else ""
         if self.stops:
@@ -296,6 +211,7 @@ class Runner:
     async def run(
         self, request: Request, prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str]
     ) -> list[Any]:
+        """The engine's outputs of the requests, aborted if the client goes away meanwhile."""
         gathered = asyncio.gather(*(await self._add(prompts, params, rids)))
         while True:
             done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)

@@ -6,7 +6,7 @@ Both generation routes take `n`, `stop`, `seed` (sample j of a seeded request us
 `logprobs` + `top_logprobs`; completions: `logprobs` = number of alternatives) and
 `stream` (server-sent events; `stream_options.include_usage` adds a last chunk with the usage).
 Chat content may be a string or text parts. `tools` are rendered through the chat template (or,
-for a template without tool support, spelled out in the system message: `tidal.server.tools`),
+for a template without tool support, spelled out in the system message: `tidal.chat.tools`),
 and `<tool_call>` blocks in the answer come back as `message.tool_calls` with `finish_reason:
 "tool_calls"`. `response_format` other than `{"type": "text"}` is refused (no constrained
 decoding). Unknown fields are ignored with a logged warning.
@@ -21,49 +21,32 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
 
-from tidal.adapters.async_engine import AsyncEngine
-from tidal.server.common import (
-    BadRequest,
-    Body,
-    EventStream,
-    Runner,
-    Texts,
-    TextStream,
-    check_budget,
-    encode,
-    room_left,
-    sampling_params,
-    trim_stop,
+from tidal.chat.errors import BadRequest
+from tidal.chat.openai import (
+    ChatBody,
+    OpenAIBody,
+    assistant_message,
+    chat_logprobs,
+    chat_max_tokens,
+    chat_prompt,
+    check_chat,
+    models_list,
+    stops_of,
+    text_of,
+    token_piece,
+    usage,
+    uses_tools,
 )
+from tidal.engine.sampling import SamplingParams
+from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
 from tidal.server.options import ServerConfig
-from tidal.server.tools import parse_tool_calls, render_messages, template_takes_tools
-
-
-class StreamOptions(Body):
-    include_usage: bool = False
-
-
-class OpenAIBody(Body):
-    model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+from tidal.server.state import Served, State
 
 
 class CompletionBody(OpenAIBody):
@@ -71,24 +54,6 @@ class CompletionBody(OpenAIBody):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(OpenAIBody):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float]:
@@ -108,308 +73,267 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[i
     return out
 
 
-def token_piece(tok: Any, t: int) -> str:
-    return tok.decode([t]) if tok is not None else str(t)
-
-
-def usage(prompts: list[list[int]], outs: list) -> dict:
-    """Each distinct prompt counted once (as OpenAI does with n > 1), every sample's tokens."""
-    p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def stops_of(body: OpenAIBody) -> list[str]:
-    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-
-
-def text_of(out: Any, stops: list[str]) -> str:
-    """The answer's text: the engine's decoding (special tokens skipped), cut before a stop string."""
-    return trim_stop(out.text, stops) if out.finish_reason == "stop" and stops else out.text
-
-
-def check_chat(body: ChatBody) -> None:
-    """BadRequest for chat fields this server cannot honour (the rest is the body's own validation)."""
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise BadRequest(
-            f"response_format: type {fmt!r} is not supported (no constrained decoding); use 'text' and "
-            "validate the answer yourself"
-        )
-    top = body.top_logprobs or 0
-    if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
-        raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
-    if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
-        raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
-
-
-def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
-    """(the requested answer length or None, the field that set it)."""
-    if body.max_completion_tokens is not None:
-        return body.max_completion_tokens, "max_completion_tokens"
-    return body.max_tokens, "max_tokens"
-
-
-async def chat_prompt(tok: Any, body: ChatBody, raw: list[dict] | None = None, texts: Texts | None = None) -> list[int]:
-    """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
-    rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
-    tokenised as one text (within `texts`' limits when given: `tidal serve`'s)."""
-    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
-    return await render_prompt(tok, raw, body.tools, body.tool_choice, texts)
-
-
-async def render_prompt(
-    tok: Any, raw: list[dict], tools: list[dict] | None, tool_choice: Any, texts: Texts | None = None
-) -> list[int]:
-    """The prompt ids of chat messages (OpenAI's form, as dicts) and tools: what every chat route
-    (OpenAI's, Anthropic's, the agent door's) renders, so one conversation is one prompt whichever
-    API it came through."""
-    if tok is None:
-        raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
-    try:
-        messages, tools = render_messages(raw, tools, tool_choice, template_takes_tools(tok))
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as e:
-        raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-    if texts is not None:  # `tidal serve`'s limits on text to tokenise
-        return (await texts.encode([text], "messages"))[0]
-    return (await encode(tok, [text], "messages"))[0]
-
-
-def chat_logprobs(tok: Any, ids: list[int], lps: list[float], tops: list, top: int) -> dict:
-    """OpenAI's chat `logprobs`: one entry per token, with `top` alternatives each."""
-
-    def entry(t: int, v: float) -> dict:
-        s = token_piece(tok, t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode())}
-
-    content = []
-    for k, (t, v) in enumerate(zip(ids, lps, strict=True)):
-        alts = [entry(a, lv) for a, lv in tops[k]] if top else []
-        content.append({**entry(t, v), "top_logprobs": alts})
-    return {"content": content}
-
-
-def assistant_message(text: str, use_tools: bool, finish_reason: str) -> tuple[dict, str]:
-    """(the answer as an assistant message, its finish reason): `<tool_call>` blocks become
-    `tool_calls` (finish reason "tool_calls") when the request offered tools."""
-    if use_tools:
-        content, calls, _ = parse_tool_calls(text)
-        if calls:
-            message = {"role": "assistant", "content": content or None}
-            return {**message, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish_reason
-
-
-def uses_tools(body: ChatBody) -> bool:
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-def models_list(model_name: str, max_model_len: int | None) -> dict:
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
-    return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
-
-
 def sse(obj: dict) -> str:
+    """One server-sent event of OpenAI's streams."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def router(engine: AsyncEngine, model_name: str, cfg: ServerConfig, texts: Texts | None = None) -> APIRouter:
-    """OpenAI's routes over `engine`; `texts` tokenises (shared with the other routes, so its
-    limit on text being tokenised at once holds server-wide)."""
-    api = APIRouter()
-    runner = Runner(engine)
-    texts = texts or Texts(engine.tokenizer, engine.max_model_len, cfg)
-    tok = engine.tokenizer
+def check_n(body: OpenAIBody, cfg: ServerConfig, route: str) -> None:
+    """Warn about the body's unknown fields; BadRequest for an `n` beyond the server's limit."""
+    body.warn_unknown(route)
+    if body.n < 1 or body.n > cfg.max_n:
+        raise BadRequest(f"n: must be between 1 and {cfg.max_n} on this server, got {body.n}")
 
-    def piece(t: int) -> str:
-        return token_piece(tok, t)
 
-    def checked(body: OpenAIBody, route: str) -> None:
-        body.warn_unknown(route)
-        if body.n < 1 or body.n > cfg.max_n:
-            raise BadRequest(f"n: must be between 1 and {cfg.max_n} on this server, got {body.n}")
+@dataclass
+class Samples:
+    """What one request asks the engine for: its distinct prompts (usage counts each once), every
+    sample's prompt, parameters and rid (n samples per prompt, prompt-major), its stop strings."""
 
-    def params_for(body: OpenAIBody, prompts, max_tokens, field, top: int):
-        """n samples per prompt, prompt-major order."""
-        bias = _logit_bias(body.logit_bias, engine.vocab_size)
-        all_prompts, params = [], []
-        if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
-        for prompt in prompts:
-            room = room_left(engine, prompt)
-            for j in range(body.n):
-                params.append(
-                    sampling_params(
-                        temperature=body.temperature,
-                        top_p=body.top_p,
-                        top_k=body.top_k,
-                        min_p=body.min_p,
-                        max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
-                        stop=body.stop,
-                        stop_token_ids=body.stop_token_ids,
-                        seed=None if body.seed is None else body.seed + j,
-                        presence_penalty=body.presence_penalty,
-                        frequency_penalty=body.frequency_penalty,
-                        logit_bias=bias,
-                        top_logprobs=top,
-                    )
+    prompts: list[list[int]]
+    all_prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str]
+    stops: list[str]
+
+
+def samples_for(
+    s: Served, body: OpenAIBody, prompts: list[list[int]], max_tokens: int | None, field_name: str, top: int
+) -> Samples:
+    """n samples per prompt, prompt-major order, each at most `max_tokens` (set by `field_name`) long
+    and never past the context."""
+    bias = _logit_bias(body.logit_bias, s.engine.vocab_size)
+    all_prompts, params = [], []
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"{field_name}: must be >= 1, got {max_tokens}")
+    for prompt in prompts:
+        room = room_left(s.engine, prompt)
+        for j in range(body.n):
+            params.append(
+                sampling_params(
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    min_p=body.min_p,
+                    max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
+                    stop=body.stop,
+                    stop_token_ids=body.stop_token_ids,
+                    seed=None if body.seed is None else body.seed + j,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    logit_bias=bias,
+                    top_logprobs=top,
                 )
-                all_prompts.append(prompt)
-        check_budget(cfg, all_prompts, params)
-        return all_prompts, params
+            )
+            all_prompts.append(prompt)
+    check_budget(s.cfg, all_prompts, params)
+    return Samples(prompts, all_prompts, params, [uuid.uuid4().hex for _ in all_prompts], stops_of(body))
 
-    @api.get("/v1/models")
-    async def models() -> dict:
-        return models_list(model_name, engine.max_model_len)
 
-    # ------------------------------------------------------------ completions
-    @api.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request) -> Any:
-        checked(body, "/v1/completions")
-        if body.echo:
-            raise BadRequest("echo: not supported (the engine does not score prompts)")
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise BadRequest(f"logprobs: must be in [0, 20], got {body.logprobs}")
-        p = body.prompt
-        if isinstance(p, str):
-            prompts = await texts.encode([p], "prompt")
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = await texts.encode(p, "prompt")  # type: ignore[arg-type]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]  # type: ignore[union-attr]
-        else:
-            prompts = [list(p)]  # type: ignore[arg-type]
-        if any(not x for x in prompts):
-            raise BadRequest("prompt: empty prompt")
-        if len(prompts) > cfg.max_batch:
-            raise BadRequest(f"prompt: {len(prompts)} prompts; at most {cfg.max_batch} per request")
-        all_prompts, params = params_for(body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
-        stops = stops_of(body)
-        rids = [uuid.uuid4().hex for _ in all_prompts]
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+routes = APIRouter()
 
-        def logprobs_of(ids, lps, tops, offset0: int) -> dict | None:
-            if body.logprobs is None:
-                return None
-            tokens = [piece(t) for t in ids]
-            offsets, pos = [], offset0
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            alts = [{piece(t): v for t, v in a} for a in tops] if body.logprobs else None
-            return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": alts, "text_offset": offsets}
 
-        def obj(choices: list[dict], **extra) -> dict:
-            head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
-            return {**head, "choices": choices, **extra}
+@routes.get("/v1/models")
+async def models(s: State) -> dict:
+    """The one model served."""
+    return models_list(s.model_name, s.engine.max_model_len)
 
-        def choice(i: int, text: str, lp: dict | None, reason: str | None) -> dict:
-            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
-        if body.stream:
+# ---------------------------------------------------------------------------- completions
+@dataclass
+class Completion:
+    """The answer shape of one `/v1/completions` request: its id and time, the model, and how many
+    log-prob alternatives it asked for (None: no log-probs)."""
 
-            async def events():
-                streams = [TextStream(tok, stops=stops) for _ in all_prompts]
-                outs = []
-                async for i, ids, lps, tops, out in runner.stream(all_prompts, params, rids):
-                    if out is None:
-                        at = streams[i].sent
-                        yield sse(obj([choice(i, streams[i].add(ids), logprobs_of(ids, lps, tops, at), None)]))
-                        continue
-                    outs.append(out)
-                    yield sse(obj([choice(i, streams[i].add([], final=True), None, out.finish_reason)]))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(obj([], usage=usage(prompts, outs)))
-                yield "data: [DONE]\n\n"
+    tok: Any
+    model: str
+    logprobs: int | None
+    cid: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
 
-            return EventStream(events(), engine, rids)
-        outs = await runner.run(request, all_prompts, params, rids)
+    def obj(self, choices: list[dict], **extra: Any) -> dict:
+        """The answer (or a chunk of its stream) with these choices."""
+        head = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    @staticmethod
+    def choice(i: int, text: str, lp: dict | None, reason: str | None) -> dict:
+        """Sample `i`'s choice (or its stream's next piece)."""
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def logprobs_of(self, ids: list[int], lps: list[float], tops: list, offset0: int) -> dict | None:
+        """The completions API's `logprobs` of tokens whose text starts at `offset0`."""
+        if self.logprobs is None:
+            return None
+        tokens = [token_piece(self.tok, t) for t in ids]
+        offsets, pos = [], offset0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        alts = [{token_piece(self.tok, t): v for t, v in a} for a in tops] if self.logprobs else None
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": alts, "text_offset": offsets}
+
+    def whole(self, outs: list, job: Samples) -> dict:
+        """The answer of a request that does not stream."""
         choices = [
-            choice(
-                i, text_of(o, stops), logprobs_of(o.token_ids, o.log_probs, o.top_logprobs or [], 0), o.finish_reason
+            self.choice(
+                i,
+                text_of(o, job.stops),
+                self.logprobs_of(o.token_ids, o.log_probs, o.top_logprobs or [], 0),
+                o.finish_reason,
             )
             for i, o in enumerate(outs)
         ]
-        return obj(choices, usage=usage(prompts, outs))
+        return self.obj(choices, usage=usage(job.prompts, outs))
 
-    # ------------------------------------------------------------ chat
-    @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request) -> Any:
-        checked(body, "/v1/chat/completions")
-        check_chat(body)
-        top = body.top_logprobs or 0
-        prompt = await chat_prompt(tok, body, texts=texts)
-        prompts, params = params_for(body, [prompt], *chat_max_tokens(body), top)
-        stops = stops_of(body)
-        use_tools = uses_tools(body)
-        rids = [uuid.uuid4().hex for _ in prompts]
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def logprobs_of(ids, lps, tops) -> dict | None:
-            return chat_logprobs(tok, ids, lps, tops, top) if body.logprobs else None
+async def completion_prompts(s: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    """The prompt ids of `/v1/completions`' `prompt`: a text, texts, token ids or lists of them."""
+    if isinstance(prompt, str):
+        prompts = await s.texts.encode([prompt], "prompt")
+    elif prompt and all(isinstance(x, str) for x in prompt):
+        prompts = await s.texts.encode(prompt, "prompt")  # type: ignore[arg-type]
+    elif prompt and all(isinstance(x, list) for x in prompt):
+        prompts = [list(x) for x in prompt]  # type: ignore[union-attr]
+    else:
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    if any(not x for x in prompts):
+        raise BadRequest("prompt: empty prompt")
+    if len(prompts) > s.cfg.max_batch:
+        raise BadRequest(f"prompt: {len(prompts)} prompts; at most {s.cfg.max_batch} per request")
+    return prompts
 
-        def message_of(out) -> tuple[dict, str]:
-            return assistant_message(text_of(out, stops), use_tools, out.finish_reason)
 
-        def obj(kind: str, choices: list[dict], **extra) -> dict:
-            head = {"id": cid, "object": kind, "created": created, "model": model_name}
-            return {**head, "choices": choices, **extra}
+@routes.post("/v1/completions")
+async def completions(body: CompletionBody, request: Request, s: State) -> Any:
+    """OpenAI's `/v1/completions`: n samples of each prompt, whole or streamed."""
+    check_n(body, s.cfg, "/v1/completions")
+    if body.echo:
+        raise BadRequest("echo: not supported (the engine does not score prompts)")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise BadRequest(f"logprobs: must be in [0, 20], got {body.logprobs}")
+    prompts = await completion_prompts(s, body.prompt)
+    job = samples_for(s, body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
+    answer = Completion(s.tok, s.model_name, body.logprobs)
+    if body.stream:
+        return EventStream(completion_events(s, body, answer, job), s.engine, job.rids)
+    outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
+    return answer.whole(outs, job)
 
-        def chunk(choices: list[dict], **extra) -> str:
-            return sse(obj("chat.completion.chunk", choices, **extra))
 
-        def out_logprobs(o) -> dict | None:
-            return logprobs_of(o.token_ids, o.log_probs, o.top_logprobs or [])
+async def completion_events(s: Served, body: CompletionBody, answer: Completion, job: Samples) -> AsyncIterator[str]:
+    """A completion's stream: each sample's new text as it comes, its finish reason, the usage if
+    asked for, then `data: [DONE]`."""
+    streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
+    outs = []
+    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+        if out is None:
+            at = streams[i].sent
+            yield sse(answer.obj([answer.choice(i, streams[i].add(ids), answer.logprobs_of(ids, lps, tops, at), None)]))
+            continue
+        outs.append(out)
+        yield sse(answer.obj([answer.choice(i, streams[i].add([], final=True), None, out.finish_reason)]))
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse(answer.obj([], usage=usage(job.prompts, outs)))
+    yield "data: [DONE]\n\n"
 
-        if body.stream:
 
-            async def events():
-                streams = [TextStream(tok, stops=stops) for _ in prompts]
-                for i in range(len(prompts)):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-                outs = []
-                async for i, ids, lps, tops, out in runner.stream(prompts, params, rids):
-                    if out is None:
-                        if use_tools:  # the calls are parsed once the answer is whole
-                            continue
-                        delta = {"content": streams[i].add(ids)}
-                        yield chunk(
-                            [
-                                {
-                                    "index": i,
-                                    "delta": delta,
-                                    "logprobs": logprobs_of(ids, lps, tops),
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                        continue
-                    outs.append(out)
-                    if use_tools:
-                        message, reason = message_of(out)
-                        message.pop("role")
-                        if "tool_calls" in message:
-                            message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                        yield chunk(
-                            [{"index": i, "delta": message, "logprobs": out_logprobs(out), "finish_reason": reason}]
-                        )
-                    else:
-                        tail = streams[i].add([], final=True)
-                        delta = {"content": tail} if tail else {}
-                        yield chunk([{"index": i, "delta": delta, "finish_reason": out.finish_reason}])
-                if body.stream_options and body.stream_options.include_usage:
-                    yield chunk([], usage=usage([prompt], outs))
-                yield "data: [DONE]\n\n"
+# ---------------------------------------------------------------------------- chat
+@dataclass
+class ChatAnswer:
+    """The answer shape of one `/v1/chat/completions` request: its id and time, the model, its
+    stop strings, whether tool calls are parsed out and which log-probs it asked for."""
 
-            return EventStream(events(), engine, rids)
-        outs = await runner.run(request, prompts, params, rids)
+    tok: Any
+    model: str
+    stops: list[str]
+    use_tools: bool
+    logprobs: bool
+    top: int
+    cid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def obj(self, kind: str, choices: list[dict], **extra: Any) -> dict:
+        """An answer (`kind` "chat.completion") or a chunk of one with these choices."""
+        head = {"id": self.cid, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        """A chunk of the stream, as its event."""
+        return sse(self.obj("chat.completion.chunk", choices, **extra))
+
+    def logprobs_of(self, ids: list[int], lps: list[float], tops: list) -> dict | None:
+        """OpenAI's chat `logprobs` of these tokens, if the request asked for them."""
+        return chat_logprobs(self.tok, ids, lps, tops, self.top) if self.logprobs else None
+
+    def out_logprobs(self, out: Any) -> dict | None:
+        """The `logprobs` of a whole sample."""
+        return self.logprobs_of(out.token_ids, out.log_probs, out.top_logprobs or [])
+
+    def message_of(self, out: Any) -> tuple[dict, str]:
+        """(a sample as an assistant message, its finish reason)."""
+        return assistant_message(text_of(out, self.stops), self.use_tools, out.finish_reason)
+
+    def whole(self, outs: list, job: Samples) -> dict:
+        """The answer of a request that does not stream."""
         choices = []
         for i, o in enumerate(outs):
-            message, reason = message_of(o)
-            choices.append({"index": i, "message": message, "logprobs": out_logprobs(o), "finish_reason": reason})
-        return obj("chat.completion", choices, usage=usage([prompt], outs))
+            message, reason = self.message_of(o)
+            choices.append({"index": i, "message": message, "logprobs": self.out_logprobs(o), "finish_reason": reason})
+        return self.obj("chat.completion", choices, usage=usage(job.prompts, outs))
 
-    return api
+    def text_chunk(self, i: int, text: str, ids: list[int], lps: list[float], tops: list) -> str:
+        """Sample `i`'s new text (and its tokens' log-probs) as a chunk."""
+        delta = {"content": text}
+        return self.chunk(
+            [{"index": i, "delta": delta, "logprobs": self.logprobs_of(ids, lps, tops), "finish_reason": None}]
+        )
+
+    def last_chunk(self, i: int, out: Any, stream: TextStream) -> str:
+        """Sample `i`'s last chunk: with tools the whole message (its calls are known only now),
+        else the text held back so far, with the finish reason."""
+        if self.use_tools:
+            message, reason = self.message_of(out)
+            message.pop("role")
+            if "tool_calls" in message:
+                message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+            return self.chunk(
+                [{"index": i, "delta": message, "logprobs": self.out_logprobs(out), "finish_reason": reason}]
+            )
+        tail = stream.add([], final=True)
+        delta = {"content": tail} if tail else {}
+        return self.chunk([{"index": i, "delta": delta, "finish_reason": out.finish_reason}])
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
+    """OpenAI's `/v1/chat/completions`: n answers to the chat, whole or streamed, tool calls parsed."""
+    check_n(body, s.cfg, "/v1/chat/completions")
+    check_chat(body)
+    top = body.top_logprobs or 0
+    prompt = await chat_prompt(s.tok, body, texts=s.texts)
+    job = samples_for(s, body, [prompt], *chat_max_tokens(body), top)
+    answer = ChatAnswer(s.tok, s.model_name, job.stops, uses_tools(body), body.logprobs, top)
+    if body.stream:
+        return EventStream(chat_events(s, body, answer, job), s.engine, job.rids)
+    outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
+    return answer.whole(outs, job)
+
+
+async def chat_events(s: Served, body: ChatBody, answer: ChatAnswer, job: Samples) -> AsyncIterator[str]:
+    """A chat answer's stream: each sample's role, its text as it comes (with tools, the message
+    once whole), its finish reason, the usage if asked for, then `data: [DONE]`."""
+    streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
+    for i in range(len(job.all_prompts)):
+        yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    outs = []
+    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+        if out is None:
+            if not answer.use_tools:  # the calls are parsed once the answer is whole
+                yield answer.text_chunk(i, streams[i].add(ids), ids, lps, tops)
+            continue
+        outs.append(out)
+        yield answer.last_chunk(i, out, streams[i])
+    if body.stream_options and body.stream_options.include_usage:
+        yield answer.chunk([], usage=usage(job.prompts, outs))
+    yield "data: [DONE]\n\n"

@@ -1,4 +1,8 @@
-"""`tidal serve`'s limits and API key (`ServerConfig`)."""
+"""`tidal serve`'s options: its limits and its API key (`ServerConfig`).
+
+Light (the standard library and the engine group's options only, no FastAPI, no torch): the CLI
+reads its defaults for `tidal serve --help`.
+"""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from tidal.adapters.async_engine import AsyncEngine
+from tidal.chat.errors import ApiError, BadRequest
 from tidal.engine.weights import WeightsError, check_named_tensors
-from tidal.server.common import ApiError, BadRequest
 from tidal.sync.group import WeightGroup, join_weight_group
 
 log = logging.getLogger("tidal.server")

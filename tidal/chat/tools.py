@@ -1,4 +1,5 @@
-"""Tool calls in the Hermes / Qwen format, shared by the OpenAI route and the agent loop:
+"""Tool calls in the Hermes / Qwen format, shared by the chat routes of `tidal serve` and rollout
+(the agent door, the tool loop):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -31,6 +32,7 @@ class ToolCall:
     id: str = ""
 
     def to_openai(self) -> dict:
+        """The call as an OpenAI `tool_calls` entry (a fresh id when it has none)."""
         return {
             "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",

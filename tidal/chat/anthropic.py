@@ -1,0 +1,218 @@
+"""Anthropic's Messages API as chat: a request translated into the chat messages and tools that
+OpenAI's chat route renders (`translate`), so both APIs go through one renderer
+(`tidal.chat.render.render_prompt`) and one conversation is the same prompt whichever API it came
+through, and the engine's answer as a Messages answer (`message`).
+
+- `system` (a string or text blocks) becomes the first, system, message;
+- content is a string or blocks: `text` blocks are joined; an assistant's `tool_use` blocks become
+  `tool_calls` (their `input` as JSON arguments); a user's `tool_result` blocks become tool-role
+  messages (content a string or text blocks; `is_error: true` prefixes it with "Error: ", the only
+  way the model can tell), in the order the blocks come;
+- `tools` ({name, description, input_schema}) become functions; `tool_choice` may only be auto
+  (nothing forces a call: there is no constrained decoding).
+
+The answer is a message whose content is a text block and/or `tool_use` blocks (the `<tool_call>`
+blocks the model wrote, parsed as the OpenAI route parses them) with `stop_reason` end_turn,
+max_tokens, stop_sequence (and the matched `stop_sequence`) or tool_use.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tidal.chat.body import Body
+from tidal.chat.errors import BadRequest
+from tidal.chat.openai import text_of
+from tidal.chat.tools import parse_tool_calls
+
+MESSAGES_ROUTE = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request's path is Anthropic's route (on `tidal serve` or a door session)."""
+    return path.endswith(MESSAGES_ROUTE)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class MessagesBody(Body):
+    model: str | None = None
+    max_tokens: int
+    messages: list[Message]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------- request → chat
+def block_text(content: Any, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: must be a string or a list of text blocks")
+    out = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise BadRequest(f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}")
+        out.append(block["text"])
+    return "".join(out)
+
+
+def tool_call(block: dict, where: str) -> dict:
+    """A `tool_use` block as an OpenAI tool call (the same dict whether it came in a request or
+    went out in an answer, so the agent door knows its own answers sent back)."""
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise BadRequest(f"{where}: a tool_use block needs a string id and name")
+    if not isinstance(block.get("input"), dict):
+        raise BadRequest(f"{where}.input: must be an object")
+    arguments = json.dumps(block["input"], ensure_ascii=False)
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+
+
+def assistant_chat_message(blocks: list[dict], where: str = "content") -> dict:
+    """An assistant's content blocks as one OpenAI chat message."""
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block_text([block], where))
+        elif kind == "tool_use":
+            calls.append(tool_call(block, f"{where}[{j}]"))
+        else:
+            raise BadRequest(f"{where}[{j}].type: an assistant's blocks are text or tool_use, got {kind!r}")
+    if calls:
+        return {"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls}
+    return {"role": "assistant", "content": "".join(texts)}
+
+
+def user_chat_messages(blocks: list[dict], where: str) -> list[dict]:
+    """A user's content blocks as chat messages: runs of text as user messages, each tool_result
+    as a tool message, in their order."""
+    out: list[dict] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block_text([block], where))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "".join(texts)})
+                texts = []
+            if not isinstance(block.get("tool_use_id"), str):
+                raise BadRequest(f"{where}[{j}].tool_use_id: must be a string")
+            text = block_text(block.get("content", ""), f"{where}[{j}].content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        else:
+            raise BadRequest(f"{where}[{j}].type: a user's blocks are text or tool_result, got {kind!r}")
+    if texts or not out:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Anthropic's tools as OpenAI's functions."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            raise BadRequest(f"tools[{i}].type: {tool['type']!r} is a server tool; only custom tools are supported")
+        if not isinstance(tool.get("name"), str):
+            raise BadRequest(f"tools[{i}].name: must be a string")
+        if not isinstance(tool.get("input_schema"), dict):
+            raise BadRequest(f"tools[{i}].input_schema: must be a JSON schema object")
+        function = {"name": tool["name"]}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
+    return out
+
+
+def translate(body: MessagesBody) -> tuple[list[dict], list[dict] | None]:
+    """(OpenAI chat messages, OpenAI tools) of a Messages request; BadRequest naming the field."""
+    if body.tool_choice is not None and body.tool_choice.get("type") != "auto":
+        raise BadRequest(
+            f"tool_choice: only {{'type': 'auto'}} is supported (nothing can force or forbid a call: there is no "
+            f"constrained decoding), got type {body.tool_choice.get('type')!r}"
+        )
+    if body.max_tokens < 1:
+        raise BadRequest(f"max_tokens: must be >= 1, got {body.max_tokens}")
+    if not body.messages:
+        raise BadRequest("messages: at least one message is needed")
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": block_text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}].content"
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        if m.role == "assistant":
+            out.append(assistant_chat_message(blocks, where))
+        elif m.role == "user":
+            out += user_chat_messages(blocks, where)
+        else:
+            raise BadRequest(f"messages[{i}].role: must be 'user' or 'assistant', got {m.role!r}")
+    return out, chat_tools(body.tools)
+
+
+# ---------------------------------------------------------------------------- answer → message
+def matched_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string that ended `text` (the engine's text keeps it): the earliest found."""
+    found = [(text.find(s), k) for k, s in enumerate(stops) if s and s in text]
+    return stops[min(found)[1]] if found else None
+
+
+def content_blocks(text: str, use_tools: bool) -> list[dict]:
+    """The answer's content: its text, and `tool_use` blocks for the `<tool_call>`s it wrote when
+    the request offered tools (the text block then holds what is around them, if anything)."""
+    if use_tools:
+        rest, calls, _ = parse_tool_calls(text)
+        if calls:
+            uses = [
+                {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c.name, "input": c.arguments}
+                for c in calls
+            ]
+            return [{"type": "text", "text": rest}, *uses] if rest else uses
+    return [{"type": "text", "text": text}]
+
+
+def message(out: Any, stops: list[str], requested: list[str], use_tools: bool, model: str, input_tokens: int) -> dict:
+    """The Messages answer of engine output `out`: `stops` are every stop string it ran with,
+    `requested` the request's own `stop_sequences` (the only ones reported as matched)."""
+    blocks = content_blocks(text_of(out, stops), use_tools)
+    stop = matched_stop(out.text, stops) if out.finish_reason == "stop" else None
+    if any(b["type"] == "tool_use" for b in blocks):
+        reason, stop = "tool_use", None
+    elif out.finish_reason == "length":
+        reason = "max_tokens"
+    elif stop is not None and stop in requested:
+        reason = "stop_sequence"
+    else:
+        reason, stop = "end_turn", None
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": stop,
+        "usage": {"input_tokens": input_tokens, "output_tokens": len(out.token_ids)},
+    }

@@ -1,0 +1,150 @@
+"""OpenAI's chat shapes: the request bodies, the checks a chat request gets, its prompt, and the
+answer as an assistant message with its log-probs and usage (`tidal serve`'s
+`/v1/chat/completions` and the agent door's answer with these, so they agree).
+
+Log-probs are those of the tempered distribution each token was drawn from; the alternatives are
+the most likely tokens of softmax(logits / temperature).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tidal.chat.body import Body
+from tidal.chat.errors import BadRequest
+from tidal.chat.render import TextEncoder, render_prompt
+from tidal.chat.text import trim_stop
+from tidal.chat.tools import parse_tool_calls
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class OpenAIBody(Body):
+    """What both generation routes (completions and chat) take."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(OpenAIBody):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def token_piece(tok: Any, t: int) -> str:
+    """Token `t` as text (its id as text when there is no tokenizer)."""
+    return tok.decode([t]) if tok is not None else str(t)
+
+
+def usage(prompts: list[list[int]], outs: list) -> dict:
+    """Each distinct prompt counted once (as OpenAI does with n > 1), every sample's tokens."""
+    p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def stops_of(body: OpenAIBody) -> list[str]:
+    """The request's stop strings as a list."""
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def text_of(out: Any, stops: list[str]) -> str:
+    """The answer's text: the engine's decoding (special tokens skipped), cut before a stop string."""
+    return trim_stop(out.text, stops) if out.finish_reason == "stop" and stops else out.text
+
+
+def check_chat(body: ChatBody) -> None:
+    """BadRequest for chat fields this server cannot honour (the rest is the body's own validation)."""
+    fmt = (body.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise BadRequest(
+            f"response_format: type {fmt!r} is not supported (no constrained decoding); use 'text' and "
+            "validate the answer yourself"
+        )
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
+        raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
+    if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
+        raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
+
+
+def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
+    """(the requested answer length or None, the field that set it)."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+async def chat_prompt(
+    tok: Any, body: ChatBody, raw: list[dict] | None = None, texts: TextEncoder | None = None
+) -> list[int]:
+    """The prompt ids of a chat request: its messages (`raw`: them as dicts, when the caller
+    rewrote them) and tools through the tokenizer's chat template, with the generation prompt,
+    tokenised as one text (within `texts`' limits when given: `tidal serve`'s)."""
+    raw = raw if raw is not None else [m.model_dump(exclude_none=True) for m in body.messages]
+    return await render_prompt(tok, raw, body.tools, body.tool_choice, texts)
+
+
+def chat_logprobs(tok: Any, ids: list[int], lps: list[float], tops: list, top: int) -> dict:
+    """OpenAI's chat `logprobs`: one entry per token, with `top` alternatives each."""
+
+    def entry(t: int, v: float) -> dict:
+        s = token_piece(tok, t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    content = []
+    for k, (t, v) in enumerate(zip(ids, lps, strict=True)):
+        alts = [entry(a, lv) for a, lv in tops[k]] if top else []
+        content.append({**entry(t, v), "top_logprobs": alts})
+    return {"content": content}
+
+
+def assistant_message(text: str, use_tools: bool, finish_reason: str) -> tuple[dict, str]:
+    """(the answer as an assistant message, its finish reason): `<tool_call>` blocks become
+    `tool_calls` (finish reason "tool_calls") when the request offered tools."""
+    if use_tools:
+        content, calls, _ = parse_tool_calls(text)
+        if calls:
+            message = {"role": "assistant", "content": content or None}
+            return {**message, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish_reason
+
+
+def uses_tools(body: ChatBody) -> bool:
+    """Whether the answer is parsed for tool calls: tools offered and not turned off."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def models_list(model_name: str, max_model_len: int | None) -> dict:
+    """`/v1/models`' answer: the one model served."""
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
+    return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}

@@ -1,0 +1,185 @@
+"""The app of `tidal serve` (`build_app`): every route family over one engine, the errors in
+each family's shape, the API key and body limits (`Guard`), and running it (`serve`,
+`BackgroundServer`). The package's docstring (`tidal.server`) says what it answers and how."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.chat.http_errors import add_error_handlers, error_for
+from tidal.server import anthropic, openai, sglang, sglang_weights
+from tidal.server.options import API_KEY_ENV, ServerConfig
+from tidal.server.state import Served
+
+log = logging.getLogger("tidal.server")
+
+OPEN_ROUTES = ("/health",)
+WEIGHT_ROUTES = ("/update_weights_from_tensor",)  # chunks of weights: a limit of their own
+
+
+def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under the name `model_name`."""
+    cfg = config or ServerConfig()
+    app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+    app.state.served = Served.create(engine, model_name, cfg)  # what every route reads (`State`)
+    for family in (sglang, sglang_weights, openai, anthropic):
+        app.include_router(family.routes)
+    app.add_middleware(Guard, cfg=cfg)
+    return app
+
+
+class Guard:
+    """ASGI middleware: the API key, and the body-size limit (a body with no Content-Length is
+    read up to the limit, then handed on). Plain ASGI, so a route still sees the client go away."""
+
+    def __init__(self, app, cfg: ServerConfig) -> None:
+        self.app, self.cfg = app, cfg
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.cfg
+        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope["headers"]}
+        if cfg.api_key and scope["path"] not in OPEN_ROUTES:
+            given = headers.get("authorization", "")
+            given = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+                response = error_for(
+                    scope["path"], 401, "authorization: a valid API key is required", "authentication_error"
+                )
+                return await response(scope, receive, send)
+        size = headers.get("content-length")
+        limit = cfg.max_weights_body_bytes if scope["path"] in WEIGHT_ROUTES else cfg.max_body_bytes
+        if size is not None and size.isdigit() and int(size) > limit:
+            response = error_for(scope["path"], 413, f"body: {size} bytes; this server takes at most {limit}")
+            return await response(scope, receive, send)
+        if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > limit:
+                    response = error_for(scope["path"], 413, f"body: more than {limit} bytes")
+                    return await response(scope, receive, send)
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
+class BackgroundServer:
+    """Serve an app with uvicorn on a thread (for tests and in-process use).
+
+    `port=0` picks a free port; the socket is bound before the thread starts, so `url` is valid
+    at once and the server accepts connections as soon as `start()` returns."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        """Start serving; returns once the server accepts connections."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and free the port."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def warn_if_open(host: str, cfg: ServerConfig) -> None:
+    """Loud warning for a server reachable from other machines with no API key."""
+    if not is_loopback(host) and not cfg.api_key:
+        bar = "!" * 78
+        log.warning(
+            "%s\nserving on %s WITHOUT AN API KEY: anyone who can reach this address can generate, abort "
+            "requests and replace the weights. Set --api-key or %s.\n%s",
+            bar,
+            host,
+            API_KEY_ENV,
+            bar,
+        )
+
+
+def _default_core(model_dir: str, **engine_kwargs: Any) -> Any:
+    """tidal's LLMEngine with the model folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from tidal.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir), **engine_kwargs)
+
+
+def serve(
+    model_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    *,
+    config: ServerConfig | None = None,
+    core: Any = None,
+    core_factory: Callable[..., Any] | None = None,
+    model_name: str | None = None,
+    log_level: str = "info",
+    **engine_kwargs: Any,
+) -> None:
+    """Load a core engine for `model_dir` and serve it until interrupted.
+
+    The core is `core` if given, else `core_factory(model_dir, **engine_kwargs)`, by default
+    `LLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir), **engine_kwargs)`."""
+    import uvicorn
+
+    cfg = config or ServerConfig.from_env()
+    warn_if_open(host, cfg)
+    if core is None:
+        core = (core_factory or _default_core)(str(model_dir), **engine_kwargs)
+    engine = AsyncEngine(core)
+    try:
+        uvicorn.run(build_app(engine, model_name or str(model_dir), cfg), host=host, port=port, log_level=log_level)
+    finally:
+        engine.close()
