@@ -120,8 +120,8 @@ def decode_step(model_name: str, dtype: torch.dtype, kind: str, batch: int, step
     """The engine's step, each step timed right after one streamed pass of `products` (the
     model's matrix products in the same format): the machine's speed drifts, and pairing keeps
     the two medians comparable."""
+    from tidal.contracts import SamplingParams
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.engine.sampling import SamplingParams
 
     engine = LLMEngine(
         load_model(model_name, dtype),

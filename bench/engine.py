@@ -154,7 +154,7 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
 
 def _requests(prompts, n, max_new, seed) -> tuple[list[list[int]], list]:
     """Each prompt n times, each sample with the seed the rollout would give it."""
-    from tidal.engine.sampling import SamplingParams
+    from tidal.contracts import SamplingParams
     from tidal.rollout.manager import sample_seed
 
     batch, params = [], []

@@ -65,11 +65,11 @@ def child(args) -> None:
     """One arm in this process; prints `RESULT {json}`."""
     import torch
 
-    from tidal.cluster.roles import build_roles
     from tidal.config import build_config
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.data.load import prompt_source
     from tidal.loop import resolve_precision
+    from tidal.roles import build_roles
     from tidal.rollout.collect import collect, shaped_rewards
     from tidal.rollout.manager import RolloutManager, group_size
     from tidal.train.estimate import compute_advantages

@@ -47,8 +47,8 @@ def _model(args):
 
 
 def _samples(model, args, dtype: str):
+    from tidal.contracts import SamplingParams
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.engine.sampling import SamplingParams
     from tidal.moe import routing_record
     from tidal.types import Sample
 

@@ -58,9 +58,9 @@ def child_rollout(args) -> dict:
     """Time one `generate` of prompts x n samples after a small warm-up batch."""
     from transformers import AutoTokenizer
 
+    from tidal.contracts import SamplingParams
     from tidal.convert import ensure_model
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.engine.sampling import SamplingParams
     from tidal.rollout.manager import sample_seed
 
     model_dir = ensure_model("smollm2")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 
 
 @dataclass

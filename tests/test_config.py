@@ -12,6 +12,7 @@ from tidal.cluster.options import ClusterConfig
 from tidal.config import (
     GROUPS,
     REDACTED,
+    RENAMED,
     SECRET_FIELDS,
     Config,
     DebugConfig,
@@ -20,10 +21,11 @@ from tidal.config import (
     load_yaml,
     parse_value,
     redact,
+    upgrade,
     validate,
 )
 from tidal.data.options import DataConfig
-from tidal.eval.options import EvalConfig
+from tidal.eval_sets import EvalConfig
 from tidal.log import LogConfig
 from tidal.options import ConfigError
 from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
@@ -493,3 +495,41 @@ def test_validate_data_path(tmp_path):
     validate(cfg)
     cfg.data.path = "env:anything"  # env: paths are not checked against the file system
     validate(cfg)
+
+
+# --- options that moved to groups of their own -------------------------------------------------------
+
+
+def test_every_moved_option_names_a_real_one():
+    fields = {f"{g}.{f.name}" for g in GROUPS for f in dataclasses.fields(getattr(Config(), g))}
+    assert set(RENAMED.values()) <= fields
+    assert not set(RENAMED) & fields  # an old name is never a live one
+
+
+def test_an_option_that_moved_is_refused_naming_its_new_key(tmp_path):
+    path = write(tmp_path, "rollout:\n  temperature: 0.7\n  reward: exact_match\n  rollout_batch_size: 4\n")
+    with pytest.raises(ConfigError) as exc:
+        build_config(str(path), {})
+    assert str(exc.value).split("\n") == [
+        f"{path}: rollout.temperature is now sampling.temperature; write it so",
+        f"{path}: rollout.reward is now reward.fn; write it so",
+    ]
+    with pytest.raises(ConfigError, match=r"^command line: rollout.engine_urls is now engine.urls; write it so$"):
+        build_config(None, {"rollout.engine_urls": ["http://127.0.0.1:1"]})
+
+
+def test_a_config_json_of_an_older_tidal_reads_as_the_new_layout():
+    old = {
+        "rollout": {"temperature": 0.7, "reward": "math", "judge_url": "", "rollout_batch_size": 8},
+        "train": {"lr": 1e-5},
+        "resolved": {"machine": {}},
+    }
+    assert upgrade(old) == {
+        "rollout": {"rollout_batch_size": 8},
+        "sampling": {"temperature": 0.7},
+        "reward": {"fn": "math"},
+        "judge": {"url": ""},
+        "train": {"lr": 1e-5},
+        "resolved": {"machine": {}},
+    }
+    assert old["rollout"]["temperature"] == 0.7  # the caller's dict is left as it was

@@ -75,8 +75,8 @@ def test_the_trainer_step_under_routing_replay_makes_every_tensor_on_its_device(
 
 
 def test_the_engine_prefills_decodes_and_samples_on_its_device():
+    from tidal.contracts import SamplingParams
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.engine.sampling import SamplingParams
 
     engine = LLMEngine(make_model(seed=1), make_tokenizer(), dtype="float32", kv_cache_tokens=512, device=hardware.CPU)
     prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [10, 11, 12]]

@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import loop_config
 
-from tidal.cluster.roles import build_roles
 from tidal.convert import load_tokenizer
 from tidal.data.dataset import PromptRecord
+from tidal.roles import build_roles
 from tidal.rollout.manager import RolloutManager
 from tidal.rollout.overlap import push_cutting_requests
 from tidal.sync.base import SyncError
@@ -52,7 +52,7 @@ def build(tiny_model_dir, tmp_path, monkeypatch):
         if kind == "remote":  # a server of the user's: tidal serve on the same model, in this process
             from tidal.adapters.async_engine import AsyncEngine
             from tidal.engine.llm_engine import LLMEngine
-            from tidal.server import BackgroundServer, build_app
+            from tidal.server.app import BackgroundServer, build_app
 
             tokenizer = load_tokenizer(tiny_model_dir)
             core = LLMEngine(tiny_model_dir, tokenizer, dtype="float32", kv_cache_tokens=8192)
@@ -254,7 +254,7 @@ def test_the_overlapped_loop_trains_on_every_engine(tiny_model_dir, tmp_path, mo
     if kind == "remote":
         from tidal.adapters.async_engine import AsyncEngine
         from tidal.engine.llm_engine import LLMEngine
-        from tidal.server import BackgroundServer, build_app
+        from tidal.server.app import BackgroundServer, build_app
 
         served = AsyncEngine(LLMEngine(tiny_model_dir, load_tokenizer(tiny_model_dir), dtype="float32"))
         server = BackgroundServer(build_app(served, "tiny")).start()

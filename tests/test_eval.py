@@ -8,7 +8,7 @@ from conftest import loop_config
 
 import tidal.loop
 from tidal.config import Config, build_config
-from tidal.eval.evaluate import pass_at_k, results_table
+from tidal.eval import pass_at_k, results_table
 from tidal.options import ConfigError
 
 VOLATILE = ("time/", "perf/")
@@ -121,11 +121,11 @@ class FakeRollout:
 
 
 def test_evaluate_set_groups_samples_by_prompt_and_counts_correct_at_the_threshold(monkeypatch):
-    import tidal.eval.evaluate
-    from tidal.eval.evaluate import evaluate_set, set_seed_step
+    import tidal.eval
+    from tidal.eval import evaluate_set, set_seed_step
     from tidal.types import Status
 
-    monkeypatch.setattr(tidal.eval.evaluate, "PROMPTS_PER_CALL", 2)  # chunks must not change seeds or results
+    monkeypatch.setattr(tidal.eval, "PROMPTS_PER_CALL", 2)  # chunks must not change seeds or results
     # 3 prompts x 4 samples; correct = reward >= 0.9; sample 5 failed (its reward does not count)
     rewards = [1.0, 0.0, 0.0, 0.0, 0.5, 1.0, 0.95, 0.0, 1.0, 1.0, 1.0, 1.0]
     fake = FakeRollout(4, rewards, {5: Status.FAILED})
@@ -162,10 +162,10 @@ class RaggedRollout(FakeRollout):
 
 
 def test_evaluate_set_scores_ragged_groups_per_prompt(monkeypatch):
-    import tidal.eval.evaluate
-    from tidal.eval.evaluate import evaluate_set
+    import tidal.eval
+    from tidal.eval import evaluate_set
 
-    monkeypatch.setattr(tidal.eval.evaluate, "PROMPTS_PER_CALL", 2)
+    monkeypatch.setattr(tidal.eval, "PROMPTS_PER_CALL", 2)
     # prompt 0: [1.0]; prompt 1: [0, 1, 1]; prompt 2 (a second call): [0, 0]
     rewards = {0: 1.0, 11: 0.0, 12: 1.0, 13: 1.0, 20: 0.0, 21: 0.0}
     m = evaluate_set(RaggedRollout([1, 3, 2], rewards), [object()] * 3, "ragged", [2], 0.9, "score")

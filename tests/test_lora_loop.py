@@ -89,7 +89,7 @@ def test_the_delta_transport_sends_what_changed_and_the_engine_checks_the_whole_
     from tidal.aio import LoopThread
     from tidal.algo.options import AlgoConfig
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.server import BackgroundServer, build_app
+    from tidal.server.app import BackgroundServer, build_app
     from tidal.sync.remote import HttpSync
     from tidal.train.options import TrainConfig
 

@@ -20,7 +20,7 @@ KEY = "sk-tidal-e2e-5f1c0a9e7b3d"
 def test_a_key_on_the_command_line_reaches_the_server_and_no_file_or_page(tiny_model_dir, tmp_path):
     from tidal.adapters.async_engine import AsyncEngine
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.server import BackgroundServer, build_app
+    from tidal.server.app import BackgroundServer, build_app
 
     core = LLMEngine(tiny_model_dir, load_tokenizer(tiny_model_dir), dtype="float32", kv_cache_tokens=4096)
     served = AsyncEngine(core)

@@ -27,7 +27,7 @@ def test_engine_greedy_is_token_exact_with_transformers(smollm2):
     from transformers import AutoModelForCausalLM
 
     from tidal.adapters.hf_engine import HFEngine
-    from tidal.engine.sampling import SamplingParams
+    from tidal.contracts import SamplingParams
 
     path, tok = smollm2
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -2,7 +2,7 @@
 and the one place their names are compared.
 
 Config validation (`tidal.config`), the engine factory (`tidal.adapters.factory`) and the cluster
-wiring (`tidal.cluster.roles`) read these records and ask them questions (`placement`,
+wiring (`tidal.roles`) read these records and ask them questions (`placement`,
 `resolve_sync`); none of them compares a kind's name. Adding an engine kind is one `EngineKind`
 record in `ENGINES` and one adapter module (docs/adding-an-engine.md). This module imports
 nothing from tidal: the lightest modules (the config groups) read it.

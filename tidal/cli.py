@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args) -> int:
     from tidal.convert import ensure_model
     from tidal.log import setup_logging
-    from tidal.server import serve
+    from tidal.server.app import serve
 
     setup_logging()
     options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(cfg, args) -> int:
-    from tidal.eval.evaluate import evaluate, results_table
+    from tidal.eval import evaluate, results_table
     from tidal.log import setup_logging
     from tidal.types import InputError
     from tidal.utils import atomic_write_json

@@ -9,7 +9,7 @@ alone; each part of tidal receives the groups it needs, never the whole config:
     tools     tidal.rollout.options.ToolsConfig      sandbox  tidal.reward.options.CodeSandboxConfig
     agent     tidal.rollout.options.AgentConfig      algo     tidal.algo.options.AlgoConfig
     overlap   tidal.rollout.options.OverlapConfig    train    tidal.train.options.TrainConfig
-    eval      tidal.eval.options.EvalConfig          cluster  tidal.cluster.options.ClusterConfig
+    eval      tidal.eval_sets.EvalConfig          cluster  tidal.cluster.options.ClusterConfig
     log       tidal.log.LogConfig                    debug    DebugConfig (here: the loop's own)
 
 `validate()` runs every group's check and then what spans groups (the engine kind against the
@@ -36,7 +36,7 @@ from tidal.algo.options import AlgoConfig
 from tidal.backends import ENGINES, IN_PROCESS, PLACEMENTS, RAY, EngineKind, Transport, engine_kind, resolve_sync
 from tidal.cluster.options import ClusterConfig
 from tidal.data.options import DataConfig
-from tidal.eval.options import EvalConfig
+from tidal.eval_sets import EvalConfig
 from tidal.log import LogConfig
 from tidal.options import ConfigError, Need, coerce, opt, type_name, unknown_name
 from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
@@ -110,6 +110,15 @@ class Config:
     def weight_sync(self) -> Transport:
         """The transport `cluster.weight_sync` stands for (auto resolved); ValueError when it does not fit."""
         return resolve_sync(self.engine_kind, self.placement, self.cluster.weight_sync)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The engine's KV cache, in tokens: `engine.kv_cache_tokens`, else what one rollout step
+        of this config needs (`EngineConfig.cache_tokens`)."""
+        r = self.rollout
+        return self.engine.cache_tokens(
+            r.rollout_batch_size, r.n_samples_per_prompt, r.response_budget, self.data.max_prompt_length
+        )
 
     @property
     def runs_model_code(self) -> bool:

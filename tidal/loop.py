@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from tidal.cluster.roles import Roles, build_roles
 from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
-from tidal.eval.evaluate import Evaluator
+from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.reward.sandbox import check_run, set_default_backend
+from tidal.roles import Roles, build_roles
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
@@ -128,7 +128,9 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
             if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
                 overlap_state = state.get("overlap") if ckpt is not None else None
-                overlapped = OverlappedRollout(cfg, source, rollout, start, overlap_state)
+                overlapped = OverlappedRollout(
+                    cfg.overlap, cfg.algo, t_cfg.num_steps, source, rollout, start, overlap_state
+                )
                 roles.closers.append(overlapped.close)
             evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop)
         logger = MetricsLogger(

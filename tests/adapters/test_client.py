@@ -13,8 +13,8 @@ from fake_core import FakeCore, expected_logprobs, expected_tokens
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import EngineClient, EngineError, HttpEngine, Router
-from tidal.engine.sampling import SamplingParams
-from tidal.server import BackgroundServer, build_app
+from tidal.contracts import SamplingParams
+from tidal.server.app import BackgroundServer, build_app
 
 
 class Served:

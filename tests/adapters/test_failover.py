@@ -12,8 +12,8 @@ from conftest import run_batch, shared_loop
 from test_served_engine import Served, make_model
 
 from tidal.adapters.client import EngineClient, EngineError, HttpEngine
-from tidal.cluster.roles import ServerEngines
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
+from tidal.roles import ServerEngines
 from tidal.sync.remote import HttpSync
 
 PROMPTS = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4 + [[100, 7]] * 4

@@ -4,7 +4,7 @@ from conftest import hf_greedy
 from conftest import make_model as _make_model
 
 from tidal.adapters.hf_engine import HFEngine
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.engine.weights import WeightsError
 
 PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 17], [1, 44, 45, 46, 47, 48, 49, 50, 51], [1, 7]]

@@ -14,9 +14,9 @@ from conftest import make_model as _make_model
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import HttpEngine
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 
 PROMPTS = [[5, 9, 33, 70], [12, 40, 41, 42, 43, 44, 45, 46, 47], [5, 9, 33, 70], [100]]
 

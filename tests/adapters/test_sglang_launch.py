@@ -32,12 +32,12 @@ from tidal.adapters.sglang_launch import (
 )
 from tidal.cluster.options import ClusterConfig
 from tidal.config import Config, validate
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import model_checksum
 from tidal.net import free_port
 from tidal.options import ConfigError
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 from tidal.sync.base import SyncError
 from tidal.sync.distributed import DistributedSync
 

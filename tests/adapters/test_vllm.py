@@ -19,7 +19,7 @@ import torch
 from conftest import hf_greedy, make_model, make_tokenizer
 
 from tidal.adapters.options import EngineConfig
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.engine.weights import WeightsError, weights_checksum
 
 pytestmark = [
@@ -67,10 +67,9 @@ def original(ref):
 def shared_core(model_dir):
     """Built as the rollout builds it (`make_core`, `engine.kind: vllm`)."""
     from tidal.adapters.factory import make_core
-    from tidal.rollout.options import RolloutConfig
 
     cfg = EngineConfig(kind="vllm", dtype="float32", kv_cache_tokens=4000, max_num_seqs=32)
-    core = make_core(cfg, RolloutConfig(), model_dir, make_tokenizer())
+    core = make_core(cfg, model_dir, make_tokenizer(), cfg.kv_cache_tokens)
     yield core
     core.close()
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import hf_greedy, make_model, make_tokenizer
 
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 
 pytestmark = [
     pytest.mark.vllm,

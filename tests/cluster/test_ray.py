@@ -88,7 +88,7 @@ def test_two_trainers_and_two_engines_train_like_one_process(
 def engine_roles(tiny_model_dir, tmp_path, timeout, **over):
     from transformers import AutoTokenizer
 
-    from tidal.cluster.roles import build_roles
+    from tidal.roles import build_roles
 
     cfg = config(
         tiny_model_dir,
@@ -205,7 +205,7 @@ def test_an_engine_killed_during_a_rollout_is_restarted_on_the_current_weights(
     tidal's engine and vLLM in the engine actors."""
     import ray
 
-    from tidal.engine.sampling import SamplingParams
+    from tidal.contracts import SamplingParams
 
     prompts = [[5, 9, 33, 70]] * 4 + [[12, 40, 41, 42]] * 4 + [[100, 7]] * 4
     params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=50 + i) for i in range(len(prompts))]
@@ -264,7 +264,7 @@ def test_an_engine_that_dies_after_its_rollout_is_restarted_by_the_push_on_the_p
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tidal.engine.sampling import SamplingParams
+    from tidal.contracts import SamplingParams
     from tidal.types import Sample
 
     over = {"sampling.temperature": 1.0, "cluster.colocate": colocate}

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from tidal.contracts import SamplingParams
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.sampling import SamplingParams
 from tidal.engine.sequence import Sequence
 
 BS = 4

@@ -11,9 +11,9 @@ import pytest
 import torch
 from families import WINDOW, tiny_model
 
+from tidal.contracts import SamplingParams
 from tidal.engine.decode_path import DecodePath
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 
 PROMPTS = [[1, 5, 9], list(range(40, 60)), [7, 300, 17, 250, 99, 3, 64, 128, 190, 211, 16, 45], [11]]
 assert max(len(p) for p in PROMPTS) > WINDOW + 10  # the windows act

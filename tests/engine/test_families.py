@@ -13,9 +13,9 @@ import pytest
 import torch
 from families import FAMILIES, WINDOW, hf_forward_greedy_ok, hf_greedy, hf_logprobs, tiny_model
 
+from tidal.contracts import SamplingParams
 from tidal.engine import model_runner
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 
 BLOCK = 4
 SHARED = list(range(40, 52))  # 12 tokens: 3 blocks
@@ -167,7 +167,7 @@ def test_over_http_tokens_and_log_probs_match_transformers(family):
 
     from tidal.adapters.async_engine import AsyncEngine
     from tidal.adapters.client import HttpEngine
-    from tidal.server import BackgroundServer, build_app
+    from tidal.server.app import BackgroundServer, build_app
 
     engine = AsyncEngine(engine_for(family, kv_cache_tokens=512))
     server = BackgroundServer(build_app(engine, family)).start()
@@ -200,7 +200,7 @@ def test_the_engine_returns_the_experts_transformers_chooses(family):
 
     from tidal.adapters.async_engine import AsyncEngine
     from tidal.adapters.client import HttpEngine
-    from tidal.server import BackgroundServer, build_app
+    from tidal.server.app import BackgroundServer, build_app
 
     params = [SamplingParams(temperature=0.0, max_new_tokens=N_NEW, ignore_eos=True, return_routed_experts=True)]
     engine = engine_for(family, kv_cache_tokens=512)

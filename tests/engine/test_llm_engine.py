@@ -10,8 +10,8 @@ import torch
 from conftest import hf_greedy
 from conftest import make_model as _make_model
 
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import EngineConfig, LLMEngine
-from tidal.engine.sampling import SamplingParams
 from tidal.engine.sequence import Sequence
 
 # mixed lengths, a duplicate (prefix sharing within the batch) and a 1-token prompt

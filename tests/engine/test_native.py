@@ -13,9 +13,9 @@ import torch
 from conftest import make_model
 
 from tidal.attend import attend
+from tidal.contracts import SamplingParams
 from tidal.engine import native
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the engine keeps the torch path")
 

@@ -10,6 +10,7 @@ from conftest import loop_config, make_model, make_moe_model
 
 import tidal.loop
 from tidal.config import build_config
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.quant import (
     PACKED,
@@ -23,7 +24,6 @@ from tidal.engine.quant import (
     quantize_fp8,
     quantize_int8,
 )
-from tidal.engine.sampling import SamplingParams
 from tidal.options import ConfigError
 
 CPU_KINDS = ("fp16", "int8")
@@ -324,8 +324,8 @@ def test_the_rollout_config_turns_packing_off():
     from tidal.backends import ENGINES
 
     cfg = build_config(None, {})
-    assert core_options(cfg.engine, cfg.rollout)["pack_weights"] is True
+    assert core_options(cfg.engine, 512)["pack_weights"] is True
     cfg = build_config(None, {"engine.pack_weights": False})
-    assert core_options(cfg.engine, cfg.rollout)["pack_weights"] is False
+    assert core_options(cfg.engine, 512)["pack_weights"] is False
     assert "pack_weights" in ENGINES["tidal"].core_options and "pack_weights" not in ENGINES["vllm"].core_options
     assert LLMEngine(make_model(), dtype="float32", kv_cache_tokens=512, pack_weights=False).quant is None

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tidal.engine.sampling import SamplingParams, sample_tokens
+from tidal.contracts import SamplingParams
+from tidal.engine.sampling import sample_tokens
 
 N_DRAWS = 2000
 PROBS = [0.5, 0.3, 0.15, 0.05]

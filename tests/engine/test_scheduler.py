@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from tidal.contracts import SamplingParams
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.sampling import SamplingParams
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import SeqStatus, Sequence
 

@@ -24,7 +24,7 @@ from tidal.reward.judge import JudgeReward, read_score
 from tidal.reward.options import JudgeConfig, RewardConfig
 from tidal.reward.score import score_rollout
 from tidal.rollout.manager import load_rewards
-from tidal.server import BackgroundServer
+from tidal.server.app import BackgroundServer
 from tidal.server.options import ServerConfig
 from tidal.types import Sample, Status
 
@@ -214,7 +214,7 @@ def test_a_real_tidal_serve_as_judge(tiny_model_dir, monkeypatch):
     from tidal.adapters.async_engine import AsyncEngine
     from tidal.convert import load_tokenizer
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.server import build_app
+    from tidal.server.app import build_app
 
     core = LLMEngine(tiny_model_dir, load_tokenizer(tiny_model_dir), dtype="float32", kv_cache_tokens=4096)
     served = AsyncEngine(core)

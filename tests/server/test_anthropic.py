@@ -14,7 +14,7 @@ from conftest import hf_greedy, make_model
 from test_openai_client import TOOLS, USER, ScriptedCore, Served, chat_prompt
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 
 anthropic = pytest.importorskip("anthropic")
 

@@ -16,7 +16,7 @@ from conftest import hf_greedy, make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 from tidal.server.options import ServerConfig
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -347,7 +347,7 @@ def test_api_key_is_required_on_every_route_but_health(monkeypatch):
 
 
 def test_binding_beyond_loopback_without_a_key_warns(caplog):
-    from tidal.server import warn_if_open
+    from tidal.server.app import warn_if_open
 
     with caplog.at_level("WARNING", logger="tidal.server"):
         warn_if_open("0.0.0.0", ServerConfig())

@@ -17,8 +17,8 @@ from fake_core import FakeCore, expected_logprobs, expected_tokens
 
 from tidal.adapters.async_engine import AsyncEngine, EngineClosed
 from tidal.adapters.client import encode_tensors
-from tidal.engine.sampling import SamplingParams
-from tidal.server import build_app
+from tidal.contracts import SamplingParams
+from tidal.server.app import build_app
 
 
 # ---------------------------------------------------------------------- helpers

@@ -17,7 +17,7 @@ from conftest import make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 from tidal.server.options import ServerConfig
 
 USER = [{"role": "user", "content": "hi"}]

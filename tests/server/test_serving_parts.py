@@ -9,7 +9,8 @@ from conftest import make_tokenizer
 
 from tidal.chat.text import trim_stop
 from tidal.chat.tools import flatten_content, parse_tool_calls, render_messages, template_takes_tools
-from tidal.engine.sampling import SamplingParams, adjust_logits, top_logprobs
+from tidal.contracts import SamplingParams
+from tidal.engine.sampling import adjust_logits, top_logprobs
 from tidal.server.common import TextStream
 
 

@@ -19,7 +19,7 @@ from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum, weights_checksum
 from tidal.net import free_port
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 from tidal.sync.group import WeightGroup, join_weight_group
 
 _names = itertools.count()

@@ -15,7 +15,7 @@ from tidal.adapters.async_engine import AsyncEngine
 from tidal.adapters.client import EngineClient
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum, weights_checksum
-from tidal.server import BackgroundServer, build_app
+from tidal.server.app import BackgroundServer, build_app
 from tidal.sync.base import SyncError
 from tidal.sync.distributed import DistributedSync, buckets
 

@@ -76,7 +76,7 @@ def remote_roles(model_dir, out_dir, url: str, transport: str):
     from transformers import AutoTokenizer
 
     import tidal.loop
-    from tidal.cluster.roles import build_roles
+    from tidal.roles import build_roles
 
     over = {
         "engine.kind": "remote",

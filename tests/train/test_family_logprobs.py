@@ -12,8 +12,8 @@ import torch
 from families import FAMILIES, tiny_model
 
 from tidal.algo.options import AlgoConfig
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 from tidal.moe import routing_record
 from tidal.train.actor import Actor
 from tidal.train.options import TrainConfig

@@ -6,8 +6,8 @@ import torch
 from conftest import make_model, make_samples
 
 from tidal.algo.options import AlgoConfig
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
-from tidal.engine.sampling import SamplingParams
 from tidal.train import lora
 from tidal.train.actor import Actor
 from tidal.train.options import TrainConfig

@@ -26,8 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from tidal.contracts import EngineCore, RequestOutput
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import EngineCore, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

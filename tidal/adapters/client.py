@@ -31,8 +31,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from tidal.contracts import GenerationOutput
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import GenerationOutput, SamplingParams
 from tidal.hardware import CPU
 
 __all__ = [

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from tidal.contracts import GenerationOutput, RequestOutput
-from tidal.engine.sampling import SamplingParams, sample_tokens
+from tidal.contracts import GenerationOutput, RequestOutput, SamplingParams
+from tidal.engine.sampling import sample_tokens
 from tidal.engine.weights import WeightStage, load_named_tensors, model_checksum, read_safetensors_dir
 from tidal.hardware import CPU, weights_dtype
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from tidal.backends import ENGINES, QUANTIZATIONS
 from tidal.options import Need, one_of, opt
 
+MAX_AUTO_KV_TOKENS = 32768
+BLOCK_SIZE = 16  # tokens of tidal's paged KV cache per block
 API_KEY_ENV = "TIDAL_API_KEY"  # the servers' API key when engine.api_key(_file) gives none; `tidal serve`'s too
 ENGINE_DTYPES = ("auto", "bfloat16", "float32")
 WEB = ("http://", "https://")
@@ -64,6 +66,20 @@ class EngineConfig:
     api_key_file: str | None = opt(
         None, "servers: a file whose first line is their API key (the path is recorded, never the key)"
     )
+
+    def cache_tokens(self, prompts: int, samples_per_prompt: int, response_tokens: int, max_prompt_length: int) -> int:
+        """`kv_cache_tokens`, or when it is 0 the KV slots one rollout call needs: each of `prompts`
+        prompts once (a group shares its prompt's blocks), plus `samples_per_prompt` responses of
+        `response_tokens`, plus a block of rounding per sequence; at most 32768. A bigger call still
+        runs: requests wait for blocks or are preempted, never dropped.
+
+            prompts * (max_prompt_length + samples_per_prompt * response_tokens)
+              + prompts * (samples_per_prompt + 1) * BLOCK_SIZE"""
+        if self.kv_cache_tokens:
+            return self.kv_cache_tokens
+        n = samples_per_prompt
+        need = prompts * (max_prompt_length + n * response_tokens) + prompts * (n + 1) * BLOCK_SIZE
+        return min(need, MAX_AUTO_KV_TOKENS)
 
     def check(self, need: Need) -> None:
         """What this group can say alone; `tidal.config` checks the kind against the other groups."""

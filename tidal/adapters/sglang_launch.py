@@ -32,11 +32,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 from tidal.adapters.options import EngineConfig
-from tidal.cluster.options import ClusterConfig
 from tidal.net import free_port
 
 log = logging.getLogger("tidal")
@@ -45,6 +45,17 @@ HOST = "127.0.0.1"  # launched servers are this machine's: loopback only
 POLL_S = 0.5
 TAIL_LINES = 20
 STOP_GRACE_S = 10.0
+
+
+class Layout(Protocol):
+    """What the launcher reads of the run's layout (`tidal.cluster.options.ClusterConfig` has it)."""
+
+    engines: int  # servers to launch
+    gpus_per_engine: float  # CUDA devices per server (its tensor-parallel size)
+    trainers: int
+    gpus_per_trainer: float  # the trainers' devices come first, unless colocated
+    colocate: bool
+    engine_startup_timeout: float  # seconds a server may take to answer /health
 
 
 @dataclass
@@ -215,7 +226,7 @@ def router_command(
     return cmd
 
 
-def engine_devices(cluster: ClusterConfig, index: int, visible: str | None) -> str | None:
+def engine_devices(cluster: Layout, index: int, visible: str | None) -> str | None:
     """CUDA_VISIBLE_DEVICES for launched server `index`: its `gpus_per_engine` devices, after the
     trainers' unless colocated (positions in the inherited CUDA_VISIBLE_DEVICES, if set)."""
     per = int(cluster.gpus_per_engine)
@@ -236,7 +247,7 @@ def engine_devices(cluster: ClusterConfig, index: int, visible: str | None) -> s
 
 def launch_sglang(
     engine: EngineConfig,
-    cluster: ClusterConfig,
+    cluster: Layout,
     model: str | Path,
     log_dir: str | Path,
     seed: int = 0,
@@ -292,7 +303,7 @@ def launch_sglang(
     return servers
 
 
-def attach_sglang(engine: EngineConfig, cluster: ClusterConfig) -> SGLangServers:
+def attach_sglang(engine: EngineConfig, cluster: Layout) -> SGLangServers:
     """The servers at `engine.urls` (and `engine.router_url`), once each answers /health
     (within `cluster.engine_startup_timeout`)."""
     urls = [u.rstrip("/") for u in engine.urls]
@@ -308,7 +319,7 @@ def attach_sglang(engine: EngineConfig, cluster: ClusterConfig) -> SGLangServers
 
 def start_sglang(
     engine: EngineConfig,
-    cluster: ClusterConfig,
+    cluster: Layout,
     model: str | Path,
     log_dir: str | Path,
     seed: int = 0,

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import RequestOutput
-from tidal.engine.sampling import SamplingParams
 from tidal.engine.weights import WeightStage, check_named_tensors, read_safetensors_dir, weights_checksum
 from tidal.hardware import is_cuda, resolve_device
 

@@ -1,3 +1,3 @@
-"""Where the roles run: in this process (the laptop default), or on Ray (trainer ranks with FSDP2,
-engine actors, colocated or not). `roles.build_roles` builds them from the config; `options` is
-the cluster group."""
+"""Ray for trainer ranks and engines: placement groups (`ray_setup`), FSDP2 trainer ranks
+(`trainers`, `ranks`), engine actors behind tidal's HTTP server (`engines`); the cluster group's
+options (`options`). `tidal.roles` builds them from the config."""

@@ -36,7 +36,7 @@ class EngineServer:
         from tidal.adapters.factory import build_core
         from tidal.backends import engine_kind
         from tidal.net import node_ip
-        from tidal.server import BackgroundServer, build_app
+        from tidal.server.app import BackgroundServer, build_app
         from tidal.server.options import ServerConfig
 
         torch.set_num_threads(max(1, threads))

@@ -1,5 +1,5 @@
 """The `cluster` option group: trainer ranks, engines, devices, colocation, the Ray cluster and the
-weight-sync transport (`tidal.cluster.roles`)."""
+weight-sync transport (`tidal.roles`)."""
 
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.contracts import GenerationOutput, RequestOutput
+from tidal.contracts import GenerationOutput, RequestOutput, SamplingParams
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
-from tidal.engine.sampling import SamplingParams, adjust_logits, sample_tokens, top_logprobs
+from tidal.engine.sampling import adjust_logits, sample_tokens, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import Sequence
 from tidal.engine.weights import (

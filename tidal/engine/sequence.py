@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.hardware import CPU
 
 

@@ -51,7 +51,7 @@ from tidal.chat.openai import (
     uses_tools,
 )
 from tidal.chat.render import render_prompt
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.types import Sample, Status
 

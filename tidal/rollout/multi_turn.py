@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.chat.tools import parse_tool_calls, render_messages, template_takes_tools
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, turn_seed
 from tidal.types import Sample, Status
 from tidal.utils import load_object

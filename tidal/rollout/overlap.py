@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 
 from tidal.aio import LoopThread
-from tidal.config import Config
+from tidal.algo.options import AlgoConfig
 from tidal.contracts import Engine
 from tidal.data.source import DataSource
 from tidal.rollout.buffer import Buffer, load_buffer_filter
 from tidal.rollout.collect import collect
 from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import OverlapConfig
 from tidal.types import Sample
 from tidal.utils import load_object
 
@@ -86,26 +87,30 @@ class OverlappedRollout:
 
     def __init__(
         self,
-        cfg: Config,
+        overlap: OverlapConfig,
+        algo: AlgoConfig,
+        num_steps: int,
         source: DataSource,
         manager: RolloutManager,
         start_step: int = 0,
         state: dict | None = None,
     ) -> None:
-        o = cfg.overlap
-        self.cfg, self.source, self.manager = cfg, source, manager
+        """`num_steps` (`train.num_steps`): nothing is rolled out for a step that never trains;
+        `algo` shapes each wave's samples (`tidal.rollout.collect`)."""
+        o = self.overlap = overlap
+        self.algo, self.source, self.manager = algo, source, manager
         self.engine: Engine = manager.engine
         self.k = 1 if o.mode == "one_step" else o.max_staleness
         self.partial = o.mode == "full" and o.partial_rollout
         manager.continue_partial = self.partial
-        self.groups_per_step = cfg.rollout.rollout_batch_size
+        self.groups_per_step = manager.rollout.rollout_batch_size
         if o.buffer:
             self.buffer = load_object(o.buffer, callable_required=True)()
         else:
             self.buffer = Buffer(load_buffer_filter(o.buffer_filter), self.k)
         self.engine_version = start_step
         self.next_wave = start_step
-        self.last_wave = cfg.train.num_steps - 1  # nothing is rolled out for a step that never trains
+        self.last_wave = num_steps - 1
         self.wave_metrics: dict[int, dict] = {}
         if state is not None:
             self.buffer.load_state_dict(state["buffer"])
@@ -137,7 +142,7 @@ class OverlappedRollout:
                     wave = self.next_wave
                     self._busy = True
                 self.manager.aborted = self.manager.resumed = 0
-                samples, metrics = collect(self.source, self.manager, wave, self.cfg.algo, self.cfg.reward.key)
+                samples, metrics = collect(self.source, self.manager, wave, self.algo, self.manager.reward.key)
                 metrics["rollout/aborted"] = float(self.manager.aborted)
                 metrics["rollout/resumed"] = float(self.manager.resumed)
                 groups: dict[int, list[Sample]] = {}
@@ -166,7 +171,7 @@ class OverlappedRollout:
         """Step `step`'s groups (renumbered as one batch) and its metrics, waiting at most
         `overlap.wait_timeout` seconds for them."""
         t0 = time.perf_counter()
-        deadline = t0 + self.cfg.overlap.wait_timeout
+        deadline = t0 + self.overlap.wait_timeout
         with self._cv:
             while True:
                 self._check()
@@ -176,7 +181,7 @@ class OverlappedRollout:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise TimeoutError(
-                        f"waited {self.cfg.overlap.wait_timeout:g} s for the rollout of step {step}: the buffer holds "
+                        f"waited {self.overlap.wait_timeout:g} s for the rollout of step {step}: the buffer holds "
                         f"{len(self.buffer)} of {self.groups_per_step} groups, the engine is at weight version "
                         f"{self.engine_version}, the worker is on wave {self.next_wave} (overlap.wait_timeout)"
                     )
@@ -192,7 +197,7 @@ class OverlappedRollout:
                 s.group_index, s.index = g, len(samples)
                 samples.append(s)
         metrics.update(staleness_metrics(samples, step, self.k))
-        if self.cfg.overlap.partial_loss == "mask":
+        if self.overlap.partial_loss == "mask":
             metrics["rollout/masked_older_tokens"] = float(mask_older_segments(samples))
         metrics["time/trainer_idle"] = time.perf_counter() - t0
         metrics["time/engine_idle"] = engine_idle
@@ -209,7 +214,7 @@ class OverlappedRollout:
         now: the engine pauses, its requests are aborted and continue from their tokens once the
         engine resumes on the new weights. `time/push_wait` in the metrics: seconds spent waiting
         for the wave."""
-        loop, timeout = self.manager.loop, self.cfg.overlap.wait_timeout
+        loop, timeout = self.manager.loop, self.overlap.wait_timeout
         t0 = time.perf_counter()
         with self._cv:
             self._check()
@@ -239,7 +244,7 @@ class OverlappedRollout:
 
     def pause(self, timeout: float | None = None) -> None:
         """Let the current wave finish, then hold: the buffer and source are then consistent."""
-        timeout = self.cfg.overlap.wait_timeout if timeout is None else timeout
+        timeout = self.overlap.wait_timeout if timeout is None else timeout
         with self._cv:
             self._pause = True
             if not self._cv.wait_for(lambda: not self._busy or self._error is not None, timeout):
@@ -263,4 +268,4 @@ class OverlappedRollout:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=self.cfg.overlap.wait_timeout)
+        self._thread.join(timeout=self.overlap.wait_timeout)

@@ -15,27 +15,6 @@ OpenAI's (`tidal.server.openai`) and Anthropic's Messages API (`tidal.server.ant
   answers within a few milliseconds whatever runs, and a new request joins the running batch at
   the next engine step.
 - **Streams** whose client goes away are aborted in the engine at once (`EventStream`).
+
+The app is built by `tidal.server.app.build_app`; `tidal serve` runs `tidal.server.app.serve`.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-from tidal.server.options import ServerConfig
-
-if TYPE_CHECKING:
-    from tidal.server.app import BackgroundServer, add_error_handlers, build_app, serve, warn_if_open
-
-__all__ = ["BackgroundServer", "ServerConfig", "add_error_handlers", "build_app", "serve", "warn_if_open"]
-
-_APP = {"BackgroundServer", "add_error_handlers", "build_app", "serve", "warn_if_open"}
-
-
-def __getattr__(name: str) -> Any:
-    """The app's names (`tidal.server.app`), imported on first use: `tidal.config` imports
-    `tidal.server.options`, which runs this file, and must not pull in FastAPI and the engine."""
-    if name in _APP:
-        from tidal.server import app
-
-        return getattr(app, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

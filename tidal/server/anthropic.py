@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from tidal.chat.anthropic import MESSAGES_ROUTE as ROUTE
 from tidal.chat.anthropic import MessagesBody, message, translate
 from tidal.chat.render import render_prompt
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
 from tidal.server.state import Served, State
 

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.errors import ApiError, BadRequest, Busy
 from tidal.chat.text import check_text, trim_stop
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.hardware import libc_function
 from tidal.server.options import ServerConfig
 

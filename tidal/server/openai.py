@@ -43,7 +43,7 @@ from tidal.chat.openai import (
     usage,
     uses_tools,
 )
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State

@@ -46,7 +46,7 @@ from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
 from tidal.chat.http_errors import error_response
 from tidal.chat.text import trim_stop
-from tidal.engine.sampling import SamplingParams
+from tidal.contracts import SamplingParams
 from tidal.server.common import EventStream, check_budget, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State

@@ -9,10 +9,8 @@ compared with the trainer's CRC-32 of what it sent, cast to the engine's dtype) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from tidal.backends import Transport
-from tidal.cluster.options import ClusterConfig
 from tidal.contracts import Engines, Trainer, WeightSync
 
 __all__ = ["PushBound", "SyncError", "SyncSetup", "WeightSync", "check_engine", "megabytes"]
@@ -76,24 +74,16 @@ def check_engine(
 
 @dataclass
 class SyncSetup:
-    """What a transport's `build` classmethod gets (`tidal.cluster.roles.build_sync`): its
-    `tidal.backends` record, the two sides, and the options that shape a push."""
+    """What a transport's `build` classmethod gets (`tidal.roles.build_sync`): its
+    `tidal.backends` record, the two sides, and the options that shape a push (from the cluster
+    and train groups)."""
 
     transport: Transport
     trainer: Trainer
     engines: Engines
-    cluster: ClusterConfig
-    output_dir: str
+    timeout: float  # cluster.sync_timeout
+    bound: PushBound  # each weight request's bound
+    sync_dir: str  # the disk transport's folder (cluster.sync_dir, else the run's `weights`)
+    whole: bool = False  # every push sends every tensor (colocated engines wake with no weights)
     share: bool = True  # an in-process engine may alias the trainer's tensors (not while rollout overlaps training)
     lora_layers: bool = False  # an in-process engine runs the trainer's LoRA layers (`train.lora_merge` false)
-
-    @property
-    def bound(self) -> PushBound:
-        """Each weight request's bound: base seconds + its bytes at the slowest throughput allowed."""
-        c = self.cluster
-        return PushBound(c.sync_base_timeout, c.sync_min_mb_per_s, c.sync_timeout)
-
-    @property
-    def sync_dir(self) -> str:
-        """`cluster.sync_dir`, else the run's `weights` folder."""
-        return self.cluster.sync_dir or str(Path(self.output_dir) / "weights")

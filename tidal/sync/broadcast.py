@@ -99,7 +99,7 @@ class BroadcastSync:
     def build(cls, setup: SyncSetup) -> BroadcastSync:
         """Colocated engines sleep while the trainers train and wake with no weights: every push
         to them is whole."""
-        return cls(setup.trainer, setup.engines, setup.cluster.sync_timeout, partial=not setup.cluster.colocate)
+        return cls(setup.trainer, setup.engines, setup.timeout, partial=not setup.whole)
 
     def __init__(
         self, trainers, engines, timeout: float, bucket_bytes: int = BUCKET_BYTES, partial: bool = True

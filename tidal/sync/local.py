@@ -51,7 +51,7 @@ class InProcessSync:
     @classmethod
     def build(cls, setup: SyncSetup) -> InProcessSync:
         """The transport for the engine of `setup.engines` (in this process)."""
-        timeout = setup.cluster.sync_timeout
+        timeout = setup.timeout
         if not setup.lora_layers:
             return cls(setup.trainer, setup.engines.engine, timeout, share=setup.share)
         from tidal.train.lora import mirror

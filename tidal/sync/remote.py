@@ -53,7 +53,7 @@ class _RemoteSync:
     def build(cls, setup: SyncSetup) -> _RemoteSync:
         """This transport to the servers of `setup.engines` (their URLs and API key), on the
         rollout role's event loop; `_options` adds what the transport takes besides."""
-        timeout = setup.cluster.sync_timeout
+        timeout = setup.timeout
         clients = [EngineClient(u, timeout, api_key=setup.engines.api_key) for u in setup.engines.urls]
         kw = {"engines": setup.engines, "loop": setup.engines.loop, "bound": setup.bound}
         return cls(setup.trainer, clients, timeout=timeout, **cls._options(setup), **kw)

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.server import serve
+    from tidal.server.app import serve
     from tidal.server.options import ServerConfig
 
     def core(model_dir: str, **options):

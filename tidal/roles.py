@@ -265,26 +265,30 @@ def build_engines(cfg: Config, model_dir: Path, tokenizer, placed=None) -> Engin
         from tidal.cluster.engines import EngineGroup
 
         group, bundles = placed
-        options = core_options(e, cfg.rollout, cfg.data.max_prompt_length)
+        options = core_options(e, cfg.kv_cache_tokens)
         return EngineGroup(c, e, str(model_dir), options, group, bundles)
     device = resolve_device(c.device).device
-    engine = make_engine(e, cfg.rollout, model_dir, tokenizer, cfg.data.max_prompt_length, device=device)
+    engine = make_engine(e, model_dir, tokenizer, cfg.kv_cache_tokens, device)
     return ServerEngines(engine) if kind.servers else InProcessEngines(engine)
 
 
 def build_sync(cfg: Config, trainer: Trainer, engines: Engines) -> WeightSync:
     """The weight transport `cluster.weight_sync` names (`auto`: `tidal.backends.resolve_sync`),
     built by its record's class from a `SyncSetup`."""
-    from tidal.sync.base import SyncSetup
+    from tidal.sync.base import PushBound, SyncSetup
 
     transport = cfg.weight_sync
     log.info("weight sync: %s (timeout %g s)", transport.name, cfg.cluster.sync_timeout)
+    c = cfg.cluster
     setup = SyncSetup(
         transport,
         trainer,
         engines,
-        cfg.cluster,
-        cfg.train.output_dir,
+        c.sync_timeout,
+        # each weight request: base seconds + its bytes at the slowest throughput allowed, at most the timeout
+        PushBound(c.sync_base_timeout, c.sync_min_mb_per_s, c.sync_timeout),
+        c.sync_dir or str(Path(cfg.train.output_dir) / "weights"),
+        whole=c.colocate,  # colocated engines sleep while the trainers train and wake with no weights
         # the overlapped loop generates while the trainer updates: the engine needs its own copy
         share=cfg.overlap.mode == "off",
         lora_layers=cfg.train.lora_rank > 0 and not cfg.train.lora_merge,

@@ -34,7 +34,7 @@ from tidal.config import Config
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
-from tidal.eval.options import EvalSet
+from tidal.eval_sets import EvalSet
 from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
 from tidal.types import Sample, Status
@@ -217,15 +217,15 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     sets = standalone_sets(cfg, num_prompts, **sampling)
     loaded = [(s, load_set(s, tokenizer)) for s in sets]
     # KV cache sized for the largest call of any set; bigger calls still run, just queued
-    sizing = dataclasses.replace(
-        cfg.rollout,
-        n_samples_per_prompt=max(s.n for s in sets),
-        max_new_tokens=max(s.max_new_tokens for s in sets),
+    longest = dataclasses.replace(cfg.rollout, max_new_tokens=max(s.max_new_tokens for s in sets))
+    kv_tokens = cfg.engine.cache_tokens(
+        min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded)),
+        max(s.n for s in sets),
+        longest.response_budget,
+        max(s.data.max_prompt_length for s in sets),
     )
-    prompts = min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded))
-    max_prompt = max(s.data.max_prompt_length for s in sets)
     device = resolve_device(cfg.cluster.device).device
-    engine = make_engine(cfg.engine, sizing, model_dir, tokenizer, max_prompt, prompts=prompts, device=device)
+    engine = make_engine(cfg.engine, model_dir, tokenizer, kv_tokens, device)
     results = {}
     with LoopThread("tidal-eval") as loop:
         try:
