@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from conftest import loop_config
-from tidal.cluster.roles import InProcessEngines, build_roles
 
 import tidal
 import tidal.loop
@@ -23,6 +22,7 @@ from tidal.config import Config, build_config
 from tidal.convert import load_tokenizer
 from tidal.data.dataset import PromptRecord
 from tidal.options import ConfigError
+from tidal.roles import InProcessEngines, build_roles
 from tidal.rollout.manager import RolloutManager
 from tidal.sync.local import InProcessSync
 
@@ -86,8 +86,8 @@ def test_auto_picks_the_transport_that_reaches_the_engines():
     assert resolve_sync(remote, SERVERS, "auto").name == "http"
     assert resolve_sync(sglang, SERVERS, "auto").name == "distributed"
     assert resolve_sync(tidal_kind, RAY, "delta").changed_only
-    with pytest.raises(ValueError, match="engine.kind vllm takes in-process, broadcast, http, disk"):
-        resolve_sync(vllm, RAY, "delta")  # vLLM takes whole models only
+    with pytest.raises(ValueError, match="delta sends only the tensors that changed, and engine.kind vllm takes whole"):
+        resolve_sync(vllm, RAY, "delta")
     with pytest.raises(
         ValueError, match=r"cluster.weight_sync: broadcast reaches engine actors on Ray .*: use in-process"
     ):
@@ -106,17 +106,23 @@ def test_placement_follows_the_record_and_the_cluster():
     assert cfg.placement == SERVERS and cfg.weight_sync.name == "http"
 
 
+CONFIG_WORDS = re.compile(r"engine|kind|sync|transport")
+
+
 def _compares_a_name(node: ast.AST, names: set[str]) -> bool:
-    """`x == "name"`, `x != "name"`, `x in ("name", ...)` with a backend name as a constant."""
+    """`x == "name"`, `x != "name"`, `x in ("name", ...)` with a backend name as a constant and an
+    engine, a kind or a transport on the other side (an ASGI `scope["type"] != "http"` is not one)."""
     if not isinstance(node, ast.Compare):
         return False
-    consts = []
+    consts, others = [], []
     for side in [node.left, *node.comparators]:
         if isinstance(side, ast.Constant):
             consts.append(side.value)
         elif isinstance(side, ast.Tuple | ast.List | ast.Set):
             consts += [e.value for e in side.elts if isinstance(e, ast.Constant)]
-    return any(c in names for c in consts)
+        else:
+            others.append(ast.unparse(side))
+    return any(c in names for c in consts) and any(CONFIG_WORDS.search(o) for o in others)
 
 
 def test_no_code_outside_the_table_compares_engine_kinds_or_transports():
@@ -139,3 +145,16 @@ def test_the_help_lists_every_kind_and_transport():
         for f in Config.__dataclass_fields__["engine"].default_factory().__dataclass_fields__.values()
     }
     assert all(re.search(rf"\b{k}\b", help_text["kind"]) for k in ENGINES if k != "echo")
+
+
+def test_the_records_say_what_their_cores_say():
+    """A record's `partial_updates` is its core's own attribute (the weight sync asks the core)."""
+    from tidal.adapters.hf_engine import HFEngine
+    from tidal.engine.llm_engine import LLMEngine
+
+    assert ENGINES["tidal"].partial_updates is LLMEngine.partial_updates is True
+    assert ENGINES["hf"].partial_updates is HFEngine.partial_updates is True
+    source = (Path(tidal.__file__).parent / "adapters" / "vllm_core.py").read_text()  # vLLM need not be installed
+    assert "    partial_updates = False\n" in source and ENGINES["vllm"].partial_updates is False
+    for kind in ENGINES.values():  # a transport that sends changes only is never offered to a whole-model engine
+        assert kind.partial_updates or not any(TRANSPORTS[t].changed_only for t in kind.weight_syncs)

@@ -62,6 +62,7 @@ class EngineKind:
     launcher: str = ""
     ray_actors: bool = False  # on Ray, each engine is an actor running `core` behind tidal's server
     weight_syncs: tuple[str, ...] = ()  # transports it takes; `auto` is the first that fits its placement
+    partial_updates: bool = False  # a weight update may name only the tensors that changed (its core says so too)
     quantizations: tuple[str, ...] = ("none",)  # engine.quantization values it runs
     routing: bool = False  # returns an MoE model's expert choices (algo.routing_replay)
     lora_layers: bool = False  # its in-process core can run the trainer's LoRA layers (train.lora_merge false)
@@ -123,6 +124,7 @@ ENGINES: dict[str, EngineKind] = {
             core_options=_TIDAL_CORE_OPTIONS,
             ray_actors=True,
             weight_syncs=("in-process", "broadcast", "http", "delta", "disk"),
+            partial_updates=True,
             quantizations=("none", "fp16", "int8", "fp8"),
             routing=True,
             lora_layers=True,
@@ -134,6 +136,7 @@ ENGINES: dict[str, EngineKind] = {
             core="tidal.adapters.hf_engine:HFEngine",
             core_options=("dtype", "device"),
             weight_syncs=("in-process",),
+            partial_updates=True,
             lora_layers=True,
         ),
         EngineKind(
@@ -142,7 +145,7 @@ ENGINES: dict[str, EngineKind] = {
             core="tidal.adapters.vllm_core:VLLMCore",
             core_options=("dtype", "kv_cache_tokens", "max_num_seqs"),
             ray_actors=True,
-            weight_syncs=("in-process", "broadcast", "http", "disk"),  # whole models only: no delta
+            weight_syncs=("in-process", "broadcast", "http", "disk"),
             sleeps=True,
         ),
         EngineKind(
@@ -150,6 +153,7 @@ ENGINES: dict[str, EngineKind] = {
             "running servers at engine.urls (`tidal serve`, or SGLang's)",
             servers="attach",
             weight_syncs=("http", "delta", "disk", "distributed"),
+            partial_updates=True,  # `tidal serve` stages and loads partial updates; SGLang takes distributed/disk
             routing=True,
         ),
         EngineKind(
@@ -244,6 +248,11 @@ def resolve_sync(kind: EngineKind, placement: str, name: str) -> Transport:
         return TRANSPORTS[fits[0]]
     if name not in TRANSPORTS:
         raise ValueError(f"cluster.weight_sync: one of auto, {', '.join(TRANSPORTS)}, got {name!r}")
+    if TRANSPORTS[name].changed_only and not kind.partial_updates:
+        raise ValueError(
+            f"cluster.weight_sync: {name} sends only the tensors that changed, and engine.kind {kind.name} takes whole "
+            f"models only; use {', '.join(fits) or 'another engine'}"
+        )
     if name not in kind.weight_syncs:
         raise ValueError(
             f"cluster.weight_sync: engine.kind {kind.name} takes {', '.join(kind.weight_syncs)} (or auto), got {name}"

@@ -48,6 +48,9 @@ __all__ = [
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
+# what `tidal serve` says it is (/get_model_info's "engine"): a trainer's cue for tidal's extensions
+# (staged weight updates, weight checksums) that an SGLang server does not have
+TIDAL_SERVER = "tidal"
 DEFAULT_CHUNK_BYTES = 32 * 2**20  # base64 makes it ~43 MB: under tidal serve's 64 MiB for weight bodies
 
 

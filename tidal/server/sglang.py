@@ -41,7 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from tidal.adapters.client import encode_routing
+from tidal.adapters.client import TIDAL_SERVER, encode_routing
 from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
 from tidal.chat.http_errors import error_response
@@ -238,7 +238,7 @@ async def model_info(s: State) -> dict:
         "max_model_len": s.engine.max_model_len,
         "weight_version": s.engine.weight_version,
         "dtype": str(s.engine.dtype).removeprefix("torch."),
-        "engine": "tidal",  # a trainer's cue for tidal's extensions (staged updates, weight checksums)
+        "engine": TIDAL_SERVER,
     }
 
 

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from tidal.adapters.client import EngineClient, EngineError
+from tidal.adapters.client import TIDAL_SERVER, EngineClient, EngineError
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
 from tidal.net import free_port, node_ip
@@ -147,7 +147,7 @@ class DistributedSync(_RemoteSync):
                 raise SyncError(c.base_url, self.transport, f"asking what the server is failed: {e}") from e
             dtype = getattr(torch, str(model.get("dtype") or server.get("dtype")), None)
             self._dtypes[c.base_url] = dtype if isinstance(dtype, torch.dtype) else None
-            self._info[c.base_url] = (model.get("engine") == "tidal", int(server.get("tp_size") or 1))
+            self._info[c.base_url] = (model.get("engine") == TIDAL_SERVER, int(server.get("tp_size") or 1))
 
         try:
             await asyncio.gather(*(one(c) for c in new))
