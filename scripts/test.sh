@@ -21,7 +21,7 @@ if [ "${TIDAL_SKIP_SETUP:-0}" != 1 ]; then
 fi
 .venv/bin/python -c "import torch; print(f'torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}')"
 # said once, at the top: where bubblewrap does not work, which backend the sandbox tests use and how to fix it
-(cd tests && ../.venv/bin/python -c "import conftest; print(conftest.pytest_report_header(None) or 'sandbox: bubblewrap works here')")
+.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.pytest_report_header(None) or 'sandbox: bubblewrap works here')"
 
 vllm_pid=
 vllm_log=
