@@ -55,7 +55,7 @@ def test_train_help_lists_every_option_with_default(capsys):
     assert "--train.lr FLOAT AdamW learning rate (default: 1e-06)" in flat
     assert "(default: 1e-06)" in flat
     assert "--algo.eps_clip_high FLOAT OR NULL" in flat
-    assert "--config CONFIG" in flat
+    assert "--config FILE" in flat
     assert "--resume" in flat
 
 

@@ -36,7 +36,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # a typo like --train.num must not silently pick one of two options
     )
-    t.add_argument("--config", help="YAML file with data/rollout/algo/train/log groups")
+    t.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help="YAML file of config groups; repeatable: a later file's values over an earlier one's",
+    )
     t.add_argument(
         "--resume", action="store_true", help="continue from the newest complete checkpoint in train.output_dir"
     )
@@ -57,7 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
-    e.add_argument("--config", help="YAML file with data/rollout/eval groups")
+    e.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help="YAML file of config groups; repeatable: a later file's values over an earlier one's",
+    )
     e.add_argument("--dataset", action="append", metavar="FILE|env:NAME", help="an eval set (repeatable)")
     e.add_argument("--num-prompts", type=int, help="score the first N prompts of each set")
     e.add_argument("--n", type=int, help="samples per prompt of every set")
@@ -201,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from tidal.train.checkpoint import export_checkpoint
 
-        print(export_checkpoint(args.run_dir, args.out, args.step, args.lora))
+        try:
+            print(export_checkpoint(args.run_dir, args.out, args.step, args.lora))
+        except (FileNotFoundError, FileExistsError, ValueError) as e:  # CheckpointError names the damaged file
+            print(f"tidal export: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "report":
         from tidal.report import write_report
@@ -252,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RunStopped, InputError) as e:  # a bad data file or checkpoint names itself; no traceback
         print(f"tidal train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the engines and ranks were shut down on the way out
+        from tidal.train.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(cfg.train.output_dir)
+        where = f"the newest checkpoint is {newest}: continue with --resume" if newest else "no checkpoint was saved"
+        print(f"tidal train: stopped by Ctrl-C (SIGINT); {where}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -207,11 +207,13 @@ def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling
     from tidal.adapters.factory import make_engine
     from tidal.convert import ensure_model, load_tokenizer
     from tidal.hardware import resolve_device
+    from tidal.hooks import check_user_code
     from tidal.reward.sandbox import check_run, set_default_backend
 
     if cfg.sandbox.backend is not None:  # the code sandbox of a code_tests reward
         set_default_backend(cfg.sandbox.backend)
     check_run(cfg.runs_model_code, cfg.sandbox.backend)
+    check_user_code(cfg)  # the reward and generate functions, before the model loads
     model_dir = ensure_model(model)
     tokenizer = load_tokenizer(model_dir)
     sets = standalone_sets(cfg, num_prompts, **sampling)

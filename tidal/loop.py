@@ -33,13 +33,14 @@ from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
 from tidal.eval import Evaluator
 from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
+from tidal.hooks import check_user_code
 from tidal.log import MetricsLogger, print_reward_table
 from tidal.reward.sandbox import check_run, set_default_backend
 from tidal.roles import Roles, build_roles
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
-from tidal.run_dir import check_run_dir, start_run_dir
+from tidal.run_dir import RunFolder, check_run_dir
 from tidal.samples_log import record_step
 from tidal.tracking import open_tracker
 from tidal.train.checkpoint import load_checkpoint, save_checkpoint
@@ -98,75 +99,76 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     random.seed(t_cfg.seed)
     torch.manual_seed(t_cfg.seed)
     out_dir = Path(t_cfg.output_dir)
-    cfg, precision = resolve_precision(cfg)
-    ckpt = check_run_dir(cfg, resume, allow_config_change)  # nothing is written before this passes
+    with RunFolder(out_dir) as folder:  # this run's alone; a start that fails leaves it as it was
+        cfg, precision = resolve_precision(cfg)
+        ckpt = check_run_dir(cfg, resume, allow_config_change)
+        check_user_code(cfg)  # the rewards, generate functions, filters the config names: before any model
 
-    model_dir = ensure_model(t_cfg.model)
-    tokenizer = load_tokenizer(model_dir)
-    if sft:
-        source = DataSource(
-            load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
-        )
-    else:
-        source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size)
-    start = 0
+        model_dir = ensure_model(t_cfg.model)
+        tokenizer = load_tokenizer(model_dir)
+        if sft:
+            source = DataSource(
+                load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
+            )
+        else:
+            source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size)
+        start, state = 0, {}
 
-    roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
-    try:
-        start_run_dir(out_dir, {**cfg.to_dict(), "resolved": precision})
-        if ckpt is not None:
-            trainer_state, state = load_checkpoint(ckpt)
-            roles.trainer.load_state_dict(trainer_state)
-            if roles.critic is not None:
-                roles.critic.load_state_dict(trainer_state["critic"])
-            source.load_state_dict(state["data"])
-            start = state["step"]
-            log.info("resumed from %s at step %d", ckpt, start)
-        overlapped = None
-        if not sft:
-            roles.sync.push(start)
-            rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
-            if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
-                overlap_state = state.get("overlap") if ckpt is not None else None
-                overlapped = OverlappedRollout(
-                    cfg.overlap, cfg.algo, t_cfg.num_steps, source, rollout, start, overlap_state
-                )
-                roles.closers.append(overlapped.close)
-            evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop)
-        logger = MetricsLogger(
-            cfg.log.dir or out_dir,
-            tensorboard=cfg.log.tensorboard,
-            console=cfg.log.console,
-            resume=ckpt is not None,
-            total_steps=t_cfg.num_steps,
-            tracker=open_tracker(cfg.log, cfg.log.dir or out_dir, cfg.to_dict(), resume=ckpt is not None),
-        )
-        if ckpt is not None:
-            logger.truncate_after(start)
+        roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
         try:
-            if not sft and start == 0 and evaluator.due(0):  # the initial weights' row, step 0
-                logger.log(0, evaluator.run(0, overlapped))
-            for step in range(start, t_cfg.num_steps):
-                t0 = time.perf_counter()
-                if sft:
-                    metrics = sft_step(source, roles)
-                else:
-                    metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
-                metrics["time/step"] = time.perf_counter() - t0
-                if not cfg.uses_ray:  # the trainer and engine of this process (CUDA only)
-                    metrics.update(memory_metrics(cfg.cluster.device))
-                if not sft and evaluator.due(step + 1):  # the weights this step produced
-                    metrics.update(evaluator.run(step + 1, overlapped))
-                logger.log(step + 1, metrics)
-                done = step + 1
-                if cfg.debug.rollout_only:  # nothing trained, nothing to save
-                    continue
-                if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
-                    save(done, cfg, roles, source, tokenizer, overlapped)
+            if ckpt is not None:
+                trainer_state, state = load_checkpoint(ckpt)
+                roles.trainer.load_state_dict(trainer_state)
+                if roles.critic is not None:
+                    roles.critic.load_state_dict(trainer_state["critic"])
+                source.load_state_dict(state["data"])
+                start = state["step"]
+                log.info("resumed from %s at step %d", ckpt, start)
+            overlapped = None
+            if not sft:
+                roles.sync.push(start)  # the engines answer and take the weights (their key, their limits)
+                rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
+                if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
+                    overlapped = OverlappedRollout(
+                        cfg.overlap, cfg.algo, t_cfg.num_steps, source, rollout, start, state.get("overlap")
+                    )
+                    roles.closers.append(overlapped.close)
+                evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop)
+            folder.start({**cfg.to_dict(), "resolved": precision})  # every check passed: the folder is this run's
+            logger = MetricsLogger(
+                cfg.log.dir or out_dir,
+                tensorboard=cfg.log.tensorboard,
+                console=cfg.log.console,
+                resume=ckpt is not None,
+                total_steps=t_cfg.num_steps,
+                tracker=open_tracker(cfg.log, cfg.log.dir or out_dir, cfg.to_dict(), resume=ckpt is not None),
+            )
+            if ckpt is not None:
+                logger.truncate_after(start)
+            try:
+                if not sft and start == 0 and evaluator.due(0):  # the initial weights' row, step 0
+                    logger.log(0, evaluator.run(0, overlapped))
+                for step in range(start, t_cfg.num_steps):
+                    t0 = time.perf_counter()
+                    if sft:
+                        metrics = sft_step(source, roles)
+                    else:
+                        metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
+                    metrics["time/step"] = time.perf_counter() - t0
+                    if not cfg.uses_ray:  # the trainer and engine of this process (CUDA only)
+                        metrics.update(memory_metrics(cfg.cluster.device))
+                    if not sft and evaluator.due(step + 1):  # the weights this step produced
+                        metrics.update(evaluator.run(step + 1, overlapped))
+                    logger.log(step + 1, metrics)
+                    done = step + 1
+                    if cfg.debug.rollout_only:  # nothing trained, nothing to save
+                        continue
+                    if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
+                        save(done, cfg, roles, source, tokenizer, overlapped)
+            finally:
+                logger.close()
         finally:
-            logger.close()
-    finally:
-        roles.close()
+            roles.close()
     history = logger.history()
     if cfg.log.console and not sft:
         print_reward_table(history)

@@ -26,14 +26,23 @@
   whose `trainer_state.pt` holds anything but tensors and plain data (it is never unpickled as
   arbitrary Python, `tidal.train.checkpoint.read_trainer_state`).
 
-`start_run_dir` then writes `config.json` and clears what an interrupted checkpoint save left;
-the loop calls it only once the model, tokenizer and data have loaded.
+`RunFolder` holds the folder for the run's life: an exclusive lock (`flock` on the folder, which
+the kernel drops when the process ends, however it ends: a dead run's lock never blocks the next),
+so a second run started on the same folder is refused instead of mixing its metrics and
+checkpoints in. Its `start` writes `config.json` and clears what an interrupted checkpoint save
+left; the loop calls it only once every check has passed: the config, user code, the model,
+tokenizer and data, the engines answering and taking the first weight push. A start that fails
+before that leaves the folder as it was: what it created there is removed (a new run's folder too).
+The lock is local to a machine: two runs on two machines sharing a network folder are not kept apart.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +55,7 @@ from tidal.train.checkpoint import (
     read_state,
     read_trainer_state,
     remove_stale_saves,
+    verify_checkpoint,
 )
 from tidal.utils import atomic_write_json
 
@@ -162,6 +172,7 @@ def check_run_dir(cfg: Config, resume: bool, allow_config_change: bool = False) 
     # refuse an unsafe or damaged trainer state now, before engines start and anything is written
     # (mapped, not read: the real load comes later, after the model is built)
     read_trainer_state(ckpt / TRAINER_STATE_FILE, mmap=True)
+    verify_checkpoint(ckpt)  # then every file as it was written: a truncated one is named here
     if step >= cfg.train.num_steps:
         raise RunDirError(
             f"train.num_steps: the newest checkpoint {ckpt} is at step {step}, so num_steps "
@@ -184,10 +195,58 @@ def _check_changes(changes: list[ConfigChange], saved_file: Path, allowed: bool)
         )
 
 
-def start_run_dir(out: str | Path, config_record: dict) -> None:
-    """Create the run folder, remove temp folders a killed checkpoint save left there, and write
-    `config.json` (`config_record`: the config dict, with what was resolved at start)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_saves(out)
-    atomic_write_json(out / CONFIG_FILE, config_record)
+class RunFolder:
+    """`train.output_dir`, held by this run: `with RunFolder(path) as folder: ...; folder.start(record)`.
+
+    Entering creates the folder where it is missing and takes its exclusive lock, or raises
+    RunDirError naming the folder when another run holds it. Leaving releases the lock; a run that
+    leaves before `start` (an error anywhere in its start) removes what it created in the folder,
+    and the folder itself when it created it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.started = False
+
+    def __enter__(self) -> RunFolder:
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"train.output_dir: {self.path} is a file, expected a folder for the run")
+        self.created = not self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise RunDirError(
+                f"train.output_dir: {self.path} is in use by another tidal run on this machine (it holds the "
+                "folder's lock, which a run that ends or dies gives up at once); wait for that run to end, or give "
+                "this one another --train.output_dir"
+            ) from None
+        self._before = set(os.listdir(self.path))
+        return self
+
+    def start(self, config_record: dict) -> None:
+        """From here on the folder holds this run: remove temp folders a killed checkpoint save left
+        and write `config.json` (`config_record`: the config dict, with what was resolved at start)."""
+        remove_stale_saves(self.path)
+        atomic_write_json(self.path / CONFIG_FILE, config_record)
+        self.started = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None and not self.started:
+                self._restore()
+        finally:
+            os.close(self._fd)  # the lock goes with it
+
+    def _restore(self) -> None:
+        """Remove what a failed start put in the folder (SGLang logs, a disk weight push), the
+        folder itself when this run made it."""
+        for name in set(os.listdir(self.path)) - self._before:
+            path = self.path / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if self.created and not any(self.path.iterdir()):
+            self.path.rmdir()

@@ -1,12 +1,19 @@
 import json
 import os
+import re
 import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
 from tidal.train import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_save_load_round_trip(tmp_path):
@@ -17,6 +24,7 @@ def test_save_load_round_trip(tmp_path):
     assert path == tmp_path / "checkpoints" / "step_5"
     assert ckpt.latest_checkpoint(tmp_path) == path
     trainer_state, state = ckpt.load_checkpoint(path)
+    assert set(state.pop("files")) == {"config.json", "generation_config.json", "model.safetensors", "trainer_state.pt"}
     assert state == {"data": {"epoch": 1}, "step": 5}
     assert torch.equal(trainer_state["optimizer"]["x"], torch.ones(2))
 
@@ -98,8 +106,13 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt.torch, "save", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointSaveError) as err:
         ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, None, {}, {"data": {}})
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    assert str(err.value) == (
+        f"saving checkpoint {tmp_path / 'checkpoints' / 'step_4'}: OSError: disk full; "
+        f"the newest intact checkpoint is {step_2}"
+    )
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]  # no half-written step_4
     assert ckpt.latest_checkpoint(tmp_path) == root / "step_2"
@@ -131,7 +144,7 @@ def test_keep_checkpoints_deletes_the_oldest_after_the_new_one_is_complete(tmp_p
 
     # a save that fails deletes nothing: the two complete ones stay
     monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointSaveError, match="OSError: disk full"):
         ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, None, {}, {"data": {}}, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]
     monkeypatch.undo()
@@ -209,3 +222,83 @@ def test_export_writes_a_plain_hf_folder_with_the_same_logits(tmp_path):
         ckpt.export_checkpoint(tmp_path, tmp_path / "hf3", 3)
     with pytest.raises(FileExistsError, match=r"hf2 exists and is not empty; export into a new or empty folder"):
         ckpt.export_checkpoint(tmp_path, tmp_path / "hf2", 4)
+
+
+def test_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_path, monkeypatch):
+    """torch's writer, out of disk, says only "unexpected pos": the save names the disk, the space
+    left and the checkpoint to go back to, and leaves no temporary folder."""
+    model = make_model()
+    ckpt.save_checkpoint(tmp_path, 2, model.save_pretrained, None, {}, {"data": {}})
+
+    def out_of_disk(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 430596480 vs 430596368")
+
+    monkeypatch.setattr(ckpt.torch, "save", out_of_disk)
+    real = shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: real(path)._replace(free=4096))
+    with pytest.raises(ckpt.CheckpointSaveError) as err:
+        ckpt.save_checkpoint(tmp_path, 4, model.save_pretrained, None, {}, {"data": {}})
+    root = tmp_path / "checkpoints"
+    assert str(err.value) == (
+        f"saving checkpoint {root / 'step_4'}: the disk is full (ENOSPC: 4,096 bytes free); the newest intact "
+        f"checkpoint is {root / 'step_2'}; free space there (or lower train.keep_checkpoints) and continue with "
+        "--resume"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
+
+
+def test_a_real_full_disk(tmp_path):
+    """The same on a 256 KiB tmpfs (a mount namespace of this user's own, where the kernel allows
+    one): the model's own writer runs out of space; ENOSPC is named and nothing is left behind."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    small = tmp_path / "small"
+    small.mkdir()
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from conftest import make_model\n"
+        "from tidal.train import checkpoint as c\n"
+        "try:\n"
+        f"    c.save_checkpoint({str(small)!r}, 1, make_model().save_pretrained, None, {{}}, {{}})\n"
+        "except c.CheckpointSaveError as e:\n"
+        "    print('REFUSED', e)\n"
+        f"import os; print('LEFT', sorted(os.listdir({str(small / 'checkpoints')!r})))\n"
+    )
+    mount = f'mount -t tmpfs -o size=256k tmpfs {small} && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", mount, code], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    if "mount" in done.stderr and done.returncode != 0:
+        pytest.skip(f"no user mount namespace here: {done.stderr.strip()[-200:]}")
+    refused = [ln for ln in done.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert refused and "the disk is full (ENOSPC" in refused[0], done.stdout + done.stderr
+    assert "no earlier checkpoint exists" in refused[0]
+    assert "LEFT []" in done.stdout  # the temporary folder is gone
+
+
+def test_a_damaged_file_is_named_before_a_resume_or_an_export_uses_it(tmp_path):
+    from tidal.cli import main
+
+    model, tok = make_model(), make_tokenizer()
+    folder = ckpt.save_checkpoint(tmp_path, 3, model.save_pretrained, tok, {}, {"data": {}})
+    state = json.loads((folder / "state.json").read_text())
+    weights = folder / "model.safetensors"
+    assert state["files"]["model.safetensors"]["bytes"] == weights.stat().st_size
+    ckpt.verify_checkpoint(folder)  # as written: nothing to say
+
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit, the same size
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors: damaged: its CRC-32 differs"):
+        ckpt.verify_checkpoint(folder)
+
+    weights.write_bytes(bytes(data[: len(data) // 2]))  # truncated, as by a full disk or a killed copy
+    message = f"{weights}: damaged: {len(data) // 2:,} bytes, the checkpoint wrote {len(data):,}"
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(message)):
+        ckpt.verify_checkpoint(folder)
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf")]) == 1
+    assert not (tmp_path / "hf").exists()  # nothing copied out
+
+    del state["files"]  # a checkpoint of an older tidal: the safetensors header still tells
+    (folder / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors: damaged: its tensors need [\d,]+ bytes"):
+        ckpt.verify_checkpoint(folder)

@@ -7,6 +7,11 @@ previous complete checkpoint, and `latest_checkpoint` finds the newest complete 
 the folders themselves (`latest` is a convenience for people and scripts, never trusted alone).
 Temporary folders a killed save left behind are removed on the next save.
 
+`state.json` also records every other file's size and CRC-32 (`files`): `verify_checkpoint` checks
+them, and each safetensors file's header, before a resume or an export uses the folder, so a
+truncated or damaged file is named instead of failing deep in a loader (or being copied out).
+A save that runs out of disk names the disk, the space left and the checkpoint that is intact.
+
 `trainer_state.pt` holds only tensors, numbers, strings, lists, tuples and dicts (optimizer and
 scheduler state, the Python and torch RNG states), so it is read with `torch.load(weights_only=True)`:
 a file holding any other Python object is refused before that object is built, since unpickling it
@@ -15,6 +20,7 @@ could run code (`--resume` on a folder someone else could write to must not be a
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,13 +28,15 @@ import pickle
 import random
 import re
 import shutil
+import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from tidal.hardware import CPU
-from tidal.types import InputError
+from tidal.types import InputError, RunStopped
 from tidal.utils import atomic_directory, atomic_write_json, atomic_write_text, remove_stale_temps
 
 LATEST = "latest"
@@ -41,6 +49,15 @@ log = logging.getLogger("tidal")
 
 class CheckpointError(InputError):
     """A checkpoint file that cannot be loaded safely or at all; the message names the file."""
+
+
+class CheckpointSaveError(RunStopped):
+    """A checkpoint could not be written (a full disk, an I/O error); the message names the folder,
+    why, and the checkpoint that is still intact."""
+
+
+FULL_DISK_BYTES = 64 * 2**20  # less free than this after a failed write: the disk is what failed
+CRC_CHUNK = 16 * 2**20
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -98,16 +115,98 @@ def save_checkpoint(
     root = checkpoint_root(output_dir)
     remove_stale_saves(output_dir)
     final = root / f"step_{step}"
-    with atomic_directory(final) as tmp:  # fsyncs every file and the folder before the rename
-        save_model(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        torch.save({**trainer_state, "rng": rng}, tmp / TRAINER_STATE_FILE)
-        atomic_write_json(tmp / STATE_FILE, {**state, "step": step})
+    try:
+        with atomic_directory(final) as tmp:  # fsyncs every file and the folder before the rename
+            try:
+                save_model(tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(tmp))
+                rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+                torch.save({**trainer_state, "rng": rng}, tmp / TRAINER_STATE_FILE)
+                # written last, with what every other file must be: its presence marks a complete checkpoint
+                atomic_write_json(tmp / STATE_FILE, {**state, "step": step, "files": file_records(tmp)})
+            except Exception as e:  # OSError, safetensors' error; torch's writer says "unexpected pos" when full
+                raise _save_failed(e, final, tmp, output_dir) from e
+    except OSError as e:  # the fsyncs and the rename
+        raise _save_failed(e, final, final.parent, output_dir) from e
     atomic_write_text(root / LATEST, final.name + "\n")
     prune_checkpoints(output_dir, keep)
     return final
+
+
+def _save_failed(error: BaseException, final: Path, where: Path, output_dir: str | Path) -> CheckpointSaveError:
+    """The error a failed save ends the run with: the folder, whether the disk is full (ENOSPC, or
+    almost no space left where the save was writing), and the newest checkpoint still intact (the
+    temporary folder is removed on the way out)."""
+    free = shutil.disk_usage(where).free
+    full = (
+        (isinstance(error, OSError) and error.errno == errno.ENOSPC)
+        or "No space left on device" in str(error)
+        or free < FULL_DISK_BYTES
+    )
+    why = f"the disk is full (ENOSPC: {free:,} bytes free)" if full else f"{type(error).__name__}: {error}"
+    intact = latest_checkpoint(output_dir)
+    kept = f"the newest intact checkpoint is {intact}" if intact is not None else "no earlier checkpoint exists"
+    hint = "; free space there (or lower train.keep_checkpoints) and continue with --resume" if full else ""
+    return CheckpointSaveError(f"saving checkpoint {final}: {why}; {kept}{hint}")
+
+
+def file_records(folder: Path) -> dict[str, dict]:
+    """{name: {"bytes", "crc32"}} of every file under `folder`, by path relative to it."""
+    return {
+        str(f.relative_to(folder)): {"bytes": f.stat().st_size, "crc32": file_crc32(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != STATE_FILE
+    }
+
+
+def file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(CRC_CHUNK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def check_safetensors(path: Path) -> None:
+    """CheckpointError naming `path` unless its header reads and its tensors' bytes fit the file
+    (a truncated copy ends before them)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"its header claims {n:,} bytes, the file has {size:,}")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file is damaged") from None
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path}: damaged: its tensors need {8 + n + end:,} bytes, the file has {size:,} (a truncated copy?)"
+        )
+
+
+def verify_checkpoint(folder: str | Path) -> None:
+    """Check a checkpoint folder before it is used: every file `state.json` records has the size
+    and CRC-32 it was written with (checkpoints written before tidal recorded them are not
+    checked this way), and every safetensors file's header and length. CheckpointError names the
+    first damaged or missing file and the way out."""
+    folder = Path(folder)
+    way_out = "delete this checkpoint folder to use the one before it"
+    for name, want in read_state(folder).get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint ({way_out})")
+        got = path.stat().st_size
+        if got != want.get("bytes"):
+            raise CheckpointError(
+                f"{path}: damaged: {got:,} bytes, the checkpoint wrote {want.get('bytes'):,} ({way_out})"
+            )
+        if file_crc32(path) != want.get("crc32"):
+            raise CheckpointError(f"{path}: damaged: its CRC-32 differs from the one written at save ({way_out})")
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors(path)
 
 
 def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
@@ -252,6 +351,7 @@ def export_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; export into a new or empty folder")
     folder = found[step]
+    verify_checkpoint(folder)  # a damaged file is named, not copied out
     adapter = is_adapter(folder)
     if lora is not None and not adapter:
         raise ValueError(
