@@ -148,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"largest request body (default: {defaults.max_body_bytes})",
     )
     s.add_argument(
+        "--max-weights-body-bytes",
+        type=int,
+        default=defaults.max_weights_body_bytes,
+        help="largest /update_weights_from_tensor body: one chunk of a trainer's http or delta weight push, "
+        f"32 MiB of tensors as base64, about 45 MB (default: {defaults.max_weights_body_bytes})",
+    )
+    s.add_argument(
         "--max-tokenising-bytes",
         type=int,
         default=defaults.max_tokenising_bytes,
@@ -170,6 +177,7 @@ def _serve(args) -> int:
         max_n=args.max_n,
         max_request_tokens=args.max_request_tokens,
         max_body_bytes=args.max_body_bytes,
+        max_weights_body_bytes=args.max_weights_body_bytes,
         max_tokenising_bytes=args.max_tokenising_bytes,
     )
     serve(ensure_model(args.model), args.host, args.port, config=config, **options)

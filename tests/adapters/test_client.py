@@ -242,8 +242,10 @@ def test_http_engine_meets_the_engine_contract(servers):
 
 
 def test_a_weight_push_bigger_than_the_request_body_limit_goes_in_chunks(servers):
-    """A 40 MiB tensor (over the 8 MiB limit for requests) reaches tidal serve: the weight route
-    has a limit of its own and the chunks stay under it."""
+    """A 40 MiB tensor (over the 8 MiB limit for requests, and over a 32 MiB chunk) reaches tidal
+    serve: the weight route has a limit of its own, and the tensor goes in two pieces that keep
+    each chunk at 32 MiB of tensors (this fake core records the pieces; tidal's engines put them
+    together, tests/sync/test_http_pieces.py)."""
     from tidal.aio import LoopThread
     from tidal.sync.remote import HttpSync
 
@@ -258,6 +260,31 @@ def test_a_weight_push_bigger_than_the_request_body_limit_goes_in_chunks(servers
         metrics = sync.push(4)
     received = servers[0].core.received
     assert [v for _, v in received] == [None, 4]  # two chunks: the first staged, the last loads as version 4
-    got = {**received[0][0], **received[1][0]}
-    assert torch.equal(got["big"], big) and torch.equal(got["small"], torch.ones(3))
+    first, last = received[0][0], received[1][0]
+    # elements [0, 8 Mi) of the 10 Mi-element tensor in the first chunk, the rest beside `small`
+    assert list(first) == ["big@0/10485760"] and list(last) == ["big@8388608/10485760", "small"]
+    assert torch.equal(torch.cat([first["big@0/10485760"], last["big@8388608/10485760"]]), big)
+    assert torch.equal(last["small"], torch.ones(3))
     assert metrics["sync/bytes"] == float(big.numel() * 4 + 12)
+
+
+def test_a_tensor_larger_than_a_chunk_is_encoded_in_pieces_of_at_most_a_chunk():
+    """Every chunk holds at most `chunk_bytes` of tensors: a larger tensor goes in runs of its
+    flattened elements named NAME@OFFSET/SHAPE (a chunk size that is no multiple of the element
+    size, a strided tensor and bfloat16 included), and the runs put end to end are the tensor."""
+    from tidal.adapters.client import BODY_OVERHEAD, body_bytes, decode_tensors, encode_tensors
+
+    big = torch.randn(7, 30).t()  # 30 x 7, strided: 840 bytes
+    half = torch.randn(100, dtype=torch.bfloat16)  # 200 bytes
+    named = [("a.small", torch.ones(2)), ("b.big", big), ("c.half", half)]
+    chunks = [decode_tensors(blob) for blob in encode_tensors(named, chunk_bytes=250)]
+    for chunk in chunks:
+        assert sum(t.numel() * t.element_size() for _, t in chunk) <= 250
+    keys = [k for chunk in chunks for k, _ in chunk]
+    # 250 // 4 = 62 floats a piece; bfloat16's 200 bytes fit one chunk whole
+    assert keys == ["a.small", *(f"b.big@{i}/30x7" for i in range(0, 210, 62)), "c.half"]
+    got = dict(kv for chunk in chunks for kv in chunk)
+    pieces = torch.cat([got[f"b.big@{i}/30x7"] for i in range(0, 210, 62)])
+    assert torch.equal(pieces.view(30, 7), big) and torch.equal(got["c.half"], half)
+    for blob in encode_tensors(named, chunk_bytes=250):  # base64 of 250 bytes and a header
+        assert len(blob) < 4 / 3 * (250 + 400) and body_bytes(blob) == len(blob) + BODY_OVERHEAD

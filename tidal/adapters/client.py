@@ -6,13 +6,31 @@ sticky per group so a group's shared prompt is reused from one server's prefix c
 connection pools living on the rollout's one event loop (`tidal.aio.LoopThread`).
 
 Weights travel to `/update_weights_from_tensor` in tidal's own wire format (SGLang's endpoint of
-that name takes in-process tensor handles instead, so it is for tidal servers only): a JSON body
+that name takes in-process tensor handles instead, and SGLang servers take weights by
+`distributed` or `disk`, so this format is for tidal servers only): a JSON body
 
-    {"tensors": "<base64 of a safetensors blob>", "weight_version": 7 | null, "flush_cache": true}
+    {"tensors": "<base64 of a safetensors blob>", "weight_version": 7 | null, "flush_cache": true,
+     "stage": true | false, "partial": true (delta pushes only)}
 
-where the blob is `safetensors.torch.save({name: cpu_tensor, ...})`. Large models are sent in
-several such requests of at most `chunk_bytes` raw tensor bytes each; only the last one carries
-the weight version (the others send null and keep the version) and asks for a cache flush.
+where the blob is `safetensors.torch.save({name: cpu_tensor, ...})`. A push is sent in several
+such requests (chunks) of at most `chunk_bytes` raw tensor bytes each: all but the last are
+staged (`"stage": true`, version null); the last carries the weight version, asks for a cache
+flush and has the server load everything at once.
+
+A tensor larger than `chunk_bytes` is split into pieces: runs of its flattened (row-major)
+elements, each of at most `chunk_bytes` (`chunk_bytes // element_size` elements), that go into
+chunks like any other tensor. A piece is a 1-D safetensors entry named
+
+    NAME@OFFSET/SHAPE        e.g. model.embed_tokens.weight@7077888/49152x576
+
+(OFFSET: its first element's index in the flattened tensor; SHAPE: the whole tensor's, joined
+by x; the dtype is the entry's, the same for every piece). The server puts the pieces together
+in its stage (`tidal.engine.weights.WeightStage`) and loads the tensor only when every element
+arrived exactly once: a missing or overlapping piece is a 400 naming the tensor, and nothing of
+the push is loaded. So no request carries more than `chunk_bytes` of tensors, whatever the
+model: its body is at most 4/3 x (`chunk_bytes` + the safetensors header, about 100 bytes a
+tensor) + `BODY_OVERHEAD` bytes, which must fit the server's `tidal serve
+--max-weights-body-bytes` (64 MiB by default; a 32 MiB chunk is about 45 MB as base64).
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from tidal.contracts import GenerationOutput, SamplingParams
+from tidal.engine.weights import piece_name
 from tidal.hardware import CPU
 
 __all__ = [
@@ -39,6 +58,7 @@ __all__ = [
     "EngineError",
     "HttpEngine",
     "Router",
+    "body_bytes",
     "decode_tensors",
     "encode_tensors",
     "is_engine_failure",
@@ -51,7 +71,9 @@ T = TypeVar("T")
 # what `tidal serve` says it is (/get_model_info's "engine"): a trainer's cue for tidal's extensions
 # (staged weight updates, weight checksums) that an SGLang server does not have
 TIDAL_SERVER = "tidal"
-DEFAULT_CHUNK_BYTES = 32 * 2**20  # base64 makes it ~43 MB: under tidal serve's 64 MiB for weight bodies
+DEFAULT_CHUNK_BYTES = 32 * 2**20  # base64 makes it ~45 MB: under tidal serve's 64 MiB for weight bodies
+# a weight body's JSON besides the blob: its keys, the version and the flags (under 150 bytes)
+BODY_OVERHEAD = 256
 
 
 class EngineError(RuntimeError):
@@ -66,24 +88,48 @@ class EngineError(RuntimeError):
 
 # ---------------------------------------------------------------------- wire format
 def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[str]:
-    """Yield base64 safetensors blobs of at most about `chunk_bytes` raw bytes each (one tensor
-    larger than that goes alone). Tensors are copied to CPU one chunk at a time."""
+    """Yield base64 safetensors blobs of at most `chunk_bytes` raw tensor bytes each, a tensor larger
+    than that split into pieces (see the module docstring). Tensors are copied to CPU one chunk at
+    a time."""
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in named:
-        n = t.numel() * t.element_size()
-        if chunk and size + n > chunk_bytes:
-            yield base64.b64encode(st_save(chunk)).decode("ascii")
-            chunk, size = {}, 0
-        # A private contiguous CPU copy: safetensors refuses views and tensors sharing storage.
-        chunk[name] = t.detach().to(CPU, copy=True).contiguous()
-        size += n
+        for key, part in _pieces(name, t.detach(), chunk_bytes):
+            n = part.numel() * part.element_size()
+            if chunk and size + n > chunk_bytes:
+                yield _blob(chunk)
+                chunk, size = {}, 0
+            # A private contiguous CPU copy: safetensors refuses views and tensors sharing storage.
+            chunk[key] = part.to(CPU, copy=True).contiguous()
+            size += n
     if chunk:
-        yield base64.b64encode(st_save(chunk)).decode("ascii")
+        yield _blob(chunk)
+
+
+def _pieces(name: str, t: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, t)` when `t` fits in a chunk, else its pieces by wire name: runs of its flattened
+    elements of at most `chunk_bytes` each (one element where an element is larger)."""
+    step = max(1, chunk_bytes // t.element_size())
+    if t.numel() <= step:
+        yield name, t
+        return
+    flat = t.reshape(-1)  # a view of a contiguous tensor; a strided one is copied once here
+    for offset in range(0, flat.numel(), step):
+        yield piece_name(name, offset, t.shape), flat[offset : offset + step]
+
+
+def _blob(chunk: dict[str, torch.Tensor]) -> str:
+    return base64.b64encode(st_save(chunk)).decode("ascii")
+
+
+def body_bytes(blob: str) -> int:
+    """The most bytes a `/update_weights_from_tensor` body carrying `blob` takes."""
+    return len(blob) + BODY_OVERHEAD
 
 
 def decode_tensors(blob: str) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of one `encode_tensors` chunk."""
+    """Inverse of one `encode_tensors` chunk (pieces keep their wire names: the engine's stage puts
+    them together)."""
     return list(st_load(base64.b64decode(blob, validate=True)).items())
 
 

@@ -123,7 +123,7 @@ class HFEngine:
         if stage:
             self._staged.add(self.model, named)
             return
-        named = self._staged.take(named)
+        named = self._staged.take(self.model, named)
         load_named_tensors(self.model, named.items(), share, complete=not partial)
         self.weight_version = self.weight_version + 1 if version is None else version
 

@@ -421,7 +421,7 @@ class VLLMCore:
         if stage:
             self._staged.add(self._meta, named)
             return
-        named = self._staged.take(named)
+        named = self._staged.take(self._meta, named)
         check_named_tensors(self._meta, named, complete=True)
         checksum = weights_checksum(named.items(), self.dtype)
         t0 = time.perf_counter()

@@ -290,7 +290,7 @@ class LLMEngine:
         if stage:
             self._staged.add(self.model, named)
             return
-        named = self._staged.take(named)
+        named = self._staged.take(self.model, named)
         load_named_tensors(self.model, named.items(), share, complete=not partial)
         if self.quant is not None:  # quantize or pack now, not in the first forward (the cost shows in stats)
             self.counters["quantize_s"] += self.quant.refresh()

@@ -5,12 +5,20 @@ dtype) and for NaN or infinite values before any live weight changes, so a bad u
 engine on its old weights.
 `weights_checksum` fingerprints what a model holds, so a trainer can check that an engine loaded
 exactly what it sent.
+
+A tensor too large for one request of a chunked update travels in pieces (`piece_name`): each a
+run of the tensor's flattened (row-major) elements, named `NAME@OFFSET/SHAPE`, e.g.
+`model.embed_tokens.weight@7077888/49152x576` (elements 7077888 on of that 49152 x 576 tensor;
+the piece's dtype is the tensor's). `WeightStage` puts the pieces together as they arrive and
+loads the tensor only when every element arrived exactly once.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -27,6 +35,18 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
+def _check_target(targets: dict[str, torch.Tensor], name: str, shape: tuple, dtype: torch.dtype, where: str) -> None:
+    """Raise `WeightsError` unless the model has a parameter or buffer `name` of this shape, floating
+    point where `dtype` is."""
+    if name not in targets:
+        raise WeightsError(f"{where}: the engine's model has no parameter {name!r}")
+    target = targets[name]
+    if tuple(shape) != tuple(target.shape):
+        raise WeightsError(f"{where}: {name} has shape {tuple(shape)}, the engine's is {tuple(target.shape)}")
+    if target.is_floating_point() != dtype.is_floating_point:
+        raise WeightsError(f"{where}: {name} has dtype {dtype}, the engine's is {target.dtype}")
+
+
 def check_named_tensors(
     model: torch.nn.Module, named: dict[str, torch.Tensor], complete: bool = True, where: str = "update_weights"
 ) -> None:
@@ -36,15 +56,7 @@ def check_named_tensors(
     output projection tied to the input embedding (one name only)."""
     targets = _targets(model)
     for name, tensor in named.items():
-        if name not in targets:
-            raise WeightsError(f"{where}: the engine's model has no parameter {name!r}")
-        target = targets[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightsError(
-                f"{where}: {name} has shape {tuple(tensor.shape)}, the engine's is {tuple(target.shape)}"
-            )
-        if target.is_floating_point() != tensor.is_floating_point():
-            raise WeightsError(f"{where}: {name} has dtype {tensor.dtype}, the engine's is {target.dtype}")
+        _check_target(targets, name, tuple(tensor.shape), tensor.dtype, where)
     for name, tensor in named.items():
         bad = non_finite(tensor)
         if bad:
@@ -59,29 +71,153 @@ def check_named_tensors(
             raise WeightsError(f"{where}: no tensor given for {sorted(missing)[:5]}")
 
 
+# a piece's wire name, NAME@OFFSET/SHAPE (see the module docstring)
+_PIECE = re.compile(r"(?P<name>.+)@(?P<offset>\d+)/(?P<shape>\d+(?:x\d+)*)")
+_WHERE = "update_weights"
+
+
+def piece_name(name: str, offset: int, shape: Sequence[int]) -> str:
+    """The name a piece of tensor `name` (of `shape`) travels under: its elements from flat (row-
+    major) element `offset` on, e.g. `model.embed_tokens.weight@7077888/49152x576`."""
+    return f"{name}@{offset}/{'x'.join(map(str, shape))}"
+
+
+def parse_piece(key: str) -> tuple[str, int, tuple[int, ...]] | None:
+    """(tensor name, offset, the whole tensor's shape) of a piece's name; None for a whole tensor."""
+    m = _PIECE.fullmatch(key)
+    if m is None:
+        return None
+    return m["name"], int(m["offset"]), tuple(int(d) for d in m["shape"].split("x"))
+
+
+def _span(offset: int, end: int) -> str:
+    return f"elements [{offset}, {end})"
+
+
+class _Assembly:
+    """One tensor arriving in pieces: a flat buffer of its dtype, and the element spans received."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.flat = torch.empty(math.prod(shape), dtype=dtype)
+        self.spans: list[tuple[int, int]] = []  # [start, end) of each piece received
+
+    def describe(self) -> str:
+        return f"{self.name} ({'x'.join(map(str, self.shape))}, {self.dtype})"
+
+    def put(self, offset: int, shape: tuple[int, ...], piece: torch.Tensor) -> None:
+        """Copy a piece in; `WeightsError` naming the tensor when the piece disagrees with the
+        earlier ones (shape, dtype), runs past the end or overlaps a piece received already."""
+        end, total = offset + piece.numel(), self.flat.numel()
+        if shape != self.shape or piece.dtype != self.dtype:
+            raise WeightsError(
+                f"{_WHERE}: a piece of {self.name} says {'x'.join(map(str, shape))}, {piece.dtype}; an earlier "
+                f"one said {'x'.join(map(str, self.shape))}, {self.dtype}: the pieces are not of one tensor"
+            )
+        if end > total:
+            raise WeightsError(
+                f"{_WHERE}: a piece of {self.describe()} at {_span(offset, end)} runs past its {total} elements"
+            )
+        for a, b in self.spans:
+            if offset < b and a < end:
+                raise WeightsError(
+                    f"{_WHERE}: a piece of {self.describe()} at {_span(offset, end)} overlaps {_span(a, b)}, "
+                    "received already: every piece is sent once; send the whole update again"
+                )
+        self.flat[offset:end] = piece.reshape(-1)
+        self.spans.append((offset, end))
+
+    def whole(self) -> torch.Tensor:
+        """The tensor, once every element has arrived; else `WeightsError` naming the first gap."""
+        at, total = 0, self.flat.numel()
+        for a, b in sorted(self.spans):
+            if a > at:
+                break
+            at = b
+        if at < total:
+            later = [a for a, _ in self.spans if a > at]
+            raise WeightsError(
+                f"{_WHERE}: {self.describe()} is missing {_span(at, min(later, default=total))} of its {total} "
+                f"({len(self.spans)} piece(s) arrived): a piece was not sent; send the whole update again"
+            )
+        return self.flat.view(self.shape)
+
+
+def _split(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+    """(the whole tensors, [(name, offset, shape, piece), ...]) of one call's tensors."""
+    whole, pieces = {}, []
+    for key, tensor in named.items():
+        parsed = parse_piece(key)
+        if parsed is None:
+            whole[key] = tensor
+        else:
+            pieces.append((*parsed, tensor))
+    return whole, pieces
+
+
+def _check_pieces(model: torch.nn.Module, pieces: list[tuple]) -> None:
+    """`WeightsError` unless each piece's tensor is the model's (name, shape, floating dtype), so
+    no buffer is made for a shape the model lacks, and the piece holds only finite values."""
+    targets = _targets(model)
+    for name, offset, shape, piece in pieces:
+        _check_target(targets, name, shape, piece.dtype, _WHERE)
+        bad = non_finite(piece)
+        if bad:
+            span = _span(offset, offset + piece.numel())
+            raise WeightsError(
+                f"{_WHERE}: {name} holds {bad} NaN or infinite value(s) in its piece at {span}; weights must be finite"
+            )
+
+
 class WeightStage:
     """The chunks of one weight update sent in parts (calls with `stage=True`): each chunk is
-    checked against the model as it arrives and kept; the update's last call loads them all at
-    once, so an update sent in chunks is all or nothing too. A bad chunk drops what was staged."""
+    checked against the model as it arrives and kept, a tensor sent in pieces put together as they
+    arrive (see the module docstring); the update's last call loads them all at once, so an update
+    sent in chunks is all or nothing too. A bad chunk drops what was staged, and so does a last
+    call that leaves a tensor sent in pieces incomplete."""
 
     def __init__(self) -> None:
         self._named: dict[str, torch.Tensor] = {}
+        self._pieces: dict[str, _Assembly] = {}
 
     def add(self, model: torch.nn.Module, named: dict[str, torch.Tensor]) -> None:
         try:
-            check_named_tensors(model, named, complete=False)
+            whole, pieces = _split(named)
+            check_named_tensors(model, whole, complete=False)
+            _check_pieces(model, pieces)
+            self._gather(whole, pieces)
         except WeightsError:
-            self._named = {}
+            self.clear()
             raise
-        self._named.update(named)
+        self._named.update(whole)
 
-    def take(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every staged tensor, with the last call's `named` over them; the stage is emptied."""
-        out, self._named = {**self._named, **named}, {}
-        return out
+    def _gather(self, whole: dict[str, torch.Tensor], pieces: list[tuple]) -> None:
+        """Put pieces into their tensors; a tensor may come whole or in pieces, not both."""
+        for name, offset, shape, piece in pieces:
+            if name in self._named or name in whole:
+                raise WeightsError(f"{_WHERE}: {name} came both whole and in pieces; send it one way")
+            if name not in self._pieces:
+                self._pieces[name] = _Assembly(name, shape, piece.dtype)
+            self._pieces[name].put(offset, shape, piece)
+        both = sorted(set(whole) & set(self._pieces))
+        if both:
+            raise WeightsError(f"{_WHERE}: {both[0]} came both whole and in pieces; send it one way")
+
+    def take(self, model: torch.nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every staged tensor, with the last call's `named` over them (its pieces put in too); the
+        stage is emptied. `WeightsError` when a tensor sent in pieces lacks one, or a piece of this
+        call does not fit `model` (its whole tensors are the loader's to check)."""
+        try:
+            whole, pieces = _split(named)
+            _check_pieces(model, pieces)
+            self._gather(whole, pieces)
+            return {**self._named, **whole, **{name: a.whole() for name, a in self._pieces.items()}}
+        finally:
+            self.clear()
 
     def clear(self) -> None:
         self._named = {}
+        self._pieces = {}
 
 
 FINITE_CHUNK = 1 << 24  # elements counted at once: bounds the count's scratch memory to 16 MB a tensor

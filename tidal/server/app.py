@@ -60,9 +60,12 @@ class Guard:
                 )
                 return await response(scope, receive, send)
         size = headers.get("content-length")
-        limit = cfg.max_weights_body_bytes if scope["path"] in WEIGHT_ROUTES else cfg.max_body_bytes
+        weights = scope["path"] in WEIGHT_ROUTES
+        limit = cfg.max_weights_body_bytes if weights else cfg.max_body_bytes
+        flag = "--max-weights-body-bytes" if weights else "--max-body-bytes"  # what raises it
         if size is not None and size.isdigit() and int(size) > limit:
-            response = error_for(scope["path"], 413, f"body: {size} bytes; this server takes at most {limit}")
+            why = f"body: {size} bytes; this server takes at most {limit} (tidal serve {flag})"
+            response = error_for(scope["path"], 413, why)
             return await response(scope, receive, send)
         if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, more = b"", True
@@ -73,7 +76,7 @@ class Guard:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
                 if len(body) > limit:
-                    response = error_for(scope["path"], 413, f"body: more than {limit} bytes")
+                    response = error_for(scope["path"], 413, f"body: more than {limit} bytes (tidal serve {flag})")
                     return await response(scope, receive, send)
             replayed = False
 

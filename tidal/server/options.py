@@ -26,7 +26,8 @@ class ServerConfig:
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
-    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, `tidal.adapters.client`)
+    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, a larger tensor
+    # in pieces, `tidal.adapters.client`); `tidal serve --max-weights-body-bytes`
     max_weights_body_bytes: int = 64 * 2**20
     max_n: int = 16
     max_batch: int = 256

@@ -8,7 +8,7 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     GET  /health                     200 while the engine runs, else 503 (never behind the API key)
     GET  /health_generate            200 once the engine produces a token (or is busy producing them), else 503
     GET  /get_model_info             {"model_path", "tokenizer_path", "is_generation", "max_model_len", "dtype",
-                                     "engine": "tidal", ...}
+                                     "engine": "tidal", "max_weights_body_bytes", ...}
     GET  /get_load                   [{"dp_rank", "num_reqs", "num_waiting_reqs"}] (sglang-router reads it)
     GET  /get_weight_version         {"weight_version"}; ?checksum=true adds "weight_checksum" (CRC-32)
     GET  /get_server_info            engine stats
@@ -19,8 +19,10 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?}
     POST /update_weights_from_tensor tidal's format: {"tensors": base64 safetensors blob, "weight_version":
                                      int | null, "flush_cache", "stage"}; staged chunks load with the next
-                                     unstaged one. SGLang's own format (`serialized_named_tensors`) carries
-                                     in-process tensor handles and is refused with a 400 saying so.
+                                     unstaged one; a tensor larger than a chunk comes in pieces
+                                     (`tidal.adapters.client`). SGLang's own format
+                                     (`serialized_named_tensors`) carries in-process tensor handles
+                                     and is refused with a 400 saying so.
     POST /release_memory_occupation, /resume_memory_occupation    free / take back KV cache and weights
     POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
                                      weights by broadcast from a trainer (`tidal.server.weight_group`)
@@ -239,6 +241,8 @@ async def model_info(s: State) -> dict:
         "weight_version": s.engine.weight_version,
         "dtype": str(s.engine.dtype).removeprefix("torch."),
         "engine": TIDAL_SERVER,
+        # tidal's: the largest /update_weights_from_tensor body, so a trainer checks its chunks fit first
+        "max_weights_body_bytes": s.cfg.max_weights_body_bytes,
     }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tidal.adapters.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, encode_tensors
+from tidal.adapters.client import DEFAULT_CHUNK_BYTES, EngineClient, EngineError, body_bytes, encode_tensors
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
 from tidal.engine.weights import tensor_crc, weights_checksum
@@ -183,7 +183,10 @@ class _RemoteSync:
 
 class HttpSync(_RemoteSync):
     """Tensors in tidal's wire format to `/update_weights_from_tensor` (tidal servers), in chunks of
-    `chunk_bytes`, all chunks but the last staged so a server loads all or nothing.
+    at most `chunk_bytes` of tensors (a larger tensor split into pieces, see
+    `tidal.adapters.client`), all chunks but the last staged so a server loads all or nothing.
+    A push whose largest body is over an engine's `tidal serve --max-weights-body-bytes` (which
+    it reports) is refused before anything is sent.
 
     `delta`: send only the tensors whose bytes changed since the last push every engine confirmed
     (for slow links, and models with frozen parts: with LoRA, the merged targeted matrices), as a
@@ -211,6 +214,7 @@ class HttpSync(_RemoteSync):
         self.chunk_bytes = chunk_bytes
         self.delta = delta
         self._sent: dict[str, int] | None = None  # tensor CRCs every engine holds
+        self._limits: dict[str, int | None] = {}  # each engine's limit on a weight body, when it says
 
     def push(self, version: int) -> dict[str, float]:
         if self._refresh():
@@ -240,9 +244,14 @@ class HttpSync(_RemoteSync):
                         blob, version if last else None, flush_cache=last, timeout=limit, partial=last and partial
                     )
 
-                await self._bounded(c, request, loads[i], send)
+                try:
+                    await self._bounded(c, request, loads[i], send)
+                except EngineError as e:  # refused (a 4xx names the tensor) or lost: say which request
+                    raise SyncError(c.base_url, self.transport, f"{request} failed: {e}", index=self._index(c)) from e
             await self._verify(c, version, named)
 
+        # every engine takes bodies this large, or none is sent anything
+        self._run(self._each(lambda c: self._check_body_limit(c, blobs), "asking the engine's weight body limit"))
         # a backstop over each engine's requests, each bounded on its own
         limit = sum(map(self.bound.seconds, loads)) + self.bound.seconds(model_bytes) + self.bound.seconds(0)
         self._run(self._each(load, "loading the weights", limit), limit)
@@ -253,6 +262,30 @@ class HttpSync(_RemoteSync):
             "sync/tensors": float(len(send)),
             **counts,
         }
+
+    async def _check_body_limit(self, c: EngineClient, blobs: list[str]) -> None:
+        """`SyncError` when the largest of this push's bodies is over what the engine takes (`tidal
+        serve --max-weights-body-bytes`, in /get_model_info; a server that does not say is sent the
+        push, and answers a body too large with a 413)."""
+        if c.base_url not in self._limits:
+            info = await self._bounded(
+                c, "GET /get_model_info", 0, lambda t: c._request("GET", "/get_model_info", timeout=t)
+            )
+            limit = info.get("max_weights_body_bytes") if isinstance(info, dict) else None
+            self._limits[c.base_url] = limit if isinstance(limit, int) else None
+        limit = self._limits[c.base_url]
+        sizes = [body_bytes(b) for b in blobs]
+        if limit is None or max(sizes) <= limit:
+            return
+        i = sizes.index(max(sizes))
+        raise SyncError(
+            c.base_url,
+            self.transport,
+            f"chunk {i + 1} of {len(blobs)} is a body of up to {sizes[i]} bytes (at most {self.chunk_bytes} bytes "
+            f"of tensors, as base64) and the engine takes weight bodies of at most {limit} bytes: start it with "
+            f"`tidal serve --max-weights-body-bytes {sizes[i]}` or more (nothing of this push was sent)",
+            index=self._index(c),
+        )
 
 
 class DiskSync(_RemoteSync):
