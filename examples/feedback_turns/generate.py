@@ -21,9 +21,9 @@ FEEDBACK = "That is wrong. Think again and give only the number."
 async def retry_until_right(ctx, sample, sampling):
     renderer = ctx.extra.get("feedback") or ctx.extra.setdefault("feedback", TurnRenderer(ctx.tokenizer, {}))
     stop_ids = set(sampling.stop_token_ids) | {ctx.tokenizer.eos_token_id}
-    budget = ctx.cfg.response_budget
+    budget = ctx.rollout.response_budget
     score = 0.0
-    for turn in range(ctx.cfg.max_turns):
+    for turn in range(ctx.rollout.max_turns):
         left = budget - sample.response_length
         params = dataclasses.replace(
             sampling, seed=turn_seed(sampling.seed, turn), max_new_tokens=min(sampling.max_new_tokens, left)
@@ -34,7 +34,7 @@ async def retry_until_right(ctx, sample, sampling):
             score = 0.5**turn
             break
         env_ids, env_text = renderer.after_turn(out.token_ids, [{"role": "user", "content": FEEDBACK}], stop_ids)
-        if turn == ctx.cfg.max_turns - 1 or sample.response_length + len(env_ids) + 8 > budget:
+        if turn == ctx.rollout.max_turns - 1 or sample.response_length + len(env_ids) + 8 > budget:
             break
         sample.append_env(env_ids, env_text)
     sample.metadata["finish_reason"] = out.finish_reason
