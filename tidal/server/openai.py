@@ -44,7 +44,7 @@ from tidal.chat.openai import (
     uses_tools,
 )
 from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
+from tidal.server.common import EventStream, Stream, TextStream, check_budget, room_left, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State
 
@@ -216,17 +216,20 @@ async def completions(body: CompletionBody, request: Request, s: State) -> Any:
     job = samples_for(s, body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
     answer = Completion(s.tok, s.model_name, body.logprobs)
     if body.stream:
-        return EventStream(completion_events(s, body, answer, job), s.engine, job.rids)
+        stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
+        return EventStream(completion_events(s, body, answer, job, stream), s.engine, job.rids)
     outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
     return answer.whole(outs, job)
 
 
-async def completion_events(s: Served, body: CompletionBody, answer: Completion, job: Samples) -> AsyncIterator[str]:
+async def completion_events(
+    s: Served, body: CompletionBody, answer: Completion, job: Samples, stream: Stream
+) -> AsyncIterator[str]:
     """A completion's stream: each sample's new text as it comes, its finish reason, the usage if
     asked for, then `data: [DONE]`."""
     streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
     outs = []
-    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+    async for i, ids, lps, tops, out in stream:
         if out is None:
             at = streams[i].sent
             yield sse(answer.obj([answer.choice(i, streams[i].add(ids), answer.logprobs_of(ids, lps, tops, at), None)]))
@@ -315,19 +318,22 @@ async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
     job = samples_for(s, body, [prompt], *chat_max_tokens(body), top)
     answer = ChatAnswer(s.tok, s.model_name, job.stops, uses_tools(body), body.logprobs, top)
     if body.stream:
-        return EventStream(chat_events(s, body, answer, job), s.engine, job.rids)
+        stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
+        return EventStream(chat_events(s, body, answer, job, stream), s.engine, job.rids)
     outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
     return answer.whole(outs, job)
 
 
-async def chat_events(s: Served, body: ChatBody, answer: ChatAnswer, job: Samples) -> AsyncIterator[str]:
+async def chat_events(
+    s: Served, body: ChatBody, answer: ChatAnswer, job: Samples, stream: Stream
+) -> AsyncIterator[str]:
     """A chat answer's stream: each sample's role, its text as it comes (with tools, the message
     once whole), its finish reason, the usage if asked for, then `data: [DONE]`."""
     streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
     for i in range(len(job.all_prompts)):
         yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
     outs = []
-    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+    async for i, ids, lps, tops, out in stream:
         if out is None:
             if not answer.use_tools:  # the calls are parsed once the answer is whole
                 yield answer.text_chunk(i, streams[i].add(ids), ids, lps, tops)

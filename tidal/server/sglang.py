@@ -16,17 +16,21 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     POST /abort_request              {"rid"} or {"abort_all": true}
     POST /pause_generation           optional {"mode": "in_place" | "retract" | "abort"}
     POST /continue_generation
-    POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?}
+    POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?,
+                                     "allow_older"?}
     POST /update_weights_from_tensor tidal's format: {"tensors": base64 safetensors blob, "weight_version":
-                                     int | null, "flush_cache", "stage"}; staged chunks load with the next
-                                     unstaged one. SGLang's own format (`serialized_named_tensors`) carries
-                                     in-process tensor handles and is refused with a 400 saying so.
+                                     int | null, "flush_cache", "stage", "allow_older"?}; staged chunks load
+                                     with the next unstaged one. SGLang's own format (`serialized_named_tensors`)
+                                     carries in-process tensor handles and is refused with a 400 saying so.
     POST /release_memory_occupation, /resume_memory_occupation    free / take back KV cache and weights
     POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
                                      weights by broadcast from a trainer (`tidal.server.weight_group`)
 
 The weight routes are `tidal.server.sglang_weights`'s. Every weight update is all or nothing:
-checked against the model before any live weight changes.
+checked against the model before any live weight changes. A `weight_version` is an int >= 0, never
+older than the version held unless the body says `allow_older: true` (`tidal.server.versions`).
+While the engine is asleep or holds no weights (woken, none sent since), generating routes answer
+503 saying what to do.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from tidal.chat.errors import BadRequest
 from tidal.chat.http_errors import error_response
 from tidal.chat.text import trim_stop
 from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, check_budget, sampling_params
+from tidal.server.common import EventStream, Stream, check_budget, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State
 
@@ -300,7 +304,8 @@ async def generate(body: GenerateBody, request: Request, s: State) -> Any:
     prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg)
     batched = batched or len(prompts) > 1  # n > 1 answers a list too, as SGLang does
     if body.stream:
-        return EventStream(generate_events(s, body, prompts, params, sps, rids), s.engine, rids)
+        stream = await s.runner.stream(prompts, params, rids)  # refused requests are answered as errors
+        return EventStream(generate_events(s, body, stream, prompts, sps, rids), s.engine, rids)
     outs = await s.runner.run(request, prompts, params, rids)
     results = [result(s.tok, o, body, sp) for o, sp in zip(outs, sps, strict=True)]
     return results if batched else results[0]
@@ -309,8 +314,8 @@ async def generate(body: GenerateBody, request: Request, s: State) -> Any:
 async def generate_events(
     s: Served,
     body: GenerateBody,
+    stream: Stream,
     prompts: list[list[int]],
-    params: list[SamplingParams],
     sps: list[SamplingParamsBody],
     rids: list[str],
 ) -> AsyncIterator[str]:
@@ -318,7 +323,7 @@ async def generate_events(
     far (cumulative), the final one with the whole result; then `data: [DONE]`."""
     tok = s.tok
     ids: list[list[int]] = [[] for _ in prompts]
-    async for i, new, _, _, out in s.runner.stream(prompts, params, rids):
+    async for i, new, _, _, out in stream:
         if out is not None:
             event = {"index": i, **result(tok, out, body, sps[i])}
         else:
