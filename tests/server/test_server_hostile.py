@@ -605,3 +605,61 @@ def test_the_clients_read_the_503_of_an_asleep_engine(served):
     with pytest.raises(anthropic.APIStatusError) as err:
         an.messages.create(model="tiny", max_tokens=2, messages=USER)
     assert err.value.status_code == 503 and err.value.body["error"]["message"] == ASLEEP
+
+
+# ---------------------------------------------------------------------- issue 48: tool calls, tool_choice, stop ids
+@pytest.fixture
+def roomy():
+    """A server with room for a chat with tools (their description alone is ~450 byte tokens)."""
+    s = Served(context=2048)
+    yield s
+    s.close()
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+
+def called_with(arguments) -> list[dict]:
+    """A chat whose assistant turn called `add` with these arguments."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    return [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ("{not json", "it is not JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+        ("[1, 2]", "it holds a JSON array"),
+        ('"x"', "it holds a JSON string"),
+        (7, "it is a JSON number, not a string"),
+    ],
+)
+def test_tool_call_arguments_not_a_json_object_are_refused_naming_the_field(roomy, arguments, said):
+    """Issue 48 (9): `"{not json"` was answered with the bare parser message, and `param` held
+    that message instead of the field."""
+    import openai
+
+    client = openai.OpenAI(base_url=roomy.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=called_with(arguments), tools=[ADD], max_tokens=2)
+    field = "messages[1].tool_calls[0].function.arguments"
+    message = f"{field}: must be a JSON object in a string, as the model would write it (e.g. '{{\"a\": 1}}'); {said}"
+    assert err.value.body == {"message": message, "type": "invalid_request_error", "param": field, "code": 400}
+    # the same call with an object for arguments is served
+    out = client.chat.completions.create(model="tiny", messages=called_with('{"a": 1}'), tools=[ADD], max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_anthropic_tool_use_input_not_an_object_is_refused_naming_the_field(served):
+    use = {"type": "tool_use", "id": "t1", "name": "add", "input": "{not json"}
+    body = {"max_tokens": 2, "messages": [*USER, {"role": "assistant", "content": [use]}]}
+    r = httpx.post(f"{served.url}/v1/messages", json=body, timeout=120)
+    message = "messages[1].content[0].input: must be an object"
+    assert (r.status_code, r.json()) == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+    )
