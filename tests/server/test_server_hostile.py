@@ -663,3 +663,57 @@ def test_anthropic_tool_use_input_not_an_object_is_refused_naming_the_field(serv
         400,
         {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
     )
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "got"),
+    [
+        ("required", "'required'"),
+        ({"type": "function", "function": {"name": "add"}}, "the function 'add'"),
+        ({"type": "function", "function": {"name": "nowhere"}}, "the function 'nowhere'"),
+    ],
+)
+def test_a_tool_choice_that_would_force_a_call_is_refused(roomy, tool_choice, got):
+    """Issue 48 (10): `required`, and a function (even one not in `tools`), were answered 200 with
+    no call; the Anthropic route refused `{"type": "any"}`. Nothing can force a call (there is no
+    constrained decoding), so both routes refuse what would."""
+    import openai
+
+    client = openai.OpenAI(base_url=roomy.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=USER, tools=[ADD], tool_choice=tool_choice, max_tokens=2)
+    message = (
+        "tool_choice: only 'auto' and 'none' are supported (nothing can force a call: there is no constrained "
+        f"decoding), got {got}"
+    )
+    assert err.value.body == {"message": message, "type": "invalid_request_error", "param": "tool_choice", "code": 400}
+    for allowed in ("auto", "none"):
+        out = client.chat.completions.create(
+            model="tiny", messages=USER, tools=[ADD], tool_choice=allowed, max_tokens=2
+        )
+        assert out.usage.completion_tokens == 2
+
+
+STOP_IDS = {  # route -> (a body whose stop_token_ids hold the given ids, the field named)
+    "/generate": (
+        lambda ids: {"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 2, "stop_token_ids": ids}},
+        "sampling_params.stop_token_ids",
+    ),
+    "/v1/completions": (lambda ids: {"prompt": "abc", "max_tokens": 2, "stop_token_ids": ids}, "stop_token_ids"),
+    "/v1/chat/completions": (lambda ids: {"messages": USER, "max_tokens": 2, "stop_token_ids": ids}, "stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize("route", list(STOP_IDS))
+@pytest.mark.parametrize("token", [259, 10**9])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(served, route, token):
+    """Issue 48 (10): an out-of-vocabulary stop id was accepted (it can never be sampled, so it
+    stopped nothing) while such a `logit_bias` id was refused; now both are, the same way."""
+    body, field = STOP_IDS[route]
+    r = httpx.post(f"{served.url}{route}", json=body([7, token]), timeout=120)
+    message = f"{field}: token id {token} is outside the vocabulary; this model's ids are 0 to 258"
+    assert (r.status_code, r.json()) == (
+        400,
+        {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": 400}},
+    )
+    assert httpx.post(f"{served.url}{route}", json=body([7, 258]), timeout=120).status_code == 200

@@ -160,8 +160,20 @@ def room_left(engine: AsyncEngine, prompt: list[int], field: str = "prompt") -> 
     return room
 
 
-def sampling_params(field_prefix: str = "", **kw: Any) -> SamplingParams:
-    """A validated SamplingParams; a bad value raises BadRequest naming the field."""
+def check_token_id(token: int, vocab_size: int | None, field: str) -> None:
+    """BadRequest naming `field` unless `token` is an id of the model's vocabulary (when known): an
+    id the model has no logit for can never be sampled, so a stop or a bias on it does nothing."""
+    if vocab_size is not None and not 0 <= token < vocab_size:
+        raise BadRequest(
+            f"{field}: token id {token} is outside the vocabulary; this model's ids are 0 to {vocab_size - 1}"
+        )
+
+
+def sampling_params(field_prefix: str = "", vocab_size: int | None = None, **kw: Any) -> SamplingParams:
+    """A validated SamplingParams; a bad value raises BadRequest naming the field (a stop token id
+    outside the model's `vocab_size` too, when it is known)."""
+    for token in kw.get("stop_token_ids") or []:
+        check_token_id(token, vocab_size, f"{field_prefix}stop_token_ids")
     if kw.get("top_k", 0) < -1:
         raise BadRequest(f"{field_prefix}top_k: must be -1 or 0 (off) or >= 1, got {kw['top_k']}")
     kw["top_k"] = max(kw.get("top_k", 0), 0)

@@ -8,8 +8,10 @@ Both generation routes take `n`, `stop`, `seed` (sample j of a seeded request us
 Chat content may be a string or text parts. `tools` are rendered through the chat template (or,
 for a template without tool support, spelled out in the system message: `tidal.chat.tools`),
 and `<tool_call>` blocks in the answer come back as `message.tool_calls` with `finish_reason:
-"tool_calls"`. `response_format` other than `{"type": "text"}` is refused (no constrained
-decoding). Unknown fields are ignored with a logged warning.
+"tool_calls"`; `tool_choice` may be auto or none (none renders no tools): "required" and a named
+function, which nothing can force without constrained decoding, are refused (400), as the
+Anthropic route refuses `any` and `tool`. `response_format` other than `{"type": "text"}` is
+refused (no constrained decoding). Unknown fields are ignored with a logged warning.
 
 Log-probs are those of the tempered distribution each token was drawn from; the alternatives are
 the most likely tokens of softmax(logits / temperature) (the same distribution with top-p, top-k
@@ -44,7 +46,15 @@ from tidal.chat.openai import (
     uses_tools,
 )
 from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, Stream, TextStream, check_budget, room_left, sampling_params
+from tidal.server.common import (
+    EventStream,
+    Stream,
+    TextStream,
+    check_budget,
+    check_token_id,
+    room_left,
+    sampling_params,
+)
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State
 
@@ -66,10 +76,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[i
             out[token] = float(v)
         except ValueError:
             raise BadRequest(f"logit_bias: keys must be token ids, got {k!r}") from None
-        if vocab_size is not None and not 0 <= token < vocab_size:
-            raise BadRequest(
-                f"logit_bias: token id {k} is outside the vocabulary; this model's ids are 0 to {vocab_size - 1}"
-            )
+        check_token_id(token, vocab_size, "logit_bias")
     return out
 
 
@@ -111,6 +118,7 @@ def samples_for(
         for j in range(body.n):
             params.append(
                 sampling_params(
+                    vocab_size=s.engine.vocab_size,
                     temperature=body.temperature,
                     top_p=body.top_p,
                     top_k=body.top_k,

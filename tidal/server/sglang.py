@@ -99,14 +99,18 @@ class PauseBody(Body):
     mode: Literal["in_place", "retract", "abort"] = "in_place"
 
 
-def _params(sp: SamplingParamsBody, top: int, prefix: str, sample: int = 0) -> SamplingParams:
+def _params(
+    sp: SamplingParamsBody, top: int, prefix: str, sample: int = 0, vocab_size: int | None = None
+) -> SamplingParams:
     """The engine's sampling parameters for sample `sample` of a prompt: a seeded request's
-    sample j uses seed + j, so n samples differ and each is reproducible."""
+    sample j uses seed + j, so n samples differ and each is reproducible (stop ids are checked
+    against `vocab_size`)."""
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise BadRequest(f"{prefix}seed: give seed or sampling_seed, not two different values")
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
     return sampling_params(
         prefix,
+        vocab_size,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
@@ -139,7 +143,7 @@ def _check_generate(body: GenerateBody) -> None:
 
 
 def _samples(
-    body: GenerateBody, prompts: list[list[int]], batched: bool, cfg: ServerConfig
+    body: GenerateBody, prompts: list[list[int]], batched: bool, cfg: ServerConfig, vocab_size: int | None = None
 ) -> tuple[list[list[int]], list[SamplingParams], list[SamplingParamsBody], list[str]]:
     """(prompt, engine parameters, body parameters, rid) of every sample a `/generate` request
     asks for: `sampling_params.n` samples of each prompt, prompt-major (SGLang's order). A given
@@ -170,7 +174,7 @@ def _samples(
         prefix = f"sampling_params[{i}]." if many else "sampling_params."
         for j in range(n):
             out[0].append(prompt)
-            out[1].append(_params(sp, top, prefix, j))
+            out[1].append(_params(sp, top, prefix, j, vocab_size))
             out[1][-1].return_routed_experts = body.return_routed_experts
             out[2].append(sp)
             out[3].append(name if n == 1 else f"{name}_{j}" if body.rid is not None else uuid.uuid4().hex)
@@ -301,7 +305,7 @@ async def generate(body: GenerateBody, request: Request, s: State) -> Any:
     """Sample every prompt of the body; one result, or a list for a batch or n > 1."""
     _check_generate(body)
     prompts, batched = await _prompts(s, body)
-    prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg)
+    prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg, s.engine.vocab_size)
     batched = batched or len(prompts) > 1  # n > 1 answers a list too, as SGLang does
     if body.stream:
         stream = await s.runner.stream(prompts, params, rids)  # refused requests are answered as errors
