@@ -219,6 +219,28 @@ class Engine(Protocol):
     async def aclose(self) -> None: ...
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot do this now, in its present `state`: "asleep" (its memory released),
+    "no_weights" (woken, and no weights loaded since) or "closed". Not the request's fault (the
+    same call succeeds once the engine is woken or given weights; a closed one stays closed), so
+    a server answers it as unavailable (503), not as a bad request or a crash."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+def require_weights(what: str, asleep: bool, weight_version: int) -> None:
+    """`EngineUnavailable` naming `what` unless a core holds weights to generate with: it is
+    awake and has loaded weights since it woke (a woken core reports version -1 until then)."""
+    if asleep:
+        raise EngineUnavailable(
+            f"{what}: the engine holds no weights: it is asleep; wake() it and load weights", "asleep"
+        )
+    if weight_version < 0:
+        raise EngineUnavailable(f"{what}: the engine holds no weights (woken, none loaded since)", "no_weights")
+
+
 class EngineCore(Protocol):
     """A synchronous engine driven step by step on one thread (see `AsyncEngine`)."""
 
@@ -228,7 +250,8 @@ class EngineCore(Protocol):
     partial_updates: bool  # an update may name only the tensors that changed (`partial=True`)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
-        """Queue a request; ValueError (naming it) when it cannot be served."""
+        """Queue a request; ValueError (naming it) when it cannot be served, `EngineUnavailable`
+        while the engine is asleep or holds no weights."""
         ...
 
     def step(self) -> list[RequestOutput]:
@@ -244,7 +267,8 @@ class EngineCore(Protocol):
     def update_weights_from_tensors(
         self, named: Iterable[tuple[str, Tensor]], version: int | None = None, **kw: Any
     ) -> None:
-        """All or nothing; `stage=True` keeps the tensors for a later call that loads them all."""
+        """All or nothing; `stage=True` keeps the tensors for a later call that loads them all.
+        `EngineUnavailable` while asleep (an engine that freed its weights cannot load into them)."""
         ...
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None: ...

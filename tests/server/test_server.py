@@ -294,7 +294,13 @@ def test_info_endpoints(tokenizer):
         engine.close()
         assert (await http.get("/health")).status_code == 503
         r = await http.post("/generate", json={"input_ids": [1]})
-        assert r.status_code == 500 and r.json()["error"]["message"] == "EngineClosed: engine is closed"
+        closed = "the engine is closed: this server cannot serve any more; restart it"
+        assert r.status_code == 503 and r.json()["error"] == {
+            "message": closed,
+            "type": "engine_unavailable",
+            "param": None,
+            "code": 503,
+        }
 
     with_app(core, fn, model_name="/models/m")
 

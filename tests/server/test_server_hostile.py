@@ -425,3 +425,295 @@ def test_texts_that_may_fit_are_tokenised_within_the_budget(tiny_model_dir):
         assert s.status("VmRSS") - s.base < 1.2 * 2**30
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- issue 48: weight versions
+def model_state(seed: int) -> dict[str, torch.Tensor]:
+    """The tiny model's weights (seed 0: the served ones), as a trainer would send them."""
+    state = {k: v.detach().clone() for k, v in make_model(vocab_size=259, seed=seed).state_dict().items()}
+    state.pop("lm_head.weight")  # tied to the embedding
+    return state
+
+
+def blob(named: dict[str, torch.Tensor]) -> str:
+    from tidal.adapters.client import encode_tensors
+
+    (one,) = encode_tensors(named.items())
+    return one
+
+
+def push(url: str, named: dict[str, torch.Tensor], version: int | None, **fields) -> httpx.Response:
+    body = {"tensors": blob(named), "weight_version": version, **fields}
+    return httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=120)
+
+
+def refused(message: str, status: int = 400, param: str | None = "weight_version") -> dict:
+    """A weight route's refusal: the one error shape plus SGLang's `success` and `message`."""
+    kind = "invalid_request_error" if status == 400 else "engine_unavailable"
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    return {"error": error, "success": False, "message": message}
+
+
+def older(value: int, held: int) -> str:
+    return (
+        f"weight_version: {value} is older than the weights this engine holds (version {held}); a trainer "
+        "that restarted sends allow_older: true to go back"
+    )
+
+
+def test_a_weight_version_below_zero_or_older_than_the_held_one_is_refused(served, tmp_path):
+    """Issue 48 (3): `weight_version: -7` on a partial update was loaded, and every generate then
+    answered 500 "the engine holds no weights" while /health said ok; -1 from disk the same; 10 -> 3
+    went back silently. Now each is refused, naming the value and the version held, and nothing
+    changes; going back takes `allow_older: true` (a trainer that restarted)."""
+    from safetensors.torch import save_file
+
+    state = model_state(1)
+    assert push(served.url, state, 10).status_code == 200
+    before, weights = greedy_ids(served.url), served_weights(served.url)
+    assert weights["weight_version"] == 10
+    norm = {"model.norm.weight": state["model.norm.weight"] * 2}
+    folder = tmp_path / "w"
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors")
+    tensor, disk = f"{served.url}/update_weights_from_tensor", f"{served.url}/update_weights_from_disk"
+    refusals = [
+        (
+            tensor,
+            {"tensors": blob(norm), "partial": True, "weight_version": -7},
+            "weight_version: must be an int >= 0, got -7",
+        ),
+        (disk, {"model_path": str(folder), "weight_version": "-1"}, "weight_version: must be an int >= 0, got -1"),
+        (disk, {"model_path": str(folder), "weight_version": "ten"}, "weight_version: must be an int >= 0, got 'ten'"),
+        (tensor, {"tensors": blob(norm), "partial": True, "weight_version": 3}, older(3, 10)),
+        (disk, {"model_path": str(folder), "weight_version": 9}, older(9, 10)),
+    ]
+    for url, body, message in refusals:
+        r = httpx.post(url, json=body, timeout=120)
+        assert (r.status_code, r.json()) == (400, refused(message)), (body, r.text)
+        assert served_weights(served.url) == weights  # same version, same bytes
+    assert greedy_ids(served.url) == before
+
+    # a chunk staged before a refused last call is dropped with it: all or nothing
+    assert push(served.url, norm, None, stage=True).status_code == 200
+    assert push(served.url, norm, 2).json() == refused(older(2, 10))
+    rest = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    r = push(served.url, rest, 11)
+    assert r.status_code == 400 and "model.norm.weight" in r.json()["message"], r.text
+    assert served_weights(served.url) == weights
+
+    # what a trainer sends: the version held again, a newer one, and after a restart an older one
+    assert push(served.url, norm, 10, partial=True).status_code == 200
+    assert push(served.url, norm, 12, partial=True).json()["weight_version"] == 12
+    r = push(served.url, state, 3, allow_older=True)
+    assert r.status_code == 200 and served_weights(served.url)["weight_version"] == 3
+    r = httpx.post(disk, json={"model_path": str(folder), "weight_version": "1", "allow_older": True}, timeout=120)
+    assert r.status_code == 200 and served_weights(served.url) == {**weights, "weight_version": 1}
+    assert greedy_ids(served.url) == before
+
+
+# ---------------------------------------------------------------------- issue 48: engine state
+ASLEEP = "the engine is asleep (its memory is released): POST /resume_memory_occupation first, then send weights"
+NO_WEIGHTS = (
+    "the engine holds no weights (it was woken and none were sent since): send weights first "
+    "(POST /update_weights_from_tensor, /update_weights_from_disk or /update_weights_from_distributed)"
+)
+GREEDY = {"input_ids": [5, 9, 33], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+
+
+def unavailable(message: str) -> dict:
+    return {"error": {"message": message, "type": "engine_unavailable", "param": None, "code": 503}}
+
+
+def test_an_engine_that_cannot_generate_answers_503_and_keeps_the_connection(served, tmp_path):
+    """Issue 48 (4): asleep, or woken with no weights, a generate escaped as an unhandled
+    exception (a traceback, the keep-alive connection closed under the client, whose next request
+    on it failed with ReadError), and a weight update while asleep was refused with a shape error.
+    Now every route answers 503 saying what to do, and one connection carries every request."""
+    from safetensors.torch import save_file
+
+    state = model_state(0)  # the served weights
+    folder = tmp_path / "w"
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors")
+    before = greedy_ids(served.url)
+    streams = []  # each answer's connection (held, so no two can share an id)
+    with httpx.Client(base_url=served.url, timeout=120) as http:
+
+        def post(path: str, body: dict) -> httpx.Response:
+            r = http.post(path, json=body)
+            streams.append(r.extensions["network_stream"])
+            return r
+
+        assert post("/release_memory_occupation", {}).status_code == 200
+        for path, body in [
+            ("/generate", GREEDY),
+            ("/generate", {**GREEDY, "stream": True}),
+            ("/v1/completions", {"prompt": "abc", "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stream": True}),
+        ]:
+            r = post(path, body)
+            assert (r.status_code, r.json()) == (503, unavailable(ASLEEP)), (path, r.text)
+        r = post("/v1/messages", {"max_tokens": 2, "messages": USER})
+        assert (r.status_code, r.json()) == (
+            503,
+            {"type": "error", "error": {"type": "overloaded_error", "message": ASLEEP}},
+        )
+        r = post("/update_weights_from_tensor", {"tensors": blob(state), "weight_version": 1})
+        assert (r.status_code, r.json()) == (503, refused(ASLEEP, 503, None))
+        r = post("/update_weights_from_disk", {"model_path": str(folder), "weight_version": 1})
+        assert (r.status_code, r.json()) == (503, refused(ASLEEP, 503, None))
+        assert served.engine.weight_version == 0
+
+        assert post("/resume_memory_occupation", {}).status_code == 200
+        r = post("/generate", GREEDY)
+        assert (r.status_code, r.json()) == (503, unavailable(NO_WEIGHTS))
+        assert post("/update_weights_from_tensor", {"tensors": blob(state), "weight_version": 1}).status_code == 200
+        r = post("/generate", GREEDY)
+        assert r.status_code == 200 and r.json()["output_ids"] == before
+    assert all(x is streams[0] for x in streams)  # every answer came on the one connection
+
+
+CLOSED = "the engine is closed: this server cannot serve any more; restart it"
+
+
+def test_a_request_waiting_on_a_paused_engine_that_closes_answers_503(served):
+    """Issue 48 (4): paused, then closed: the waiting request escaped as an unhandled EngineClosed
+    (500, the connection closed after it)."""
+    with httpx.Client(base_url=served.url, timeout=120) as http:
+        assert http.post("/pause_generation", json={}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(http.post, "/generate", json=GREEDY)
+            wait_for(lambda: served.engine.load() == 1, "the request waits on the paused engine")
+            served.engine.close()
+            r = waiting.result()
+        assert (r.status_code, r.json()) == (503, unavailable(CLOSED))
+        after = http.get("/health")  # the same client, the connection kept
+        assert after.status_code == 503 and after.extensions["network_stream"] is r.extensions["network_stream"]
+
+
+def test_the_clients_read_the_503_of_an_asleep_engine(served):
+    import anthropic
+    import openai
+
+    assert httpx.post(f"{served.url}/release_memory_occupation", timeout=120).status_code == 200
+    oa = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as err:
+        oa.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    assert err.value.status_code == 503 and err.value.body == unavailable(ASLEEP)["error"]
+    an = anthropic.Anthropic(base_url=served.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as err:
+        an.messages.create(model="tiny", max_tokens=2, messages=USER)
+    assert err.value.status_code == 503 and err.value.body["error"]["message"] == ASLEEP
+
+
+# ---------------------------------------------------------------------- issue 48: tool calls, tool_choice, stop ids
+@pytest.fixture
+def roomy():
+    """A server with room for a chat with tools (their description alone is ~450 byte tokens)."""
+    s = Served(context=2048)
+    yield s
+    s.close()
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+
+def called_with(arguments) -> list[dict]:
+    """A chat whose assistant turn called `add` with these arguments."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    return [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ("{not json", "it is not JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+        ("[1, 2]", "it holds a JSON array"),
+        ('"x"', "it holds a JSON string"),
+        (7, "it is a JSON number, not a string"),
+    ],
+)
+def test_tool_call_arguments_not_a_json_object_are_refused_naming_the_field(roomy, arguments, said):
+    """Issue 48 (9): `"{not json"` was answered with the bare parser message, and `param` held
+    that message instead of the field."""
+    import openai
+
+    client = openai.OpenAI(base_url=roomy.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=called_with(arguments), tools=[ADD], max_tokens=2)
+    field = "messages[1].tool_calls[0].function.arguments"
+    message = f"{field}: must be a JSON object in a string, as the model would write it (e.g. '{{\"a\": 1}}'); {said}"
+    assert err.value.body == {"message": message, "type": "invalid_request_error", "param": field, "code": 400}
+    # the same call with an object for arguments is served
+    out = client.chat.completions.create(model="tiny", messages=called_with('{"a": 1}'), tools=[ADD], max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_anthropic_tool_use_input_not_an_object_is_refused_naming_the_field(served):
+    use = {"type": "tool_use", "id": "t1", "name": "add", "input": "{not json"}
+    body = {"max_tokens": 2, "messages": [*USER, {"role": "assistant", "content": [use]}]}
+    r = httpx.post(f"{served.url}/v1/messages", json=body, timeout=120)
+    message = "messages[1].content[0].input: must be an object"
+    assert (r.status_code, r.json()) == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "got"),
+    [
+        ("required", "'required'"),
+        ({"type": "function", "function": {"name": "add"}}, "the function 'add'"),
+        ({"type": "function", "function": {"name": "nowhere"}}, "the function 'nowhere'"),
+    ],
+)
+def test_a_tool_choice_that_would_force_a_call_is_refused(roomy, tool_choice, got):
+    """Issue 48 (10): `required`, and a function (even one not in `tools`), were answered 200 with
+    no call; the Anthropic route refused `{"type": "any"}`. Nothing can force a call (there is no
+    constrained decoding), so both routes refuse what would."""
+    import openai
+
+    client = openai.OpenAI(base_url=roomy.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=USER, tools=[ADD], tool_choice=tool_choice, max_tokens=2)
+    message = (
+        "tool_choice: only 'auto' and 'none' are supported (nothing can force a call: there is no constrained "
+        f"decoding), got {got}"
+    )
+    assert err.value.body == {"message": message, "type": "invalid_request_error", "param": "tool_choice", "code": 400}
+    for allowed in ("auto", "none"):
+        out = client.chat.completions.create(
+            model="tiny", messages=USER, tools=[ADD], tool_choice=allowed, max_tokens=2
+        )
+        assert out.usage.completion_tokens == 2
+
+
+STOP_IDS = {  # route -> (a body whose stop_token_ids hold the given ids, the field named)
+    "/generate": (
+        lambda ids: {"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 2, "stop_token_ids": ids}},
+        "sampling_params.stop_token_ids",
+    ),
+    "/v1/completions": (lambda ids: {"prompt": "abc", "max_tokens": 2, "stop_token_ids": ids}, "stop_token_ids"),
+    "/v1/chat/completions": (lambda ids: {"messages": USER, "max_tokens": 2, "stop_token_ids": ids}, "stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize("route", list(STOP_IDS))
+@pytest.mark.parametrize("token", [259, 10**9])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(served, route, token):
+    """Issue 48 (10): an out-of-vocabulary stop id was accepted (it can never be sampled, so it
+    stopped nothing) while such a `logit_bias` id was refused; now both are, the same way."""
+    body, field = STOP_IDS[route]
+    r = httpx.post(f"{served.url}{route}", json=body([7, token]), timeout=120)
+    message = f"{field}: token id {token} is outside the vocabulary; this model's ids are 0 to 258"
+    assert (r.status_code, r.json()) == (
+        400,
+        {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": 400}},
+    )
+    assert httpx.post(f"{served.url}{route}", json=body([7, 258]), timeout=120).status_code == 200

@@ -147,6 +147,42 @@ def test_a_bad_shape_leaves_the_old_weights_and_version(served):
     group.close()
 
 
+def test_a_weight_version_below_zero_or_older_is_refused_and_the_group_stays_in_step(served):
+    """Issue 48 (3): `weight_version: "-1"` by broadcast was loaded (the engine then refused to
+    generate), and a version older than the one held went through. Both are now refused once the
+    tensors are received (so the group stays in step), naming the value and the version held, and
+    nothing is loaded (the staged buckets neither); `allow_older: true` goes back on purpose."""
+    server, core = served
+    group = form_group(server.url, group_name())
+    named = [(n, p.detach()) for n, p in make_model(seed=5).named_parameters()]
+    assert send(server.url, group, named, weight_version="10").status_code == 200
+    before = model_checksum(core.model)
+    other = [(n, p.detach()) for n, p in make_model(seed=6).named_parameters()]
+    older = (
+        "weight_version: 3 is older than the weights this engine holds (version 10); a trainer that restarted "
+        "sends allow_older: true to go back"
+    )
+    for version, staged, message in [
+        ("-1", [], "weight_version: must be an int >= 0, got -1"),
+        ("3", [], older),
+        ("3", other[:3], older),  # the buckets staged before a refused last call are dropped with it
+    ]:
+        if staged:
+            assert send(server.url, group, staged, stage=True).status_code == 200
+        resp = send(server.url, group, other[len(staged) :], weight_version=version)
+        error = {"message": message, "type": "invalid_request_error", "param": "weight_version", "code": 400}
+        assert (resp.status_code, resp.json()) == (400, {"error": error, "success": False, "message": message})
+        assert core.weight_version == 10 and model_checksum(core.model) == before
+    # in step: the group carries the next calls; the stage was emptied, so a partial call loads alone
+    name, norm = other[-1]
+    assert send(server.url, group, [(name, norm)], weight_version="11").status_code == 200
+    assert model_checksum(core.model) == weights_checksum([*named[:-1], (name, norm)])
+    resp = send(server.url, group, other, weight_version="3", allow_older=True)
+    assert resp.status_code == 200 and resp.json()["weight_version"] == 3
+    assert model_checksum(core.model) == weights_checksum(other)
+    group.close()
+
+
 def test_a_partial_update_changes_only_what_it_sends(served):
     """SGLang loads the names a call sends and keeps the rest."""
     server, core = served

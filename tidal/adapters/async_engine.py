@@ -26,17 +26,21 @@ from typing import Any
 
 from torch import Tensor
 
-from tidal.contracts import EngineCore, RequestOutput, SamplingParams
+from tidal.contracts import EngineCore, EngineUnavailable, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "CoreEngine", "EngineClosed"]
 
 CoreEngine = EngineCore  # the name this module used before the contracts moved to tidal.contracts
+VersionCheck = Callable[[int], None]  # called with the weight version held; raises to refuse an update
 
 
-class EngineClosed(RuntimeError):
+class EngineClosed(EngineUnavailable):
     """The engine was closed before the call could run or finish."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "closed")
 
 
 def _resolve(fut: cf.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -81,6 +85,7 @@ class AsyncEngine:
         # whether a weight update may name only the tensors that changed (`partial=True`)
         self.partial_updates: bool = core.partial_updates
         self._weight_version: int = core.weight_version
+        self._asleep = False  # between a sleep() and the next wake()
         self._stats_interval_s = stats_interval_s
         self._stats: dict = {}
         self._stats_at = 0.0
@@ -102,6 +107,11 @@ class AsyncEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def asleep(self) -> bool:
+        """Between `sleep()` and `wake()`: the core's memory is released."""
+        return self._asleep
 
     @property
     def alive(self) -> bool:
@@ -211,30 +221,54 @@ class AsyncEngine:
         await self._call(resume)
 
     async def update_weights_from_tensors(
-        self, named: Iterable[tuple[str, Tensor]], version: int | None = None, flush_cache: bool = True, **kw: Any
+        self,
+        named: Iterable[tuple[str, Tensor]],
+        version: int | None = None,
+        flush_cache: bool = True,
+        check_version: VersionCheck | None = None,
+        **kw: Any,
     ) -> None:
         """Load new weights between two steps (all or nothing; `kw` goes to the core, e.g.
-        `share`); in-flight requests continue on the new weights."""
-        await self._call(lambda: self._update(self.core.update_weights_from_tensors, named, version, flush_cache, kw))
+        `share`); in-flight requests continue on the new weights. `check_version(held)` is called
+        on the engine thread just before loading, with the version the engine holds then (no other
+        update can come between); what it raises refuses the update, and the chunks staged for it
+        are dropped, as when a load fails."""
+        load = self.core.update_weights_from_tensors
+        await self._call(lambda: self._update(load, named, version, flush_cache, kw, check_version))
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None, flush_cache: bool = True) -> None:
-        await self._call(lambda: self._update(self.core.update_weights_from_disk, str(path), version, flush_cache, {}))
+    async def update_weights_from_disk(
+        self, path: str, version: int | None = None, flush_cache: bool = True, check_version: VersionCheck | None = None
+    ) -> None:
+        """Load a model folder's weights between two steps (all or nothing); `check_version` as
+        for `update_weights_from_tensors`."""
+        load = self.core.update_weights_from_disk
+        await self._call(lambda: self._update(load, str(path), version, flush_cache, {}, check_version))
 
     async def stage_weights(self, named: Iterable[tuple[str, Tensor]]) -> None:
         """Check tensors and keep them for the next `update_weights_from_tensors` (a chunked
         update: all or nothing)."""
         await self._call(lambda: self.core.update_weights_from_tensors(named, None, stage=True))
 
+    async def drop_staged(self) -> None:
+        """Forget the chunks staged for the next update (it was refused), as a failed load does."""
+        await self._call(self._drop_staged)
+
     async def weights_checksum(self) -> str:
         return await self._call(self.core.weights_checksum)
 
     async def sleep(self) -> None:
         """Free the KV cache and weights (see `LLMEngine.sleep`)."""
-        await self._call(self.core.sleep)
+
+        def sleep() -> None:
+            self.core.sleep()
+            self._asleep = True
+
+        await self._call(sleep)
 
     async def wake(self) -> None:
         def wake() -> None:
             self.core.wake()
+            self._asleep = False
             self._weight_version = self.core.weight_version
 
         await self._call(wake)
@@ -302,12 +336,31 @@ class AsyncEngine:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))
 
-    def _update(self, load: Callable, source: Any, version: int | None, flush_cache: bool, kw: dict) -> None:
+    def _update(
+        self,
+        load: Callable,
+        source: Any,
+        version: int | None,
+        flush_cache: bool,
+        kw: dict,
+        check_version: VersionCheck | None = None,
+    ) -> None:
+        if check_version is not None:
+            try:
+                check_version(self.core.weight_version)
+            except Exception:
+                self._drop_staged()  # a refused update leaves nothing behind
+                raise
         load(source, version, **kw)
         self._weight_version = self.core.weight_version
         if flush_cache:
             # Cached prefixes were computed with the old weights; the core may refuse while requests run.
             self.core.flush_cache()
+
+    def _drop_staged(self) -> None:
+        drop = getattr(self.core, "drop_staged", None)  # a core that stages nothing has none
+        if drop is not None:
+            drop()
 
     def _abort(self, request_id: str | None) -> list:
         if request_id is not None and request_id not in self._pending:

@@ -345,14 +345,16 @@ class EngineClient:
         body = await self._request("GET", "/get_weight_version", timeout=self.control_timeout)
         return _as_version(body.get("weight_version") if isinstance(body, dict) else body)
 
-    async def update_weights_from_disk(self, path: str | Path, version: int, timeout: float | None = None) -> None:
-        body = await self._request(
-            # SGLang types weight_version as a string; tidal's server takes either.
-            "POST",
-            "/update_weights_from_disk",
-            {"model_path": str(path), "weight_version": str(version)},
-            timeout=timeout,
-        )
+    async def update_weights_from_disk(
+        self, path: str | Path, version: int, timeout: float | None = None, allow_older: bool = False
+    ) -> None:
+        """Have the server load a model folder as `version` (`allow_older`: even if it holds a newer
+        one, which a tidal server refuses otherwise: a trainer that restarted)."""
+        # SGLang types weight_version as a string; tidal's server takes either.
+        payload: dict[str, Any] = {"model_path": str(path), "weight_version": str(version)}
+        if allow_older:
+            payload["allow_older"] = True
+        body = await self._request("POST", "/update_weights_from_disk", payload, timeout=timeout)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineError(self.base_url + "/update_weights_from_disk", str(body.get("message")))
 
@@ -375,12 +377,16 @@ class EngineClient:
         flush_cache: bool = True,
         timeout: float | None = None,
         partial: bool = False,
+        allow_older: bool = False,
     ) -> None:
         """Post one encoded chunk: with `version` None it is staged, else it loads all staged
-        chunks with it as that version (`partial`: they name only the tensors that changed)."""
+        chunks with it as that version (`partial`: they name only the tensors that changed;
+        `allow_older`: the version may be older than the server's, as after a trainer restart)."""
         payload = {"tensors": blob, "weight_version": version, "flush_cache": flush_cache, "stage": version is None}
         if partial:
             payload["partial"] = True
+        if allow_older:
+            payload["allow_older"] = True
         body = await self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineError(self.base_url + "/update_weights_from_tensor", str(body.get("message")))
@@ -447,9 +453,11 @@ class EngineClient:
         flush_cache: bool = True,
         stage: bool = False,
         timeout: float | None = None,
+        allow_older: bool = False,
     ) -> None:
         """Announce tensors the trainer broadcasts on `group_name` (the caller broadcasts them while
-        this waits); with `weight_version` the server reports that version once they are loaded."""
+        this waits); with `weight_version` the server reports that version once they are loaded
+        (`allow_older`: even if it holds a newer one, as after a trainer restart; tidal's field)."""
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
@@ -461,6 +469,8 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)  # SGLang types it as a string
         if stage:
             payload["stage"] = True
+        if allow_older:
+            payload["allow_older"] = True
         await self._weights_call("/update_weights_from_distributed", payload, timeout)
 
 

@@ -131,6 +131,10 @@ class HFEngine:
         """Load safetensors weights saved by `save_pretrained` from `path`."""
         self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
 
+    def drop_staged(self) -> None:
+        """Forget the chunks staged for the next update (that update was refused)."""
+        self._staged.clear()
+
     # ---------------------------------------------------------------- generation
     def _check(self, name: str, p: list[int], sp: SamplingParams) -> None:
         sp.validate()

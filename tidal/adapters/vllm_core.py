@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tidal.contracts import SamplingParams
+from tidal.contracts import EngineUnavailable, SamplingParams, require_weights
 from tidal.engine.llm_engine import RequestOutput
 from tidal.engine.weights import WeightStage, check_named_tensors, read_safetensors_dir, weights_checksum
 from tidal.hardware import is_cuda, resolve_device
@@ -281,8 +281,7 @@ class VLLMCore:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str:
         """Queue a request; raises ValueError (naming the request) when it cannot be served."""
         rid = request_id
-        if self.asleep or self.weight_version < 0:
-            raise RuntimeError(f"request {rid}: the engine holds no weights (asleep, or woken without a weight update)")
+        require_weights(f"request {rid}", self.asleep, self.weight_version)
         if rid in self._reqs:
             raise ValueError(f"request {rid}: id already in use")
         params.validate()
@@ -416,7 +415,7 @@ class VLLMCore:
         if partial:  # what it holds is fingerprinted from what it was handed: a whole model
             raise ValueError("update_weights: the vLLM engine takes whole models, not partial updates")
         if self.asleep:
-            raise RuntimeError("update_weights: the engine is asleep; wake() it first")
+            raise EngineUnavailable("update_weights: the engine is asleep; wake() it first", "asleep")
         named = dict(named)
         if stage:
             self._staged.add(self._meta, named)
@@ -441,6 +440,10 @@ class VLLMCore:
         """Load the `*.safetensors` of a folder (as `save_pretrained` writes it), all or nothing."""
         self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
 
+    def drop_staged(self) -> None:
+        """Forget the chunks staged for the next update (that update was refused)."""
+        self._staged.clear()
+
     def weights_checksum(self) -> str:
         """`tidal.engine.weights.weights_checksum` (CRC-32 by name, cast to the engine's dtype) of
         the tensors the last load received, or of the model folder's safetensors before any load.
@@ -450,7 +453,9 @@ class VLLMCore:
         `weights_checksum(named, engine dtype)` exactly when the engine got what was sent."""
         if self._checksum is None:
             if self.weight_version < 0:
-                raise RuntimeError("weights_checksum: the engine holds no weights (woken without a weight update)")
+                raise EngineUnavailable(
+                    "weights_checksum: the engine holds no weights (woken, none loaded since)", "no_weights"
+                )
             self._checksum = weights_checksum(read_safetensors_dir(self.model_dir).items(), self.dtype)
         return self._checksum
 

@@ -30,3 +30,12 @@ class Busy(ApiError):
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message, 503, "server_busy", param)
+
+
+class Unavailable(ApiError):
+    """503: the engine cannot serve in its present state (asleep, holding no weights, closed);
+    no field of the request is at fault, and the message says what brings the engine back."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503, "engine_unavailable")
+        self.param = None  # the message does not start with a field

@@ -93,8 +93,22 @@ def check_chat(body: ChatBody) -> None:
     top = body.top_logprobs or 0
     if body.top_logprobs is not None and (not body.logprobs or not 0 <= top <= 20):
         raise BadRequest("top_logprobs: needs logprobs: true and a value in [0, 20]")
-    if body.tool_choice not in (None, "none", "auto", "required") and not isinstance(body.tool_choice, dict):
-        raise BadRequest(f"tool_choice: none, auto, required or a function, got {body.tool_choice!r}")
+    check_tool_choice(body.tool_choice)
+
+
+def check_tool_choice(choice: str | dict | None) -> None:
+    """BadRequest for a `tool_choice` other than auto or none: "required" and a named function ask
+    for a call, which nothing here can force (there is no constrained decoding), so the answer
+    could come back with no call; Anthropic's route refuses its `any` and `tool` the same way."""
+    if choice in (None, "none", "auto"):
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    got = f"the function {name!r}" if isinstance(name, str) else repr(choice)
+    raise BadRequest(
+        "tool_choice: only 'auto' and 'none' are supported (nothing can force a call: there is no constrained "
+        f"decoding), got {got}"
+    )
 
 
 def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:

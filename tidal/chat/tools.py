@@ -112,27 +112,67 @@ def flatten_content(content: Any, where: str) -> str:
     return "".join(out)
 
 
+_JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+
+
+def call_arguments(value: Any, field: str) -> dict:
+    """A tool call's `function.arguments` as an object: OpenAI's form is a string holding a JSON
+    object (what the model wrote); an object is taken as it is. ValueError naming `field` and
+    saying what the value is otherwise (a parser's message alone names no field)."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            said = f"it is not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        else:
+            if isinstance(parsed, dict):
+                return parsed
+            said = f"it holds a JSON {_JSON_KINDS.get(type(parsed), type(parsed).__name__)}"
+    else:
+        said = f"it is a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}, not a string"
+    raise ValueError(
+        f"{field}: must be a JSON object in a string, as the model would write it (e.g. '{{\"a\": 1}}'); {said}"
+    )
+
+
+def tool_calls_of(message: dict, where: str) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call in an assistant message's `tool_calls` (OpenAI's form);
+    ValueError naming the field of the first malformed one."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls: must be a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.tool_calls[{j}].function: must be an object with a string name and arguments")
+        out.append(
+            (fn["name"], call_arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}].function.arguments"))
+        )
+    return out
+
+
 def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice: Any, native: bool) -> tuple:
     """(messages, tools argument) for `apply_chat_template`. Content parts are flattened; with
     `native` the template renders tools itself, otherwise they are spelled out (module docstring).
-    `tool_choice: "none"` renders no tools."""
+    `tool_choice: "none"` renders no tools. An assistant's tool calls are checked either way
+    (ValueError naming the field of a malformed one)."""
     tools = tools if tools and tool_choice != "none" else None
     out: list[dict] = []
     for i, m in enumerate(messages):
         m = dict(m)
         m["content"] = flatten_content(m.get("content"), f"messages[{i}]")
+        role = m.get("role")
+        calls = tool_calls_of(m, f"messages[{i}]") if role == "assistant" else []
         if native:
             out.append(m)
             continue
-        role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            calls = []
-            for c in m.pop("tool_calls"):
-                fn = c.get("function", {})
-                args = fn.get("arguments", "{}")
-                args = json.loads(args) if isinstance(args, str) else args
-                calls.append(f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n</tool_call>")
-            m["content"] = "\n".join([m["content"], *calls]).strip()
+        if calls:
+            m.pop("tool_calls")
+            blocks = [f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls]
+            m["content"] = "\n".join([m["content"], *blocks]).strip()
         elif role == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
         out.append(m)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.contracts import GenerationOutput, RequestOutput, SamplingParams
+from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, SamplingParams, require_weights
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
@@ -129,8 +129,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
         """Queue a request; raises ValueError (naming the request) when it cannot be served."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self.asleep or self.weight_version < 0:
-            raise RuntimeError(f"request {rid}: the engine holds no weights (asleep, or woken without a weight update)")
+        require_weights(f"request {rid}", self.asleep, self.weight_version)
         if rid in self.seqs:
             raise ValueError(f"request {rid}: id already in use")
         params.validate()
@@ -286,6 +285,7 @@ class LLMEngine:
         too. `partial`: the update names only the tensors that changed (a LoRA sync, the `delta`
         transport); the others stay. On failure the engine keeps its weights and version, and the
         staged tensors are dropped."""
+        self._check_loadable()
         named = dict(named)
         if stage:
             self._staged.add(self.model, named)
@@ -299,7 +299,18 @@ class LLMEngine:
         self.flush_cache()
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
+        self._check_loadable()  # before the folder is read
         self.update_weights_from_tensors(read_safetensors_dir(path).items(), version)
+
+    def drop_staged(self) -> None:
+        """Forget the chunks staged for the next update (that update was refused)."""
+        self._staged.clear()
+
+    def _check_loadable(self) -> None:
+        """`EngineUnavailable` while asleep: the parameters are empty then, so every tensor would
+        be refused as the wrong shape (a misleading answer to a caller who only has to wake it)."""
+        if self.asleep:
+            raise EngineUnavailable("update_weights: the engine is asleep; wake() it first", "asleep")
 
     def weights_checksum(self) -> str:
         """`tidal.engine.weights.weights_checksum` of the loaded weights (computed once per load)."""

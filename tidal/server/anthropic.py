@@ -24,8 +24,7 @@ from fastapi import APIRouter, Request
 from tidal.chat.anthropic import MESSAGES_ROUTE as ROUTE
 from tidal.chat.anthropic import MessagesBody, message, translate
 from tidal.chat.render import render_prompt
-from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
+from tidal.server.common import EventStream, Stream, TextStream, check_budget, room_left, sampling_params
 from tidal.server.state import Served, State
 
 
@@ -90,24 +89,25 @@ async def messages(body: MessagesBody, request: Request, s: State) -> Any:
     if not body.stream:
         (out,) = await s.runner.run(request, [prompt], [params], rids)
         return message(out, stops, stops, use_tools, s.model_name, len(prompt))
-    return EventStream(message_events(s, prompt, params, stops, use_tools, rids), s.engine, rids)
+    stream = await s.runner.stream([prompt], [params], rids)  # refused requests are answered as errors
+    return EventStream(message_events(s, prompt, stream, stops, use_tools, rids), s.engine, rids)
 
 
 async def message_events(
-    s: Served, prompt: list[int], params: SamplingParams, stops: list[str], use_tools: bool, rids: list[str]
+    s: Served, prompt: list[int], stream: Stream, stops: list[str], use_tools: bool, rids: list[str]
 ) -> AsyncIterator[str]:
     """The answer as Anthropic's events: text as it comes, or with tools the blocks once whole."""
     yield event("message_start", {"message": message_head(s.model_name, len(prompt))})
-    stream = TextStream(s.tok, stops=stops)
+    text = TextStream(s.tok, stops=stops)
     if not use_tools:  # text streams as it comes; with tools, the blocks once the answer is whole
         yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    async for _, ids, _, _, out in s.runner.stream([prompt], [params], rids):
+    async for _, ids, _, _, out in stream:
         if out is None:
-            if not use_tools and (delta := stream.add(ids)):
+            if not use_tools and (delta := text.add(ids)):
                 yield text_delta(delta)
             continue
         whole = message(out, stops, stops, use_tools, s.model_name, len(prompt))
-        for e in closing_events(whole, out, stream, use_tools):
+        for e in closing_events(whole, out, text, use_tools):
             yield e
     yield event("message_stop", {})
 

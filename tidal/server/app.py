@@ -13,11 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.http_errors import add_error_handlers, error_for
+from tidal.contracts import EngineUnavailable
 from tidal.server import anthropic, openai, sglang, sglang_weights
+from tidal.server.common import unavailable
 from tidal.server.options import API_KEY_ENV, ServerConfig
 from tidal.server.state import Served
 
@@ -32,11 +35,20 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     cfg = config or ServerConfig()
     app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    app.add_exception_handler(EngineUnavailable, _on_unavailable)
     app.state.served = Served.create(engine, model_name, cfg)  # what every route reads (`State`)
     for family in (sglang, sglang_weights, openai, anthropic):
         app.include_router(family.routes)
     app.add_middleware(Guard, cfg=cfg)
     return app
+
+
+async def _on_unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
+    """An engine asleep, holding no weights or closed: 503 in the route's shape, saying what to do.
+    Answered here rather than by the catch-all for `Exception`, which re-raises after answering
+    (Starlette's way), so the server would log a traceback and close the keep-alive connection."""
+    e = unavailable(exc)
+    return error_for(request.url.path, e.status, str(e), e.kind, e.param)
 
 
 class Guard:

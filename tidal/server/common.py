@@ -14,13 +14,29 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.chat.errors import ApiError, BadRequest, Busy
+from tidal.chat.errors import ApiError, BadRequest, Busy, Unavailable
 from tidal.chat.text import check_text, trim_stop
-from tidal.contracts import SamplingParams
+from tidal.contracts import EngineUnavailable, SamplingParams
 from tidal.hardware import libc_function
 from tidal.server.options import ServerConfig
 
 DISCONNECT_POLL_S = 1.0
+
+# What a client of this server does about each state in which the engine cannot serve
+# (`EngineUnavailable.state`): the core's own message speaks of its methods, not of routes.
+ENGINE_ADVICE = {
+    "asleep": "the engine is asleep (its memory is released): POST /resume_memory_occupation first, then send weights",
+    "no_weights": (
+        "the engine holds no weights (it was woken and none were sent since): send weights first "
+        "(POST /update_weights_from_tensor, /update_weights_from_disk or /update_weights_from_distributed)"
+    ),
+    "closed": "the engine is closed: this server cannot serve any more; restart it",
+}
+
+
+def unavailable(e: EngineUnavailable) -> Unavailable:
+    """The 503 answering an engine that cannot serve now, saying what brings it back."""
+    return Unavailable(ENGINE_ADVICE.get(e.state, str(e)))
 
 
 def longest_token_bytes(tokenizer: Any) -> int | None:
@@ -144,8 +160,20 @@ def room_left(engine: AsyncEngine, prompt: list[int], field: str = "prompt") -> 
     return room
 
 
-def sampling_params(field_prefix: str = "", **kw: Any) -> SamplingParams:
-    """A validated SamplingParams; a bad value raises BadRequest naming the field."""
+def check_token_id(token: int, vocab_size: int | None, field: str) -> None:
+    """BadRequest naming `field` unless `token` is an id of the model's vocabulary (when known): an
+    id the model has no logit for can never be sampled, so a stop or a bias on it does nothing."""
+    if vocab_size is not None and not 0 <= token < vocab_size:
+        raise BadRequest(
+            f"{field}: token id {token} is outside the vocabulary; this model's ids are 0 to {vocab_size - 1}"
+        )
+
+
+def sampling_params(field_prefix: str = "", vocab_size: int | None = None, **kw: Any) -> SamplingParams:
+    """A validated SamplingParams; a bad value raises BadRequest naming the field (a stop token id
+    outside the model's `vocab_size` too, when it is known)."""
+    for token in kw.get("stop_token_ids") or []:
+        check_token_id(token, vocab_size, f"{field_prefix}stop_token_ids")
     if kw.get("top_k", 0) < -1:
         raise BadRequest(f"{field_prefix}top_k: must be -1 or 0 (off) or >= 1, got {kw['top_k']}")
     kw["top_k"] = max(kw.get("top_k", 0), 0)
@@ -223,10 +251,10 @@ class Runner:
 
     async def stream(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str]
-    ) -> AsyncIterator[tuple[int, list[int], list[float], list, Any]]:
-        """Yield (index, new token ids, their log-probs, their top alternatives, final output or
-        None) as the engine produces them. Closing the iterator (the client went away) aborts the
-        requests that are still running."""
+    ) -> Stream:
+        """Submit the requests of a streamed answer and return their `Stream`. A request the
+        engine refuses (a bad prompt, an engine asleep) raises here, before the response starts,
+        so it is answered as an error: once a stream's 200 is sent, an error can only cut it off."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -236,10 +264,22 @@ class Runner:
         futures = await self._add(prompts, params, rids, [feeder(i) for i in range(len(prompts))])
         for i, fut in enumerate(futures):
             fut.add_done_callback(lambda f, i=i: queue.put_nowait((i, [], [], [], f)))
-        left = len(futures)
+        return Stream(self.engine, rids, queue, len(futures))
+
+
+class Stream:
+    """The submitted requests of one streamed answer. Iterating it yields (index, new token ids,
+    their log-probs, their top alternatives, final output or None) as the engine produces them;
+    closing the iterator (the client went away) aborts the requests that are still running."""
+
+    def __init__(self, engine: AsyncEngine, rids: Sequence[str], queue: asyncio.Queue, count: int) -> None:
+        self.engine, self.rids, self.queue, self.count = engine, list(rids), queue, count
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, list[int], list[float], list, Any]]:
+        left = self.count
         try:
             while left:
-                i, ids, lps, tops, fut = await queue.get()
+                i, ids, lps, tops, fut = await self.queue.get()
                 if fut is None:
                     yield i, ids, lps, tops, None
                     continue
@@ -249,7 +289,7 @@ class Runner:
             if left:
                 # Not awaited: when the client goes away this generator is cancelled, and an await
                 # in a cancelled task is itself cancelled before the abort reaches the engine.
-                self.engine.abort_nowait(rids)
+                self.engine.abort_nowait(self.rids)
 
 
 class EventStream(StreamingResponse):

@@ -8,8 +8,10 @@ Both generation routes take `n`, `stop`, `seed` (sample j of a seeded request us
 Chat content may be a string or text parts. `tools` are rendered through the chat template (or,
 for a template without tool support, spelled out in the system message: `tidal.chat.tools`),
 and `<tool_call>` blocks in the answer come back as `message.tool_calls` with `finish_reason:
-"tool_calls"`. `response_format` other than `{"type": "text"}` is refused (no constrained
-decoding). Unknown fields are ignored with a logged warning.
+"tool_calls"`; `tool_choice` may be auto or none (none renders no tools): "required" and a named
+function, which nothing can force without constrained decoding, are refused (400), as the
+Anthropic route refuses `any` and `tool`. `response_format` other than `{"type": "text"}` is
+refused (no constrained decoding). Unknown fields are ignored with a logged warning.
 
 Log-probs are those of the tempered distribution each token was drawn from; the alternatives are
 the most likely tokens of softmax(logits / temperature) (the same distribution with top-p, top-k
@@ -44,7 +46,15 @@ from tidal.chat.openai import (
     uses_tools,
 )
 from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, TextStream, check_budget, room_left, sampling_params
+from tidal.server.common import (
+    EventStream,
+    Stream,
+    TextStream,
+    check_budget,
+    check_token_id,
+    room_left,
+    sampling_params,
+)
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State
 
@@ -66,10 +76,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[i
             out[token] = float(v)
         except ValueError:
             raise BadRequest(f"logit_bias: keys must be token ids, got {k!r}") from None
-        if vocab_size is not None and not 0 <= token < vocab_size:
-            raise BadRequest(
-                f"logit_bias: token id {k} is outside the vocabulary; this model's ids are 0 to {vocab_size - 1}"
-            )
+        check_token_id(token, vocab_size, "logit_bias")
     return out
 
 
@@ -111,6 +118,7 @@ def samples_for(
         for j in range(body.n):
             params.append(
                 sampling_params(
+                    vocab_size=s.engine.vocab_size,
                     temperature=body.temperature,
                     top_p=body.top_p,
                     top_k=body.top_k,
@@ -216,17 +224,20 @@ async def completions(body: CompletionBody, request: Request, s: State) -> Any:
     job = samples_for(s, body, prompts, body.max_tokens, "max_tokens", body.logprobs or 0)
     answer = Completion(s.tok, s.model_name, body.logprobs)
     if body.stream:
-        return EventStream(completion_events(s, body, answer, job), s.engine, job.rids)
+        stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
+        return EventStream(completion_events(s, body, answer, job, stream), s.engine, job.rids)
     outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
     return answer.whole(outs, job)
 
 
-async def completion_events(s: Served, body: CompletionBody, answer: Completion, job: Samples) -> AsyncIterator[str]:
+async def completion_events(
+    s: Served, body: CompletionBody, answer: Completion, job: Samples, stream: Stream
+) -> AsyncIterator[str]:
     """A completion's stream: each sample's new text as it comes, its finish reason, the usage if
     asked for, then `data: [DONE]`."""
     streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
     outs = []
-    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+    async for i, ids, lps, tops, out in stream:
         if out is None:
             at = streams[i].sent
             yield sse(answer.obj([answer.choice(i, streams[i].add(ids), answer.logprobs_of(ids, lps, tops, at), None)]))
@@ -315,19 +326,22 @@ async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
     job = samples_for(s, body, [prompt], *chat_max_tokens(body), top)
     answer = ChatAnswer(s.tok, s.model_name, job.stops, uses_tools(body), body.logprobs, top)
     if body.stream:
-        return EventStream(chat_events(s, body, answer, job), s.engine, job.rids)
+        stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
+        return EventStream(chat_events(s, body, answer, job, stream), s.engine, job.rids)
     outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
     return answer.whole(outs, job)
 
 
-async def chat_events(s: Served, body: ChatBody, answer: ChatAnswer, job: Samples) -> AsyncIterator[str]:
+async def chat_events(
+    s: Served, body: ChatBody, answer: ChatAnswer, job: Samples, stream: Stream
+) -> AsyncIterator[str]:
     """A chat answer's stream: each sample's role, its text as it comes (with tools, the message
     once whole), its finish reason, the usage if asked for, then `data: [DONE]`."""
     streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
     for i in range(len(job.all_prompts)):
         yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
     outs = []
-    async for i, ids, lps, tops, out in s.runner.stream(job.all_prompts, job.params, job.rids):
+    async for i, ids, lps, tops, out in stream:
         if out is None:
             if not answer.use_tools:  # the calls are parsed once the answer is whole
                 yield answer.text_chunk(i, streams[i].add(ids), ids, lps, tops)

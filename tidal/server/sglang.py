@@ -16,19 +16,23 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     POST /abort_request              {"rid"} or {"abort_all": true}
     POST /pause_generation           optional {"mode": "in_place" | "retract" | "abort"}
     POST /continue_generation
-    POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?}
+    POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?,
+                                     "allow_older"?}
     POST /update_weights_from_tensor tidal's format: {"tensors": base64 safetensors blob, "weight_version":
-                                     int | null, "flush_cache", "stage"}; staged chunks load with the next
-                                     unstaged one; a tensor larger than a chunk comes in pieces
-                                     (`tidal.adapters.client`). SGLang's own format
-                                     (`serialized_named_tensors`) carries in-process tensor handles
-                                     and is refused with a 400 saying so.
+                                     int | null, "flush_cache", "stage", "allow_older"?}; staged chunks load
+                                     with the next unstaged one; a tensor larger than a chunk comes in
+                                     pieces (`tidal.adapters.client`). SGLang's own format
+                                     (`serialized_named_tensors`) carries in-process tensor handles and is
+                                     refused with a 400 saying so.
     POST /release_memory_occupation, /resume_memory_occupation    free / take back KV cache and weights
     POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
                                      weights by broadcast from a trainer (`tidal.server.weight_group`)
 
 The weight routes are `tidal.server.sglang_weights`'s. Every weight update is all or nothing:
-checked against the model before any live weight changes.
+checked against the model before any live weight changes. A `weight_version` is an int >= 0, never
+older than the version held unless the body says `allow_older: true` (`tidal.server.versions`).
+While the engine is asleep or holds no weights (woken, none sent since), generating routes answer
+503 saying what to do.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from tidal.chat.errors import BadRequest
 from tidal.chat.http_errors import error_response
 from tidal.chat.text import trim_stop
 from tidal.contracts import SamplingParams
-from tidal.server.common import EventStream, check_budget, sampling_params
+from tidal.server.common import EventStream, Stream, check_budget, sampling_params
 from tidal.server.options import ServerConfig
 from tidal.server.state import Served, State
 
@@ -97,14 +101,18 @@ class PauseBody(Body):
     mode: Literal["in_place", "retract", "abort"] = "in_place"
 
 
-def _params(sp: SamplingParamsBody, top: int, prefix: str, sample: int = 0) -> SamplingParams:
+def _params(
+    sp: SamplingParamsBody, top: int, prefix: str, sample: int = 0, vocab_size: int | None = None
+) -> SamplingParams:
     """The engine's sampling parameters for sample `sample` of a prompt: a seeded request's
-    sample j uses seed + j, so n samples differ and each is reproducible."""
+    sample j uses seed + j, so n samples differ and each is reproducible (stop ids are checked
+    against `vocab_size`)."""
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise BadRequest(f"{prefix}seed: give seed or sampling_seed, not two different values")
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
     return sampling_params(
         prefix,
+        vocab_size,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
@@ -137,7 +145,7 @@ def _check_generate(body: GenerateBody) -> None:
 
 
 def _samples(
-    body: GenerateBody, prompts: list[list[int]], batched: bool, cfg: ServerConfig
+    body: GenerateBody, prompts: list[list[int]], batched: bool, cfg: ServerConfig, vocab_size: int | None = None
 ) -> tuple[list[list[int]], list[SamplingParams], list[SamplingParamsBody], list[str]]:
     """(prompt, engine parameters, body parameters, rid) of every sample a `/generate` request
     asks for: `sampling_params.n` samples of each prompt, prompt-major (SGLang's order). A given
@@ -168,7 +176,7 @@ def _samples(
         prefix = f"sampling_params[{i}]." if many else "sampling_params."
         for j in range(n):
             out[0].append(prompt)
-            out[1].append(_params(sp, top, prefix, j))
+            out[1].append(_params(sp, top, prefix, j, vocab_size))
             out[1][-1].return_routed_experts = body.return_routed_experts
             out[2].append(sp)
             out[3].append(name if n == 1 else f"{name}_{j}" if body.rid is not None else uuid.uuid4().hex)
@@ -301,10 +309,11 @@ async def generate(body: GenerateBody, request: Request, s: State) -> Any:
     """Sample every prompt of the body; one result, or a list for a batch or n > 1."""
     _check_generate(body)
     prompts, batched = await _prompts(s, body)
-    prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg)
+    prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg, s.engine.vocab_size)
     batched = batched or len(prompts) > 1  # n > 1 answers a list too, as SGLang does
     if body.stream:
-        return EventStream(generate_events(s, body, prompts, params, sps, rids), s.engine, rids)
+        stream = await s.runner.stream(prompts, params, rids)  # refused requests are answered as errors
+        return EventStream(generate_events(s, body, stream, prompts, sps, rids), s.engine, rids)
     outs = await s.runner.run(request, prompts, params, rids)
     results = [result(s.tok, o, body, sp) for o, sp in zip(outs, sps, strict=True)]
     return results if batched else results[0]
@@ -313,8 +322,8 @@ async def generate(body: GenerateBody, request: Request, s: State) -> Any:
 async def generate_events(
     s: Served,
     body: GenerateBody,
+    stream: Stream,
     prompts: list[list[int]],
-    params: list[SamplingParams],
     sps: list[SamplingParamsBody],
     rids: list[str],
 ) -> AsyncIterator[str]:
@@ -322,7 +331,7 @@ async def generate_events(
     far (cumulative), the final one with the whole result; then `data: [DONE]`."""
     tok = s.tok
     ids: list[list[int]] = [[] for _ in prompts]
-    async for i, new, _, _, out in s.runner.stream(prompts, params, rids):
+    async for i, new, _, _, out in stream:
         if out is not None:
             event = {"index": i, **result(tok, out, body, sps[i])}
         else:

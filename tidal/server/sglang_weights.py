@@ -1,11 +1,18 @@
 """SGLang's weight-update routes, as `tidal serve` answers them (the routes are listed in
 `tidal.server.sglang`'s docstring). Every update is all or nothing: checked against the model
 before any live weight changes. The broadcast ones are `tidal.server.weight_group`'s.
+
+Every update route takes `weight_version` (an int >= 0, never older than the version held unless
+the body says `allow_older: true`: `tidal.server.versions`). A refusal is answered in the one error
+shape plus SGLang's `success: false` and `message`: 400 for a bad body, 503 while the engine is
+asleep (`POST /resume_memory_occupation` first).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -15,12 +22,16 @@ from tidal.adapters.client import decode_tensors
 from tidal.chat.body import Body
 from tidal.chat.errors import ApiError, BadRequest
 from tidal.chat.http_errors import error_response
-from tidal.server.state import State
+from tidal.contracts import EngineUnavailable
+from tidal.server.common import unavailable
+from tidal.server.state import Served, State
+from tidal.server.versions import not_older, weight_version
 
 
 class DiskWeightsBody(Body):
     model_path: str
     weight_version: int | str | None = None
+    allow_older: bool = False  # tidal's: the version may be older than the one held (a trainer that restarted)
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -47,6 +58,7 @@ class DistributedWeightsBody(Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: int | str | None = None
+    allow_older: bool = False  # tidal's: the version may be older than the one held (a trainer that restarted)
     load_format: str | None = None
     stage: bool = False  # tidal's: keep these tensors for the next call (a push in buckets, all or nothing)
 
@@ -55,19 +67,10 @@ class TensorWeightsBody(Body):
     tensors: str | None = None
     serialized_named_tensors: list[Any] | None = None  # SGLang's in-process handles: refused
     weight_version: int | str | None = None
+    allow_older: bool = False  # tidal's: the version may be older than the one held (a trainer that restarted)
     flush_cache: bool = True
     stage: bool = False
     partial: bool = False  # tidal's: the update names only the tensors that changed (the delta transport)
-
-
-def _version(value: int | str | None) -> int | None:
-    """Weight versions are ints; SGLang clients send them as strings, so digits are accepted too."""
-    if value is None or isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest(f"weight_version: must be an int, got {value!r}") from None
 
 
 def _succeeded(message: str, **extra: Any) -> JSONResponse:
@@ -79,21 +82,50 @@ def _refused(e: ApiError) -> JSONResponse:
     return error_response(e.status, str(e), e.kind, e.param, extra={"success": False, "message": str(e)})
 
 
+def _check_awake(s: Served) -> None:
+    """`EngineUnavailable` while the engine is asleep: refused before a body is decoded or a folder
+    read (the engine thread refuses too, should it fall asleep meanwhile)."""
+    if s.engine.asleep:
+        raise EngineUnavailable("update_weights: the engine is asleep", "asleep")
+
+
+async def _answered(
+    load: Callable[[], Awaitable[JSONResponse]], on_refusal: Callable[[], Awaitable[None]] | None = None
+) -> JSONResponse:
+    """`await load()`, or its refusal in the weight routes' shape (503 for an engine asleep),
+    after `await on_refusal()` when given."""
+    try:
+        return await load()
+    except (EngineUnavailable, ApiError) as e:
+        if on_refusal is not None:
+            with contextlib.suppress(EngineUnavailable):  # a closed engine has nothing to drop
+                await on_refusal()
+        return _refused(unavailable(e) if isinstance(e, EngineUnavailable) else e)
+
+
 routes = APIRouter()
 
 
 @routes.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: DiskWeightsBody, s: State) -> JSONResponse:
     """Load the weights of a model folder, all or nothing."""
+    return await _answered(lambda: _load_disk(body, s))
+
+
+async def _load_disk(body: DiskWeightsBody, s: State) -> JSONResponse:
     engine = s.engine
-    version = _version(body.weight_version)
+    version = weight_version(body.weight_version)
+    _check_awake(s)
+    check = not_older(version, body.allow_older)
+    check(engine.weight_version)  # refused before the folder is read; the engine thread checks again
     if body.abort_all_requests:
         await engine.abort(None)
     try:
-        await engine.update_weights_from_disk(body.model_path, version, flush_cache=body.flush_cache)
+        await engine.update_weights_from_disk(body.model_path, version, body.flush_cache, check)
+    except EngineUnavailable:
+        raise
     except (OSError, KeyError, ValueError, RuntimeError) as e:
-        msg = f"model_path: cannot load {body.model_path}: {e}"
-        return error_response(400, msg, param="model_path", extra={"success": False, "message": msg})
+        raise BadRequest(f"model_path: cannot load {body.model_path}: {e}", "model_path") from None
     msg = f"loaded {body.model_path}; weight version {engine.weight_version}"
     return JSONResponse({"success": True, "message": msg, "weight_version": engine.weight_version})
 
@@ -112,12 +144,18 @@ def _tensor_blob(body: TensorWeightsBody) -> str:
 
 @routes.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(body: TensorWeightsBody, s: State) -> JSONResponse:
-    """Load (or stage, for the next call) tensors in tidal's wire format, all or nothing."""
+    """Load (or stage, for the next call) tensors in tidal's wire format, all or nothing: a
+    refused call drops the chunks staged before it too."""
+    return await _answered(lambda: _load_tensors(body, s), s.engine.drop_staged)
+
+
+async def _load_tensors(body: TensorWeightsBody, s: State) -> JSONResponse:
     engine = s.engine
     blob = _tensor_blob(body)
-    # null keeps the current version: a partial update (one chunk of several) is not a new version.
-    version = _version(body.weight_version)
-    version = engine.weight_version if version is None else version
+    version = weight_version(body.weight_version)
+    _check_awake(s)
+    check = not_older(version, body.allow_older)
+    check(engine.weight_version)  # refused before the blob is decoded; the engine thread checks again
     try:
         named = await asyncio.to_thread(decode_tensors, blob)  # ~1 s per GB: off the event loop
     except Exception as e:
@@ -126,11 +164,14 @@ async def update_weights_from_tensor(body: TensorWeightsBody, s: State) -> JSONR
         if body.stage:
             await engine.stage_weights(named)
         else:
+            # null keeps the current version: a partial update (one chunk of several) is not a new version
+            keep = engine.weight_version if version is None else version
             extra = {"partial": True} if body.partial else {}
-            await engine.update_weights_from_tensors(named, version, flush_cache=body.flush_cache, **extra)
+            await engine.update_weights_from_tensors(named, keep, body.flush_cache, check, **extra)
+    except EngineUnavailable:
+        raise
     except (KeyError, ValueError, RuntimeError) as e:
-        msg = f"tensors: {e}"
-        return error_response(400, msg, param="tensors", extra={"success": False, "message": msg})
+        raise BadRequest(f"tensors: {e}", "tensors") from None
     what = "staged" if body.stage else "updated"
     msg = f"{what} {len(named)} tensors; weight version {engine.weight_version}"
     return JSONResponse({"success": True, "message": msg, "weight_version": engine.weight_version})
@@ -153,20 +194,22 @@ async def init_weights_update_group(body: InitGroupBody, s: State) -> JSONRespon
 async def update_weights_from_distributed(body: DistributedWeightsBody, s: State) -> JSONResponse:
     """Receive the announced tensors by broadcast and load (or stage) them, all or nothing."""
     body.warn_unknown("/update_weights_from_distributed")
-    try:
-        version = await s.receiver.update(
-            body.names,
-            body.dtypes,
-            body.shapes,
-            body.group_name,
-            _version(body.weight_version),
-            flush_cache=body.flush_cache,
-            stage=body.stage,
-            abort_all=body.abort_all_requests,
-            load_format=body.load_format,
-        )
-    except ApiError as e:
-        return _refused(e)
+    return await _answered(lambda: _receive(body, s))
+
+
+async def _receive(body: DistributedWeightsBody, s: State) -> JSONResponse:
+    version = await s.receiver.update(
+        body.names,
+        body.dtypes,
+        body.shapes,
+        body.group_name,
+        body.weight_version,  # judged once the tensors are received: the group stays in step
+        flush_cache=body.flush_cache,
+        stage=body.stage,
+        abort_all=body.abort_all_requests,
+        load_format=body.load_format,
+        allow_older=body.allow_older,
+    )
     what = "staged" if body.stage else "loaded"
     return _succeeded(f"{what} {len(body.names)} tensors; weight version {version}", weight_version=version)
 

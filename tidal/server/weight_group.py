@@ -15,7 +15,9 @@ loads all of its tensors or none. Names a call does not send keep their values, 
 `stage: true` (tidal's extension, sent only to tidal servers) keeps a call's checked tensors for
 the next call without it, which loads them all at once: a push in several buckets is then all or
 nothing too. A call the server refuses before receiving (a malformed body) leaves the group out
-of step with the trainer, so the group is destroyed; the trainer forms it again.
+of step with the trainer, so the group is destroyed; the trainer forms it again. What depends on
+the engine (its state, the version it holds: `tidal.server.versions`) is judged once the tensors
+are received, so such a refusal keeps the group in step; it drops what was staged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.errors import ApiError, BadRequest
+from tidal.contracts import EngineUnavailable
 from tidal.engine.weights import WeightsError, check_named_tensors
+from tidal.server.versions import not_older, weight_version
 from tidal.sync.group import WeightGroup, join_weight_group
 
 log = logging.getLogger("tidal.server")
@@ -132,14 +136,16 @@ class WeightReceiver:
         dtypes: list[str],
         shapes: list[list[int]],
         group_name: str,
-        version: int | None,
+        version: int | str | None,
         flush_cache: bool = True,
         stage: bool = False,
         abort_all: bool = False,
         load_format: str | None = None,
+        allow_older: bool = False,
     ) -> int:
-        """Receive one call's tensors, then stage them or load them (with the staged ones);
-        returns the weight version after the call."""
+        """Receive one call's tensors, then stage them or load them (with the staged ones) as
+        `version` (as the body gave it: judged after receiving); returns the weight version after
+        the call."""
         if group_name not in self.groups:
             raise BadRequest(f"group_name: no group {group_name!r} on this server; call /init_weights_update_group")
         try:
@@ -168,12 +174,15 @@ class WeightReceiver:
                     500,
                     "server_error",
                 ) from None
-            return await self._apply(group_name, received, version, flush_cache, stage, abort_all)
+            return await self._apply(group_name, received, version, flush_cache, stage, abort_all, allow_older)
 
-    async def _apply(self, group_name, received, version, flush_cache, stage, abort_all) -> int:
+    async def _apply(self, group_name, received, version, flush_cache, stage, abort_all, allow_older) -> int:
         model = self.model
         staged = self.staged[group_name]
         try:
+            version = weight_version(version)
+            if self.engine.asleep:  # its parameters are empty: every tensor would look the wrong shape
+                raise EngineUnavailable("update_weights_from_distributed: the engine is asleep", "asleep")
             if stage:
                 if model is not None:
                     check_named_tensors(model, received, complete=False, where="update_weights_from_distributed")
@@ -185,10 +194,13 @@ class WeightReceiver:
                 await self.engine.abort(None)
             load = WithCurrent(model, named) if model is not None else named.items()
             keep = self.engine.weight_version if version is None else version
-            await self.engine.update_weights_from_tensors(load, keep, flush_cache=flush_cache)
+            await self.engine.update_weights_from_tensors(load, keep, flush_cache, not_older(version, allow_older))
         except WeightsError as e:
             staged.clear()
             raise BadRequest(str(e), "names") from None
+        except (ApiError, EngineUnavailable):
+            staged.clear()  # a refused call drops what was staged for it: all or nothing
+            raise
         return self.engine.weight_version
 
     def close(self) -> None:

@@ -183,6 +183,7 @@ class DistributedSync(_RemoteSync):
                 flush_cache=last,
                 stage=not last and self._info[c.base_url][0],
                 timeout=left,
+                allow_older=last and self.may_go_back and self._info[c.base_url][0],  # tidal's field
             )
             for c in self.active
         }

@@ -46,6 +46,10 @@ class _RemoteSync:
         self.timeout = timeout
         self.bound = bound if bound is not None else PushBound(cap=timeout)
         self.check = check
+        # Until a push is confirmed, this trainer may be behind what the servers hold (it restarted,
+        # or resumed from a checkpoint behind servers that lived on): its pushes say `allow_older`,
+        # which tidal's servers otherwise refuse. Later pushes only go forward.
+        self.may_go_back = True
         self._dtypes: dict[str, torch.dtype | None] = {}
         self._wants: dict[torch.dtype, asyncio.Task] = {}  # per push: our checksum per engine dtype
 
@@ -172,6 +176,7 @@ class _RemoteSync:
     def _confirmed(self, version: int) -> dict[str, float]:
         """Every engine holds `version`: the rollout's engine reports it from now on. Returns the
         engines' failure counts so far (restarts, requests sent again to another server)."""
+        self.may_go_back = False
         if self.engines is None:  # engines given as clients alone: nothing failed over
             return {"engines/restarts": 0.0, "engines/resent_requests": 0.0}
         return self.engines.confirmed(version)
@@ -241,7 +246,12 @@ class HttpSync(_RemoteSync):
 
                 def send(limit: float, blob=blob, last=last) -> Awaitable[None]:
                     return c.send_tensor_chunk(
-                        blob, version if last else None, flush_cache=last, timeout=limit, partial=last and partial
+                        blob,
+                        version if last else None,
+                        flush_cache=last,
+                        timeout=limit,
+                        partial=last and partial,
+                        allow_older=last and self.may_go_back,
                     )
 
                 try:
@@ -330,7 +340,7 @@ class DiskSync(_RemoteSync):
                 c,
                 f"POST /update_weights_from_disk ({folder}: {megabytes(size)})",
                 size,
-                lambda limit: c.update_weights_from_disk(folder, version, timeout=limit),
+                lambda limit: c.update_weights_from_disk(folder, version, limit, self.may_go_back),
             )
             await self._verify(c, version, named)
 
