@@ -129,6 +129,27 @@ def test_cluster_ray_true_puts_one_trainer_and_one_engine_on_ray():
     assert build_config(None, {"cluster.trainers": 2}).uses_ray is True
 
 
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ({"cluster.ray": True}, "1 trainer rank and 1 engine actor on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU)"),
+        (
+            {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True, "cluster.gpus_per_engine": 1},
+            "2 trainer ranks and 2 engine actors on Ray (bundles: 2 × 1 CPU 1 GPU, engines sharing the ranks' bundles)",
+        ),
+        (
+            {"cluster.ray": True, "engine.kind": "hf"},
+            "1 trainer rank on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU); engines: one engine in this process, beside "
+            "one trainer (no Ray)",
+        ),
+    ],
+)
+def test_the_start_up_line_says_what_runs_on_ray(values, line):
+    from tidal.roles import ray_layout
+
+    assert ray_layout(build_config(None, values)) == line
+
+
 # Every layout a run's engines can have, from the table: each kind in this process or on Ray (the
 # kinds that run Ray actors), or as servers. A new kind or transport is covered with no edit here.
 def _layouts() -> dict[str, dict]:
