@@ -16,9 +16,9 @@ import tidal
 import tidal.loop
 from tidal import backends
 from tidal.adapters.factory import make_engine
-from tidal.backends import ENGINES, IN_PROCESS, RAY, SERVERS, TRANSPORTS, EngineKind, resolve_sync
+from tidal.backends import ENGINES, IN_PROCESS, RAY, SERVERS, TRANSPORTS, EngineKind, SyncMismatch, resolve_sync
 from tidal.cluster.options import ClusterConfig
-from tidal.config import Config, build_config
+from tidal.config import Config, apply_overrides, build_config
 from tidal.convert import load_tokenizer
 from tidal.data.dataset import PromptRecord
 from tidal.options import ConfigError
@@ -88,10 +88,17 @@ def test_auto_picks_the_transport_that_reaches_the_engines():
     assert resolve_sync(tidal_kind, RAY, "delta").changed_only
     with pytest.raises(ValueError, match="delta sends only the tensors that changed, and engine.kind vllm takes whole"):
         resolve_sync(vllm, RAY, "delta")
-    with pytest.raises(
-        ValueError, match=r"cluster.weight_sync: broadcast reaches engine actors on Ray .*: use in-process"
-    ):
-        resolve_sync(tidal_kind, IN_PROCESS, "broadcast")
+    with pytest.raises(SyncMismatch) as refused:
+        resolve_sync(tidal_kind, IN_PROCESS, "broadcast", {RAY: {"cluster.ray": True}})
+    assert str(refused.value) == (
+        "cluster.weight_sync: broadcast reaches engine actors on Ray; this run's engines are one engine in this "
+        "process, beside one trainer (no Ray): set cluster.ray true, or cluster.weight_sync in-process or auto"
+    )
+    assert refused.value.fixes == [
+        {"cluster.ray": True},
+        {"cluster.weight_sync": "in-process"},
+        {"cluster.weight_sync": "auto"},
+    ]
     assert set(TRANSPORTS) == {"in-process", "broadcast", "http", "delta", "disk", "distributed"}
 
 
@@ -104,6 +111,212 @@ def test_placement_follows_the_record_and_the_cluster():
     assert cfg.placement == IN_PROCESS
     cfg.engine.kind = "remote"
     assert cfg.placement == SERVERS and cfg.weight_sync.name == "http"
+
+
+def test_cluster_ray_true_puts_one_trainer_and_one_engine_on_ray():
+    """The 1 + 1 rehearsal of a cluster layout: the Ray path with the smallest cluster."""
+    cfg = build_config(None, {"cluster.ray": True})
+    assert (cfg.uses_ray, cfg.placement, cfg.weight_sync.name) == (True, RAY, "broadcast")
+    cfg = build_config(None, {"cluster.ray": True, "cluster.weight_sync": "http", "cluster.colocate": True})
+    assert (cfg.placement, cfg.weight_sync.name) == (RAY, "http")
+    cfg = build_config(None, {"cluster.ray": True, "engine.kind": "hf"})  # the trainer on Ray, its engine here
+    assert (cfg.uses_ray, cfg.placement, cfg.weight_sync.name) == (True, IN_PROCESS, "in-process")
+    cfg = build_config(None, {"cluster.ray": True, "engine.kind": "remote", "engine.urls": ["http://127.0.0.1:1"]})
+    assert (cfg.uses_ray, cfg.placement) == (True, SERVERS)
+    # auto keeps the laptop default out of Ray; false keeps anything out of it
+    assert build_config(None, {}).uses_ray is False
+    assert build_config(None, {"cluster.ray": False}).placement == IN_PROCESS
+    assert build_config(None, {"cluster.trainers": 2}).uses_ray is True
+
+
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ({"cluster.ray": True}, "1 trainer rank and 1 engine actor on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU)"),
+        (
+            {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True, "cluster.gpus_per_engine": 1},
+            "2 trainer ranks and 2 engine actors on Ray (bundles: 2 × 1 CPU 1 GPU, engines sharing the ranks' bundles)",
+        ),
+        (
+            {"cluster.ray": True, "engine.kind": "hf"},
+            "1 trainer rank on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU); engines: one engine in this process, beside "
+            "one trainer (no Ray)",
+        ),
+    ],
+)
+def test_the_start_up_line_says_what_runs_on_ray(values, line):
+    from tidal.roles import ray_layout
+
+    assert ray_layout(build_config(None, values)) == line
+
+
+# Every layout a run's engines can have, from the table: each kind in this process or on Ray (the
+# kinds that run Ray actors), or as servers. A new kind or transport is covered with no edit here.
+def _layouts() -> dict[str, dict]:
+    out = {}
+    for name, kind in ENGINES.items():
+        if kind.servers:
+            out[f"{name} servers"] = {"engine.kind": name, "engine.urls": ["http://127.0.0.1:1"]}
+            continue
+        out[f"{name} 1+1 in this process"] = {"engine.kind": name}
+        if kind.ray_actors:
+            out[f"{name} 1+1 on Ray"] = {"engine.kind": name, "cluster.ray": True}
+            out[f"{name} 2+2 on Ray"] = {"engine.kind": name, "cluster.trainers": 2, "cluster.engines": 2}
+    return out
+
+
+LAYOUTS = _layouts()
+
+
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "auto"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_transport_that_does_not_fit_is_refused_at_validation_naming_fixes_that_work(transport, layout):
+    """Each mismatch of a transport with a kind or its placement stops at config validation (before
+    anything loads) with a message naming settings that fit; each of them, applied, validates, and
+    one that moves the engines keeps the transport asked for."""
+    values = {**LAYOUTS[layout], "cluster.weight_sync": transport}
+    cfg = Config()
+    apply_overrides(cfg, values, "test")
+    kind, record = cfg.engine_kind, TRANSPORTS.get(transport)
+    fits = record is None or (
+        transport in kind.weight_syncs
+        and cfg.placement in record.placements
+        and (kind.partial_updates or not record.changed_only)
+    )
+    if fits:
+        assert build_config(None, values).weight_sync.name in kind.weight_syncs
+        return
+    with pytest.raises(SyncMismatch) as refused:
+        cfg.weight_sync  # noqa: B018
+    mismatch = refused.value
+    with pytest.raises(ConfigError) as invalid:
+        build_config(None, values)
+    assert f"\n  {mismatch}" in str(invalid.value)  # the whole message, one line of the report
+    assert mismatch.fixes, "a mismatch names at least one fix"
+    fixes = str(mismatch).split(": set ", 1)[1]
+    for fix in mismatch.fixes:
+        for key, value in fix.items():
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            if key == "cluster.weight_sync":  # the transports that would do are named together, last
+                assert re.search(rf"cluster\.weight_sync [a-z, -]*\b{shown}\b[a-z, -]*$", fixes), shown
+            else:
+                assert f"{key} {shown}" in fixes
+        fixed = build_config(None, {**values, **fix})
+        if "cluster.weight_sync" not in fix:
+            assert fixed.weight_sync.name == transport
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"cluster.weight_sync": "broadcast"},
+            "cluster.weight_sync: broadcast reaches engine actors on Ray; this run's engines are one engine in this "
+            "process, beside one trainer (no Ray): set cluster.ray true, or cluster.weight_sync in-process or auto",
+        ),
+        (
+            {"cluster.weight_sync": "http"},
+            "cluster.weight_sync: http reaches engine actors on Ray or HTTP servers (attached at engine.urls, or "
+            "launched); this run's engines are one engine in this process, beside one trainer (no Ray): set "
+            "cluster.ray true, or cluster.weight_sync in-process or auto",
+        ),
+        (
+            {"cluster.weight_sync": "in-process", "cluster.trainers": 2, "cluster.engines": 2},
+            "cluster.weight_sync: in-process reaches one engine in this process, beside one trainer (no Ray); this "
+            "run's engines are engine actors on Ray: set cluster.trainers 1 and cluster.engines 1, or "
+            "cluster.weight_sync broadcast, http, delta, disk or auto",
+        ),
+        (
+            {"cluster.weight_sync": "in-process", "cluster.ray": True},
+            "cluster.weight_sync: in-process reaches one engine in this process, beside one trainer (no Ray); this "
+            "run's engines are engine actors on Ray: set cluster.ray false, or cluster.weight_sync broadcast, http, "
+            "delta, disk or auto",
+        ),
+        (
+            {"cluster.weight_sync": "in-process", "cluster.engines": 2, "cluster.address": "10.0.0.1:6379"},
+            "cluster.weight_sync: in-process reaches one engine in this process, beside one trainer (no Ray); this "
+            "run's engines are engine actors on Ray: set cluster.engines 1 and cluster.address null, or "
+            "cluster.weight_sync broadcast, http, delta, disk or auto",
+        ),
+        (
+            {"cluster.weight_sync": "distributed"},
+            "cluster.weight_sync: engine.kind tidal takes in-process, broadcast, http, delta, disk (or auto), got "
+            "distributed (engine.kind remote or sglang takes it): set cluster.weight_sync in-process or auto",
+        ),
+        (
+            {"cluster.weight_sync": "broadcast", "engine.kind": "hf"},
+            "cluster.weight_sync: engine.kind hf takes in-process (or auto), got broadcast (engine.kind tidal or "
+            "vllm takes it): set cluster.weight_sync in-process or auto",
+        ),
+        (
+            {"cluster.weight_sync": "delta", "engine.kind": "vllm", "cluster.ray": True},
+            "cluster.weight_sync: delta sends only the tensors that changed, and engine.kind vllm takes whole models "
+            "only: set cluster.weight_sync broadcast, http, disk or auto",
+        ),
+        (
+            {"cluster.weight_sync": "broadcast", "engine.kind": "sglang"},
+            "cluster.weight_sync: engine.kind sglang takes distributed, disk (or auto), got broadcast (engine.kind "
+            "tidal or vllm takes it): set cluster.weight_sync distributed, disk or auto",
+        ),
+    ],
+)
+def test_the_mismatch_messages_read_as_written(values, message):
+    with pytest.raises(ConfigError) as invalid:
+        build_config(None, values)
+    assert str(invalid.value) == f"invalid config:\n  {message}"
+
+
+@pytest.mark.parametrize(
+    ("values", "message", "fix"),
+    [
+        (
+            {"cluster.ray": False, "cluster.trainers": 2},
+            "cluster.ray: false trains in this process, and cluster.trainers 2 run as ranks on Ray; set cluster.ray "
+            "auto (or true), or cluster.trainers 1",
+            {"cluster.ray": "auto"},
+        ),
+        (
+            {"cluster.ray": False, "cluster.engines": 2},
+            "cluster.ray: false keeps one engine in this process, and cluster.engines 2 of engine.kind tidal run as "
+            "actors on Ray; set cluster.ray auto (or true), or cluster.engines 1",
+            {"cluster.engines": 1},
+        ),
+        (
+            {"cluster.ray": False, "cluster.address": "10.0.0.1:6379"},
+            "cluster.ray: false runs without Ray, and cluster.address '10.0.0.1:6379' names a Ray cluster to join; "
+            "set cluster.ray auto (or true), or leave cluster.address unset",
+            {"cluster.ray": True},
+        ),
+        ({"cluster.ray": "always"}, "cluster.ray: one of auto, true, false, got 'always'", {"cluster.ray": True}),
+        (
+            {"cluster.colocate": True},
+            "cluster.colocate: only engine actors on Ray free their memory for the trainers; engine.kind tidal here "
+            "runs one engine in this process, beside one trainer (no Ray): set cluster.ray true to put it on Ray, or "
+            "cluster.colocate false (one engine in this process already shares the trainer's weights)",
+            {"cluster.ray": True},
+        ),
+        (
+            {"cluster.colocate": True, "engine.kind": "hf"},
+            "cluster.colocate: only engine actors on Ray free their memory for the trainers; engine.kind hf here "
+            "runs one engine in this process, beside one trainer (no Ray): set cluster.colocate false, or "
+            "engine.kind tidal or vllm on Ray",
+            {"cluster.colocate": False},
+        ),
+        (
+            # the trainer's LoRA layers are shared only within this process: a trainer on Ray sends merged weights
+            {"engine.kind": "hf", "cluster.ray": True, "train.lora_rank": 8, "train.lora_merge": False},
+            "train.lora_merge: false shares the trainer's LoRA model with an in-process engine: it needs "
+            "train.lora_rank > 0, engine.kind tidal or hf, one engine and no Ray (engines elsewhere get merged "
+            "weights)",
+            {"cluster.ray": False},
+        ),
+    ],
+)
+def test_ray_and_placement_mismatches_name_the_fix(values, message, fix):
+    with pytest.raises(ConfigError) as invalid:
+        build_config(None, values)
+    assert str(invalid.value) == f"invalid config:\n  {message}"
+    build_config(None, {**values, **fix})  # the fix it names validates
 
 
 CONFIG_WORDS = re.compile(r"engine|kind|sync|transport")

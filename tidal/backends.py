@@ -10,7 +10,9 @@ nothing from tidal: the lightest modules (the config groups) read it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DEVICES",
@@ -20,6 +22,7 @@ __all__ = [
     "QUANTIZATIONS",
     "RAY",
     "SERVERS",
+    "SyncMismatch",
     "TRANSPORTS",
     "EngineKind",
     "Quantization",
@@ -34,8 +37,8 @@ RAY = "ray"  # engine actors on Ray, each behind tidal's HTTP server, reached th
 SERVERS = "servers"  # HTTP servers that are not Ray actors: attached by URL, or launched by tidal
 
 PLACEMENTS = {
-    IN_PROCESS: "one engine in this process (one trainer, one engine, no Ray)",
-    RAY: "engine actors on Ray (cluster.engines or cluster.trainers > 1, or cluster.address)",
+    IN_PROCESS: "one engine in this process, beside one trainer (no Ray)",
+    RAY: "engine actors on Ray",
     SERVERS: "HTTP servers (attached at engine.urls, or launched)",
 }
 
@@ -231,36 +234,85 @@ def engine_kind(name: str) -> EngineKind:
         raise ValueError(f"engine.kind: one of {', '.join(ENGINES)}, got {name!r}") from None
 
 
-def resolve_sync(kind: EngineKind, placement: str, name: str) -> Transport:
+class SyncMismatch(ValueError):
+    """`cluster.weight_sync` does not fit the engine kind or where its engines are; `fixes` are the
+    settings (`{"group.key": value}`), each enough alone, that the message names."""
+
+    def __init__(self, message: str, fixes: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.fixes = fixes
+
+
+def _value(v: Any) -> str:
+    """A setting's value as one writes it on the command line or in YAML."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _say(fixes: list[dict[str, Any]]) -> str:
+    """`fixes` as one sentence: `set cluster.ray true (engine actors on Ray), or cluster.weight_sync
+    in-process or auto`; the transports that would do last, together."""
+    moves = [f for f in fixes if set(f) != {"cluster.weight_sync"}]
+    syncs = [f["cluster.weight_sync"] for f in fixes if set(f) == {"cluster.weight_sync"}]
+    parts = [" and ".join(f"{k} {_value(v)}" for k, v in f.items()) for f in moves]
+    if syncs:
+        parts.append("cluster.weight_sync " + (", ".join(syncs[:-1]) + " or " if len(syncs) > 1 else "") + syncs[-1])
+    return "set " + ", or ".join(parts) if parts else ""
+
+
+def resolve_sync(
+    kind: EngineKind, placement: str, name: str, moves: Mapping[str, Mapping[str, Any]] | None = None
+) -> Transport:
     """The transport `cluster.weight_sync` `name` stands for with engines of `kind` at `placement`
     (`auto`: the first of the kind's transports that reaches that placement).
 
+    `moves` maps each placement this run's engines could be put at to the settings that put them
+    there (`tidal.cluster.options.ClusterConfig.moves`); a mismatch names them as fixes, beside
+    the transports that reach the engines where they are.
+
     Raises:
-        ValueError: the kind does not take that transport, or it cannot reach that placement;
-            the message names the field and what would work.
+        SyncMismatch: the kind does not take that transport, or it cannot reach that placement;
+            the message names the field and what would work (its `fixes`).
     """
+    moves = moves or {}
     fits = [t for t in kind.weight_syncs if placement in TRANSPORTS[t].placements]
+    instead = [{"cluster.weight_sync": t} for t in [*fits, "auto"]] if fits else []
+
+    def move_for(transports: list[str]) -> list[dict[str, Any]]:
+        """The moves to a placement that one of `transports` reaches."""
+        return [
+            dict(moves[p])
+            for p in PLACEMENTS
+            if p != placement and p in moves and any(p in TRANSPORTS[t].placements for t in transports)
+        ]
+
+    def refuse(what: str, fixes: list[dict[str, Any]]) -> SyncMismatch:
+        return SyncMismatch(f"cluster.weight_sync: {what}" + (f": {_say(fixes)}" if fixes else ""), fixes)
+
     if name == "auto":
         if not fits:
-            raise ValueError(
-                f"cluster.weight_sync: engine.kind {kind.name} takes no transport that reaches {PLACEMENTS[placement]}"
+            raise refuse(
+                f"engine.kind {kind.name} takes no transport that reaches {PLACEMENTS[placement]}",
+                move_for(list(kind.weight_syncs)),
             )
         return TRANSPORTS[fits[0]]
     if name not in TRANSPORTS:
-        raise ValueError(f"cluster.weight_sync: one of auto, {', '.join(TRANSPORTS)}, got {name!r}")
+        raise SyncMismatch(f"cluster.weight_sync: one of auto, {', '.join(TRANSPORTS)}, got {name!r}", [])
     if TRANSPORTS[name].changed_only and not kind.partial_updates:
-        raise ValueError(
-            f"cluster.weight_sync: {name} sends only the tensors that changed, and engine.kind {kind.name} takes whole "
-            f"models only; use {', '.join(fits) or 'another engine'}"
+        raise refuse(
+            f"{name} sends only the tensors that changed, and engine.kind {kind.name} takes whole models only",
+            instead,
         )
     if name not in kind.weight_syncs:
-        raise ValueError(
-            f"cluster.weight_sync: engine.kind {kind.name} takes {', '.join(kind.weight_syncs)} (or auto), got {name}"
+        others = [k.name for k in ENGINES.values() if name in k.weight_syncs]
+        raise refuse(
+            f"engine.kind {kind.name} takes {', '.join(kind.weight_syncs)} (or auto), got {name}"
+            + (f" (engine.kind {' or '.join(others)} takes it)" if others else ""),
+            instead,
         )
     if placement not in TRANSPORTS[name].placements:
         where = " or ".join(PLACEMENTS[p] for p in TRANSPORTS[name].placements)
-        raise ValueError(
-            f"cluster.weight_sync: {name} reaches {where}; this run's engines are {PLACEMENTS[placement]}"
-            + (f": use {', '.join(fits)} or auto" if fits else "")
+        raise refuse(
+            f"{name} reaches {where}; this run's engines are {PLACEMENTS[placement]}",
+            move_for([name]) + instead,
         )
     return TRANSPORTS[name]

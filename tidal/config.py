@@ -108,8 +108,10 @@ class Config:
 
     @property
     def weight_sync(self) -> Transport:
-        """The transport `cluster.weight_sync` stands for (auto resolved); ValueError when it does not fit."""
-        return resolve_sync(self.engine_kind, self.placement, self.cluster.weight_sync)
+        """The transport `cluster.weight_sync` stands for (auto resolved); `tidal.backends.SyncMismatch`
+        naming the settings that would fit when it does not."""
+        kind = self.engine_kind
+        return resolve_sync(kind, self.placement, self.cluster.weight_sync, self.cluster.moves(kind))
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -412,14 +414,25 @@ def _check_engine_and_cluster(cfg: Config, need: Need) -> None:
         "(for several running servers list them in engine.urls)",
     )
     need(
+        c.ray is not False or c.engines == 1 or not kind.ray_actors,
+        f"cluster.ray: false keeps one engine in this process, and cluster.engines {c.engines} of engine.kind "
+        f"{kind.name} run as actors on Ray; set cluster.ray auto (or true), or cluster.engines 1",
+    )
+    need(
         not kind.whole_gpus or float(c.gpus_per_engine).is_integer(),
         f"cluster.gpus_per_engine: a launched engine.kind {kind.name} server takes whole GPUs, got {c.gpus_per_engine}",
     )
+    sleepers = " or ".join(k for k, rec in ENGINES.items() if rec.sleeps and rec.ray_actors)
     need(
         not c.colocate or (placement == RAY and kind.sleeps),
         f"cluster.colocate: only engine actors on Ray free their memory for the trainers; engine.kind {kind.name} "
-        f"here runs {PLACEMENTS[placement]}"
-        + (" (with one in-process engine it already shares the trainer's weights)" if placement == IN_PROCESS else ""),
+        f"here runs {PLACEMENTS[placement]}: "
+        + (
+            "set cluster.ray true to put it on Ray, or cluster.colocate false (one engine in this process already "
+            "shares the trainer's weights)"
+            if placement == IN_PROCESS and kind.sleeps and kind.ray_actors
+            else f"set cluster.colocate false, or engine.kind {sleepers} on Ray"
+        ),
     )
     try:
         cfg.weight_sync  # noqa: B018 - resolving it is the check
@@ -428,7 +441,7 @@ def _check_engine_and_cluster(cfg: Config, need: Need) -> None:
     t = cfg.train
     # an engine in this process takes its weights in-process: the trainer's own LoRA layers can be shared
     need(
-        t.lora_merge or (t.lora_rank > 0 and kind.lora_layers and placement == IN_PROCESS),
+        t.lora_merge or (t.lora_rank > 0 and kind.lora_layers and placement == IN_PROCESS and not cfg.uses_ray),
         "train.lora_merge: false shares the trainer's LoRA model with an in-process engine: it needs train.lora_rank "
         "> 0, engine.kind "
         + " or ".join(k for k, rec in ENGINES.items() if rec.lora_layers)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.aio import LoopThread
-from tidal.backends import RAY
+from tidal.backends import PLACEMENTS, RAY
 from tidal.config import Config
 from tidal.contracts import Engine, Engines, Trainer, WeightSync
 from tidal.hardware import resolve_device
@@ -218,6 +218,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
                 roles.closers.append(ray.shutdown)
             group, trainer_bundles, engine_bundles = placement(c)
             roles.closers.append(lambda: _remove_group(group))
+            log.info("cluster: %s", ray_layout(cfg, sft))
             placed = (group, engine_bundles)
             roles.trainer = TrainerGroup(
                 c, t, a, start_from, model_dir, temperature, pad_id, max_len, group, trainer_bundles
@@ -239,6 +240,32 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
     except BaseException:
         roles.close()
         raise
+
+
+def ray_layout(cfg: Config, sft: bool = False) -> str:
+    """What a run on Ray places, in one line, as `tidal.cluster.ray_setup.placement` reserves it:
+    `1 trainer rank and 1 engine actor on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU)`; engines that are
+    not Ray actors (servers, an in-process kind) are named after it."""
+    c = cfg.cluster
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'s' if n != 1 else ''}"
+
+    def size(n: int, cpus: float, gpus: float) -> str:
+        return f"{n} × {cpus:g} CPU" + (f" {gpus:g} GPU" if gpus else "")
+
+    on_ray = cfg.placement == RAY and not sft and not cfg.debug.load_rollout
+    what = count(c.trainers, "trainer rank") + (" and " + count(c.engines, "engine actor") if on_ray else "")
+    if c.colocate:
+        cpus, gpus = max(c.cpus_per_trainer, c.cpus_per_engine), max(c.gpus_per_trainer, c.gpus_per_engine)
+        bundles = size(c.trainers, cpus, gpus) + ", engines sharing the ranks' bundles"
+    else:
+        bundles = size(c.trainers, c.cpus_per_trainer, c.gpus_per_trainer)
+        bundles += " + " + size(c.engines, c.cpus_per_engine, c.gpus_per_engine)
+    line = f"{what} on Ray (bundles: {bundles})"
+    if not on_ray and not sft and not cfg.debug.load_rollout:
+        line += f"; engines: {PLACEMENTS[cfg.placement]}"
+    return line
 
 
 def build_engines(cfg: Config, model_dir: Path, tokenizer, placed=None) -> Engines:

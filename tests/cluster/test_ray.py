@@ -14,6 +14,7 @@ import pytest
 from conftest import loop_config
 
 import tidal.loop
+from tidal.backends import RAY
 
 VOLATILE = ("time/", "perf/")
 
@@ -64,12 +65,21 @@ def local_run(tiny_model_dir, tmp_path_factory):
     return tidal.loop.train(config(tiny_model_dir, tmp_path_factory.mktemp("local")))
 
 
-@pytest.mark.parametrize("colocate", [False, True])
-def test_two_trainers_and_two_engines_train_like_one_process(
-    ray_session, tiny_model_dir, tmp_path, local_run, colocate
+LAYOUTS = {
+    "2+2": {"cluster.trainers": 2, "cluster.engines": 2},
+    "2+2 colocated": {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True},
+    # the rehearsal of a cluster layout on one machine (docs/scaling.md): the same Ray path, smallest
+    "1+1 with cluster.ray true": {"cluster.ray": True},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trainer_ranks_and_engines_on_ray_train_like_one_process(
+    ray_session, tiny_model_dir, tmp_path, local_run, layout
 ):
-    over = {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": colocate}
-    history = tidal.loop.train(config(tiny_model_dir, tmp_path, **over))
+    cfg = config(tiny_model_dir, tmp_path, **LAYOUTS[layout])
+    assert (cfg.uses_ray, cfg.placement, cfg.weight_sync.name) == (True, RAY, "broadcast")
+    history = tidal.loop.train(cfg)
     assert [h["step"] for h in history] == [1, 2]
     first, local = history[0], local_run[0]
     # step 1 samples the same initial weights with the same seeds: the same batch and update

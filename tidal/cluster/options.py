@@ -4,13 +4,21 @@ weight-sync transport (`tidal.roles`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from tidal.backends import DEVICES, TRANSPORTS, EngineKind
+from tidal.backends import DEVICES, IN_PROCESS, RAY, TRANSPORTS, EngineKind
 from tidal.options import Need, one_of, opt
 
 
 @dataclass
 class ClusterConfig:
+    ray: bool | str = opt(
+        "auto",
+        "auto | true | false: whether the run uses Ray (tidal starts it on this machine, or joins cluster.address). "
+        "auto: when cluster.trainers > 1, cluster.engines > 1 (of a kind that runs Ray actors) or cluster.address is "
+        "set; true: also for 1 trainer + 1 engine, to rehearse a cluster layout on one machine; false: never (one "
+        "trainer and one engine in this process)",
+    )
     trainers: int = opt(1, "trainer ranks: more than 1 trains with FSDP2 over torch.distributed (gloo/NCCL) on Ray")
     engines: int = opt(1, "rollout engines: more than 1 run as Ray actors behind the router")
     colocate: bool = opt(
@@ -57,12 +65,50 @@ class ClusterConfig:
     )
 
     def uses_ray(self, kind: EngineKind) -> bool:
-        """Whether the run starts (or joins) Ray with engines of `kind`: for trainer ranks, for
-        engine actors (a kind that runs them, several of it), or because `address` names a cluster.
-        Servers (remote, SGLang) are processes of their own, not Ray actors."""
+        """Whether the run starts (or joins) Ray with engines of `kind`: as `ray` says when it is
+        true or false; with `auto`, for trainer ranks, for engine actors (a kind that runs them,
+        several of it), or because `address` names a cluster. Servers (remote, SGLang) are
+        processes of their own, not Ray actors."""
+        if isinstance(self.ray, bool):
+            return self.ray
         return self.trainers > 1 or (self.engines > 1 and kind.ray_actors) or bool(self.address)
 
+    def moves(self, kind: EngineKind) -> dict[str, dict[str, Any]]:
+        """The option settings that would put this run's engines of `kind` at each placement they
+        can reach by changing the cluster alone (`tidal.backends.resolve_sync` names them as the
+        fix for a transport that does not reach where the engines are). Servers stay servers."""
+        if kind.servers:
+            return {}
+        here: dict[str, Any] = {}  # one engine in this process, beside one trainer
+        if self.ray is True:
+            here["cluster.ray"] = False
+        if self.trainers > 1:
+            here["cluster.trainers"] = 1
+        if self.engines > 1:
+            here["cluster.engines"] = 1
+        if self.address:
+            here["cluster.address"] = None
+        out = {IN_PROCESS: here}
+        if kind.ray_actors:
+            out[RAY] = {"cluster.ray": True}
+        return out
+
     def check(self, need: Need) -> None:
+        need(
+            isinstance(self.ray, bool) or self.ray == "auto",
+            f"cluster.ray: one of auto, true, false, got {self.ray!r}",
+        )
+        off = self.ray is False
+        need(
+            not (off and self.trainers > 1),
+            f"cluster.ray: false trains in this process, and cluster.trainers {self.trainers} run as ranks on Ray; "
+            "set cluster.ray auto (or true), or cluster.trainers 1",
+        )
+        need(
+            not (off and self.address),
+            f"cluster.ray: false runs without Ray, and cluster.address {self.address!r} names a Ray cluster to join; "
+            "set cluster.ray auto (or true), or leave cluster.address unset",
+        )
         one_of(need, "cluster.device", self.device, DEVICES)
         need(self.trainers >= 1, f"cluster.trainers: must be >= 1, got {self.trainers}")
         need(self.engines >= 1, f"cluster.engines: must be >= 1, got {self.engines}")
