@@ -158,7 +158,7 @@ def test_config_file_errors_exit_2(fake_loop, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  lrr: 1.0e-5\n")
     assert main(["train", "--config", str(path)]) == 2
-    assert capsys.readouterr().err == (f"tidal train: {path}: unknown option 'train.lrr'; did you mean 'train.lr'?\n")
+    assert capsys.readouterr().err == (f"tidal train: {path}:2: unknown option 'train.lrr'; did you mean 'train.lr'?\n")
     assert fake_loop == []
 
 
