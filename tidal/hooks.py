@@ -104,8 +104,7 @@ def check_user_code(cfg: Config) -> None:
             builtins = _builtins(option)
             if builtins is not None and value not in builtins:
                 errors.append(
-                    f"{option}: {value!r} is neither built in ({', '.join(builtins)}) nor a path to a function; "
-                    f"{FORMS}"
+                    f"{option}: {value!r} is neither built in ({', '.join(builtins)}) nor a path to a function; {FORMS}"
                 )
             continue
         try:
