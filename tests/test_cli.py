@@ -158,7 +158,7 @@ def test_config_file_errors_exit_2(fake_loop, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  lrr: 1.0e-5\n")
     assert main(["train", "--config", str(path)]) == 2
-    assert capsys.readouterr().err == (f"tidal train: {path}: unknown option 'train.lrr'; did you mean 'train.lr'?\n")
+    assert capsys.readouterr().err == (f"tidal train: {path}:2: unknown option 'train.lrr'; did you mean 'train.lr'?\n")
     assert fake_loop == []
 
 
@@ -215,3 +215,155 @@ def test_serve_takes_its_limit_on_weight_bodies(monkeypatch):
     assert main(["serve", "m", "--max-weights-body-bytes", "200000000"]) == 0
     assert main(["serve", "m"]) == 0
     assert [c.max_weights_body_bytes for c in served] == [200_000_000, 64 * 2**20]
+
+
+# --- unknown options: nearest by spelling and by meaning ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # other frameworks' names for tidal's options, in the group the user guessed or none
+        (["--train.learning_rate", "1e-5"], "unknown option '--train.learning_rate'; did you mean '--train.lr'?"),
+        (["--num_generations=8"], "unknown option '--num_generations'; did you mean '--rollout.n_samples_per_prompt'?"),
+        (
+            ["--train.max_completion_length=64"],
+            "unknown option '--train.max_completion_length'; did you mean '--rollout.max_new_tokens'?",
+        ),
+        (["--beta=0.04"], "unknown option '--beta'; did you mean '--algo.kl_coef'?"),
+        (["--model_name_or_path=x"], "unknown option '--model_name_or_path'; did you mean '--train.model'?"),
+        # a real key's last part without its group
+        (["--temperature=0.7"], "unknown option '--temperature'; did you mean '--sampling.temperature'?"),
+        (
+            ["--seed=1"],
+            "unknown option '--seed'; did you mean one of '--data.seed', '--sampling.seed', '--train.seed', "
+            "'--eval.seed'?",
+        ),
+        (
+            ["--batch_size=8"],
+            "unknown option '--batch_size'; did you mean one of '--rollout.rollout_batch_size', "
+            "'--train.global_batch_size'?",
+        ),
+    ],
+)
+def test_an_unknown_option_is_one_line_naming_what_it_means(fake_loop, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"tidal train: error: {message}\n"  # one line: no usage dump
+    assert fake_loop == []
+
+
+def test_unknown_keys_in_a_yaml_file_name_the_file_line_and_nearest_option(fake_loop, tmp_path, capsys):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("num_generations: 8\ntrain:\n  lr: 1.0e-6\n  learning_rate: 1.0e-5\n  lrr: 2\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"tidal train: {path}:1: unknown option 'num_generations'; did you mean 'rollout.n_samples_per_prompt'?\n"
+        f"{path}:4: unknown option 'train.learning_rate'; did you mean 'train.lr'?\n"
+        f"{path}:5: unknown option 'train.lrr'; did you mean 'train.lr'?\n"
+    )
+    assert fake_loop == []
+
+
+def test_every_alias_names_real_options():
+    from tidal.aliases import ALIASES
+    from tidal.config import KEYS
+
+    assert ALIASES and all(targets and set(targets) <= set(KEYS) for targets in ALIASES.values())
+    assert not set(ALIASES) & set(KEYS)  # a real key is never an alias
+
+
+# --- each command's own options ------------------------------------------------------------------
+
+
+def config_options(help_text: str) -> set[str]:
+    return {word for word in help_text.split() if word.startswith("--") and "." in word}
+
+
+def test_eval_help_shows_only_the_options_scoring_reads(capsys):
+    from tidal.cli import COMMAND_OPTIONS
+    from tidal.config import KEYS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tidal eval MODEL [--config FILE]")
+    shown = config_options(out)
+    declared = COMMAND_OPTIONS["eval"]
+    assert shown == {f"--{k}" for k in KEYS if k in declared or k.partition(".")[0] in declared}
+    assert {"--reward.fn", "--engine.kind", "--sampling.top_p", "--eval.datasets", "--cluster.device"} <= shown
+    assert not {"--train.lr", "--algo.kl_coef", "--cluster.trainers", "--rollout.rollout_batch_size"} & shown
+    assert "--greedy" in out and "--num-prompts N" in out
+    assert "score the first N prompts of each set\n" in out  # its help says what unset means: no "(default: None)"
+
+
+def test_train_help_has_a_short_usage_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "usage: tidal train [--config FILE] [--resume] [--allow-config-change] [--GROUP.KEY VALUE ...]"
+    )
+
+
+def test_eval_names_a_training_option_it_does_not_take(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "model", "--train.lr=1e-5", "--cluster.trainers=2"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "tidal eval: error: option '--train.lr' is not used by tidal eval (it reads no train options; see tidal "
+        "eval --help)\n"
+        "tidal eval: error: option '--cluster.trainers' is not used by tidal eval (of the cluster group it reads "
+        "only --cluster.device; see tidal eval --help)\n"
+    )
+
+
+# --- tidal config --------------------------------------------------------------------------------
+
+
+def test_tidal_config_prints_a_yaml_file_that_reads_back_to_the_same_config(tmp_path, capsys, monkeypatch):
+    from tidal.config import build_config
+
+    monkeypatch.delenv("TIDAL_API_KEY", raising=False)
+    base = tmp_path / "base.yaml"
+    base.write_text("train:\n  lr: 1.0e-5\n  num_steps: 7\nsampling:\n  stop: ['1e5', 'null']\n")
+    args = ["--rollout.n_samples_per_prompt=8", "--data.env_args={n: 40}", "--train.adam_betas=[0.9, 0.95]"]
+    assert main(["config", "--config", str(base), *args]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("data:\n  path: env:arithmetic\n")
+    out = tmp_path / "resolved.yaml"
+    out.write_text(printed)
+    expected = build_config(str(base), {"rollout.n_samples_per_prompt": 8, "data.env_args": {"n": 40}})
+    expected.train.adam_betas = [0.9, 0.95]
+    assert build_config(str(out), {}) == expected
+    assert build_config(str(out), {}).sampling.stop == ["1e5", "null"]  # strings stay strings
+    assert main(["config", "--config", str(out)]) == 0
+    assert capsys.readouterr().out == printed  # a fixed point
+
+
+def test_tidal_config_leaves_a_secret_out_and_its_file_gives_it_back(tmp_path, capsys, monkeypatch):
+    from tidal.config import build_config
+
+    monkeypatch.delenv("TIDAL_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    assert main(["config", f"--engine.api_key_file={key_file}"]) == 0
+    printed = capsys.readouterr().out
+    assert "sk-from-file" not in printed
+    assert printed.endswith("# engine.api_key: set, not shown (a secret): give it by file or environment\n")
+    out = tmp_path / "resolved.yaml"
+    out.write_text(printed)
+    assert build_config(str(out), {}).engine.api_key == "sk-from-file"
+    assert main(["config", "--engine.api_key=sk-typed"]) == 0
+    assert "sk-typed" not in capsys.readouterr().out
+
+
+def test_tidal_config_checks_like_train(capsys):
+    assert main(["config", "--train.num_steps=0"]) == 2
+    assert capsys.readouterr().err == "tidal config: invalid config:\n  train.num_steps: must be >= 1, got 0\n"
+    assert main(["config", "--reward.fn=reverse"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "tidal config: invalid config:\n  reward.fn: 'reverse' is neither built in (math, exact_match, code_tests, "
+        "judge) nor a path to a function;"
+    )

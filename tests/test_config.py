@@ -175,7 +175,7 @@ def test_a_secret_of_the_wrong_type_is_refused_without_quoting_it(tmp_path):
     path = write(tmp_path, "engine:\n  api_key: 8675309\n")
     with pytest.raises(ConfigError) as err:
         build_config(str(path), {})
-    assert str(err.value) == f"{path}: engine.api_key: expected str or null, got a value of type int"
+    assert str(err.value) == f"{path}:2: engine.api_key: expected str or null, got a value of type int"
     assert "8675309" not in str(err.value)
 
 
@@ -277,7 +277,7 @@ def test_yaml_unknown_group_suggests(tmp_path):
     path = write(tmp_path, "trian:\n  lr: 1.0e-5\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    assert str(exc.value) == f"{path}: unknown config group 'trian'; did you mean 'train'?"
+    assert str(exc.value) == f"{path}:2: unknown config group 'trian'; did you mean 'train'?"
 
 
 def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
@@ -286,21 +286,21 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
         build_config(str(path), {})
     known = "data, rollout, sampling, engine, reward, judge, tools, agent, algo, train, cluster, overlap, log, eval, "
     known += "debug, sandbox"
-    assert str(exc.value) == f"{path}: unknown config group 'zzzzzz'; known: {known}"
+    assert str(exc.value) == f"{path}:2: unknown config group 'zzzzzz'; known: {known}"
 
 
 def test_yaml_unknown_key_suggests(tmp_path):
     path = write(tmp_path, "train:\n  lrr: 1.0e-5\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    assert str(exc.value) == f"{path}: unknown option 'train.lrr'; did you mean 'train.lr'?"
+    assert str(exc.value) == f"{path}:2: unknown option 'train.lrr'; did you mean 'train.lr'?"
 
 
 def test_yaml_wrong_type(tmp_path):
     path = write(tmp_path, 'train:\n  num_steps: "ten"\n')
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    assert str(exc.value) == f"{path}: train.num_steps: expected int, got 'ten'"
+    assert str(exc.value) == f"{path}:2: train.num_steps: expected int, got 'ten'"
 
 
 def test_yaml_collects_all_override_errors(tmp_path):
@@ -308,10 +308,10 @@ def test_yaml_collects_all_override_errors(tmp_path):
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
     assert str(exc.value).split("\n") == [
-        f"{path}: train.num_steps: expected int, got 'ten'",
-        f"{path}: unknown option 'train.lrr'; did you mean 'train.lr'?",
-        f"{path}: train.seed: expected int, got True",
-        f"{path}: algo.eps_clip_high: expected float or null, got 'x'",
+        f"{path}:2: train.num_steps: expected int, got 'ten'",
+        f"{path}:3: unknown option 'train.lrr'; did you mean 'train.lr'?",
+        f"{path}:4: train.seed: expected int, got True",
+        f"{path}:6: algo.eps_clip_high: expected float or null, got 'x'",
     ]
 
 
@@ -511,8 +511,8 @@ def test_an_option_that_moved_is_refused_naming_its_new_key(tmp_path):
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
     assert str(exc.value).split("\n") == [
-        f"{path}: rollout.temperature is now sampling.temperature; write it so",
-        f"{path}: rollout.reward is now reward.fn; write it so",
+        f"{path}:2: rollout.temperature is now sampling.temperature; write it so",
+        f"{path}:3: rollout.reward is now reward.fn; write it so",
     ]
     with pytest.raises(ConfigError, match=r"^command line: rollout.engine_urls is now engine.urls; write it so$"):
         build_config(None, {"rollout.engine_urls": ["http://127.0.0.1:1"]})

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import loop_config
 
+import tidal.cli
 import tidal.loop
 from tidal.convert import load_tokenizer
+from tidal.hooks import FORMS
 from tidal.options import ConfigError
 from tidal.run_dir import RunDirError
 from tidal.server.options import ServerConfig
@@ -117,6 +119,87 @@ def test_user_code_is_checked_before_the_model_loads(tmp_path):
                              "directory or PYTHONPATH) or path/to/file.py:fn")  # fmt: skip
     assert lines[2].startswith("  rollout.generate: cannot load 'also_missing_y:generate'")
     assert not out.exists()  # a failed start leaves no folder behind
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The loop's model and tokenizer loaders, made to fail the test when called; the calls made."""
+    calls = []
+
+    def loaded(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("a model or tokenizer was loaded")
+
+    monkeypatch.setattr(tidal.loop, "ensure_model", loaded)
+    monkeypatch.setattr(tidal.loop, "load_tokenizer", loaded)
+    return calls
+
+
+@pytest.fixture
+def user_project(tmp_path, monkeypatch):
+    """A user's folder as the working directory, with `myrl/rewards.py`; the import path and the
+    imported modules as they were afterwards (the command puts the working directory on it)."""
+    (tmp_path / "myrl").mkdir()
+    (tmp_path / "myrl" / "__init__.py").write_text("")
+    (tmp_path / "myrl" / "rewards.py").write_text("def reverse_reward(sample):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    yield tmp_path
+    for name in ("myrl", "myrl.rewards"):
+        sys.modules.pop(name, None)
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every path under `folder` with its bytes (None for a folder) and modification time."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_a_bad_reward_in_tidal_train_is_named_before_the_model_loads_and_makes_no_folder(
+    tiny_model_dir, user_project, no_model, capsys
+):
+    """The issue's case: `--reward.fn myrl.rewards:...` misspelt. The error names the option, the
+    path, where the module was looked for and the forms that work; the model was never loaded and
+    no folder was made (not even the parent `runs/`), so the corrected command simply starts."""
+    out = user_project / "runs" / "reverse"
+    assert tidal.cli.main(small_run(tiny_model_dir, out, "--reward.fn=myrl.reward:reverse_reward")) == 2
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "tidal train: invalid config:",
+        "  reward.fn: cannot load 'myrl.reward:reverse_reward': module 'myrl.reward' not found (No module named "
+        f"'myrl.reward'); looked in the working directory {user_project}, PYTHONPATH (unset) and the installed "
+        f"packages; {FORMS}",
+    ]
+    assert no_model == []
+    assert not (user_project / "runs").exists()
+    # spelt right, the module is found in the working directory and the run goes on to the model
+    with pytest.raises(AssertionError, match="a model or tokenizer was loaded"):
+        tidal.cli.main(small_run(tiny_model_dir, out, "--reward.fn=myrl.rewards:reverse_reward"))
+    assert len(no_model) == 1
+    assert not out.exists()  # that start failed too (the loader here refuses): nothing left behind
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_bad_hook_leaves_an_existing_run_folder_exactly_as_it_was(
+    tiny_model_dir, user_project, no_model, capsys, resume
+):
+    """A retry on a run's folder (with --resume, or a new run by mistake) with a hook that does not
+    load: refused naming the hook, every file and folder of the run untouched (bytes and times)."""
+    out = user_project / "run"
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "config.json").write_text('{"train": {"num_steps": 4}}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (out / "checkpoints" / "step_2" / "state.json").write_text('{"step": 2}\n')
+    before = snapshot(out)
+    extra = ["--rollout.generate=tools", "--tools.names=[calculator, myrl/tools.py:search]"]
+    assert tidal.cli.main(small_run(tiny_model_dir, out, *extra, *(["--resume"] if resume else []))) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"  tools.names: cannot load 'myrl/tools.py:search': file '{user_project}/myrl/tools.py' not found; {FORMS}"
+    )
+    assert no_model == []
+    assert snapshot(out) == before
 
 
 def test_a_start_the_engines_refuse_writes_nothing_and_the_corrected_run_starts(tiny_model_dir, tmp_path):

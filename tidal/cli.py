@@ -1,4 +1,5 @@
-"""`tidal train | eval | serve | convert | report`: parse arguments, build the config, call into the rest."""
+"""`tidal train | eval | config | serve | export | convert | report`: parse arguments, build the config,
+call into the rest."""
 
 from __future__ import annotations
 
@@ -7,13 +8,36 @@ import difflib
 import sys
 import textwrap
 
-from tidal.config import SECRET_FIELDS, add_config_arguments, build_config
+from tidal.config import GROUPS, KEYS, SECRET_FIELDS, add_config_arguments, build_config, unknown_key
 from tidal.options import ConfigError
 from tidal.server.options import ServerConfig
+from tidal.utils import put_cwd_on_path
+
+# The config options each command reads, as whole groups or single `group.key` fields: its --help
+# shows these and its command line takes these (a --config file may hold any). Declared, not
+# probed: a command that starts reading another group is added here with it.
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "train": tuple(GROUPS),
+    "config": tuple(GROUPS),
+    # what scores a model: the engine and its sampling, the rollout (generate function, tools,
+    # agent), the reward and what it needs (judge, sandbox), the sets and how their prompts are
+    # read, the device; not the loop's (rollout_batch_size, eval.interval) nor training's
+    "eval": (
+        *(f"data.{k}" for k in ("path", "env_args", "input_key", "label_key", "metadata_key")),
+        *(f"data.{k}" for k in ("apply_chat_template", "system_prompt", "max_prompt_length")),
+        *(f"rollout.{k}" for k in ("n_samples_per_prompt", "max_new_tokens", "generate", "max_turns")),
+        *(f"rollout.{k}" for k in ("max_response_tokens", "max_failed_ratio")),
+        *("sampling", "engine", "reward", "judge", "tools", "agent", "sandbox"),
+        *(f"eval.{k}" for k in ("datasets", "pass_k", "correct_threshold", "seed")),
+        "cluster.device",
+    ),
+}
+CONFIG_HELP = "YAML file of config groups; repeatable: a later file's values over an earlier one's"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Wraps help only at spaces: `log-prob` or `first-fit` split over two lines reads badly."""
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help only at spaces: `log-prob` or `first-fit` split over two lines reads badly. Each
+    config option's help names its default itself (`add_config_arguments`)."""
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
@@ -31,17 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="run RL (GRPO, PPO, ...) or SFT training",
+        # argparse's own usage line would list every option (a hundred lines before each error)
+        usage="tidal train [--config FILE] [--resume] [--allow-config-change] [--GROUP.KEY VALUE ...]",
         description="Run RL or SFT training. Options come from the defaults, then --config FILE, then "
-        "--group.key=value.",
+        "--group.key=value. `tidal config` prints the resolved config as YAML.",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # a typo like --train.num must not silently pick one of two options
     )
-    t.add_argument(
-        "--config",
-        action="append",
-        metavar="FILE",
-        help="YAML file of config groups; repeatable: a later file's values over an earlier one's",
-    )
+    t.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     t.add_argument(
         "--resume", action="store_true", help="continue from the newest complete checkpoint in train.output_dir"
     )
@@ -51,32 +72,45 @@ def _parser() -> argparse.ArgumentParser:
         help="with --resume: continue even where the config differs from the run's config.json in fields that "
         "change what it learns (model, data, algo, batch sizes, seeds...)",
     )
-    add_config_arguments(t)
+    add_config_arguments(t, COMMAND_OPTIONS["train"])
 
     e = sub.add_parser(
         "eval",
         help="score a model on a prompt set with a reward",
+        usage="tidal eval MODEL [--config FILE] [--dataset FILE|env:NAME] [--num-prompts N] [--n N] "
+        "[--temperature T] [--max-new-tokens N] [--k K,...] [--greedy] [--out FILE] [--GROUP.KEY VALUE ...]",
         description="Score MODEL on each --dataset (or eval.datasets, else the first 100 prompts of data.path) "
         "and print a table: mean reward, pass@k, response length. Sampling and reward come from the rollout "
-        "options; --greedy samples one response at temperature 0.",
+        "options; --greedy samples one response at temperature 0. Only the config groups that scoring reads "
+        "are options here; a --config file may hold any (a training config as is).",
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
     e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
-    e.add_argument(
-        "--config",
-        action="append",
-        metavar="FILE",
-        help="YAML file of config groups; repeatable: a later file's values over an earlier one's",
-    )
+    e.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     e.add_argument("--dataset", action="append", metavar="FILE|env:NAME", help="an eval set (repeatable)")
-    e.add_argument("--num-prompts", type=int, help="score the first N prompts of each set")
-    e.add_argument("--n", type=int, help="samples per prompt of every set")
-    e.add_argument("--temperature", type=float, help="sampling temperature of every set")
-    e.add_argument("--max-new-tokens", type=int, help="longest response of every set")
-    e.add_argument("--k", type=_int_list, help="pass@k values, e.g. 1,4,8")
+    e.add_argument("--num-prompts", type=int, metavar="N", help="score the first N prompts of each set")
+    e.add_argument("--n", type=int, metavar="N", help="samples per prompt of every set")
+    e.add_argument("--temperature", type=float, metavar="T", help="sampling temperature of every set")
+    e.add_argument("--max-new-tokens", type=int, metavar="N", help="longest response of every set")
+    e.add_argument("--k", type=_int_list, metavar="K,...", help="pass@k values, e.g. 1,4,8")
     e.add_argument("--greedy", action="store_true", help="one response per prompt at temperature 0")
-    e.add_argument("--out", help="also write the result as JSON to this file")
-    add_config_arguments(e)
+    e.add_argument("--out", metavar="FILE", help="also write the result as JSON to this file")
+    add_config_arguments(e, COMMAND_OPTIONS["eval"])
+
+    g = sub.add_parser(
+        "config",
+        help="print the resolved config as YAML (itself a --config file)",
+        usage="tidal config [--config FILE] [--GROUP.KEY VALUE ...]",
+        description="Print the config `tidal train` would run with the same --config files and options: the "
+        "defaults, then each --config FILE, then --group.key=value, checked as train checks them (user code "
+        "included). The output is a YAML file `tidal train --config` reads back to the same config; a secret "
+        "given on the command line is left out.",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
+    )
+    g.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
+    add_config_arguments(g, COMMAND_OPTIONS["config"])
 
     x = sub.add_parser(
         "export",
@@ -184,9 +218,13 @@ def _serve(args) -> int:
     return 0
 
 
-def _reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
-    """argparse's "unrecognized arguments", with the closest known option for each `--name`."""
+def _reject_unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """Exit 2 naming each unknown `--name` with what it most likely means: a flag of the command
+    (a typo), a config option by spelling or by meaning (`tidal.aliases`), or a config option
+    the command does not take. No usage dump: the command's --help lists its options."""
     options = [o for o in parser._option_string_actions if o.startswith("--")]
+    flags = [o for o in options if "." not in o]
+    keys = [o[2:] for o in options if "." in o]
     hints = []
     for i, arg in enumerate(extra):
         name = arg.split("=", 1)[0]
@@ -194,17 +232,27 @@ def _reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
             if i == 0 or not extra[i - 1].startswith("--") or "=" in extra[i - 1]:  # else: the typo's value
                 hints.append(f"unexpected argument {arg!r}")
             continue
-        close = difflib.get_close_matches(name, options, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"see tidal {parser.prog.split()[-1]} --help"
-        hints.append(f"unknown option {name!r}; {hint}")
-    parser.error("\n".join(hints))
+        dotted = name[2:]
+        flag = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+        if dotted in KEYS:  # a real option this command does not read
+            group = dotted.partition(".")[0]
+            mine = [f"--{k}" for k in keys if k.startswith(f"{group}.")]
+            reads = f"of the {group} group it reads only {', '.join(mine)}" if mine else f"it reads no {group} options"
+            hints.append(f"option {name!r} is not used by tidal {command} ({reads}; see tidal {command} --help)")
+        elif flag and "." not in dotted:
+            hints.append(f"unknown option {name!r}; did you mean {flag[0]!r}?")
+        else:
+            hint = unknown_key(dotted, "--", keys)
+            hints.append(hint if "did you mean" in hint else f"unknown option {name!r}; see tidal {command} --help")
+    parser.exit(2, "".join(f"{parser.prog}: error: {h}\n" for h in hints))
 
 
 def main(argv: list[str] | None = None) -> int:
+    put_cwd_on_path()  # user code (`--reward.fn myrl.rewards:fn`) is found where the command runs
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        _reject_unknown(parser.commands[args.command], extra)
+        _reject_unknown(parser.commands[args.command], args.command, extra)
     if args.command == "convert":
         from tidal.convert import SMOLLM2_GGUF, convert_gguf, default_cache_dir, smollm2_gguf_path
 
@@ -261,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "eval":
         return _eval(cfg, args)
+    if args.command == "config":
+        return _print_config(cfg)
     from tidal.log import setup_logging
     from tidal.loop import train
     from tidal.types import InputError, RunStopped
@@ -281,6 +331,20 @@ def main(argv: list[str] | None = None) -> int:
         where = f"the newest checkpoint is {newest}: continue with --resume" if newest else "no checkpoint was saved"
         print(f"tidal train: stopped by Ctrl-C (SIGINT); {where}", file=sys.stderr)
         return 130
+    return 0
+
+
+def _print_config(cfg) -> int:
+    """`tidal config`: the config as YAML on stdout, once its user code has loaded."""
+    from tidal.config import config_yaml
+    from tidal.hooks import check_user_code
+
+    try:
+        check_user_code(cfg)
+    except ConfigError as e:
+        print(f"tidal config: {e}", file=sys.stderr)
+        return 2
+    print(config_yaml(cfg), end="")
     return 0
 
 

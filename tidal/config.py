@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -33,12 +34,13 @@ import yaml
 
 from tidal.adapters.options import API_KEY_ENV, EngineConfig
 from tidal.algo.options import AlgoConfig
+from tidal.aliases import ALIASES
 from tidal.backends import ENGINES, IN_PROCESS, PLACEMENTS, RAY, EngineKind, Transport, engine_kind, resolve_sync
 from tidal.cluster.options import ClusterConfig
 from tidal.data.options import DataConfig
 from tidal.eval_sets import EvalConfig
 from tidal.log import LogConfig
-from tidal.options import ConfigError, Need, coerce, opt, type_name, unknown_name
+from tidal.options import ConfigError, Need, coerce, did_you_mean, nearest_names, opt, type_name, unknown_name
 from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
 from tidal.rollout.options import AgentConfig, OverlapConfig, RolloutConfig, SamplingConfig, ToolsConfig
 from tidal.train.options import TrainConfig
@@ -131,6 +133,8 @@ class Config:
 
 GROUPS: list[str] = [f.name for f in dataclasses.fields(Config)]
 _GROUP_TYPES = typing.get_type_hints(Config)
+# every option as `group.key`, in --help order
+KEYS: list[str] = [f"{g}.{f.name}" for g in GROUPS for f in dataclasses.fields(_GROUP_TYPES[g])]
 
 # Options that moved to a group of their own: a YAML file or command line naming the old key is
 # refused with the new one named; a run folder's config.json written before is read as the new
@@ -225,56 +229,127 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `1e-6` (no dot) as a float, as YAML 1.2 does; PyYAML reads it as a str."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+_FLOAT_NO_DOT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_NO_DOT, list("-+0123456789"))
 
 
-def apply_overrides(cfg: Config, values: dict[str, Any], source: str) -> None:
-    """Set `group.key` entries (a flat dict) on `cfg`, type-checked; errors name `source`."""
+def unknown_key(dotted: str, prefix: str = "", known: list[str] | None = None) -> str:
+    """`unknown option 'x'` with the options of `known` (default: every option) it most likely
+    means, by spelling or by meaning (`tidal.aliases`): `train.lrr` and `train.learning_rate` both
+    get `train.lr`. `prefix` is how the caller spells an option (`--` on the command line)."""
+    known = KEYS if known is None else known
+    group, _, key = dotted.partition(".")
+    if key and group not in GROUPS:
+        close = difflib.get_close_matches(group, GROUPS, n=1)
+        if close and f"{close[0]}.{key}" in known:  # a misspelt group of a real key: the group is the typo
+            return f"unknown config group {group!r}; did you mean {close[0]!r}?"
+    names = nearest_names(dotted, known, ALIASES)
+    if names:
+        return f"unknown option {prefix + dotted!r}; {did_you_mean(names, prefix)}"
+    in_group = [prefix + k for k in known if k.startswith(f"{group}.")]
+    if in_group:
+        return unknown_name("option", prefix + dotted, in_group)
+    if key and group not in GROUPS:
+        return unknown_name("config group", group, list(GROUPS))
+    return f"unknown option {prefix + dotted!r}"
+
+
+def apply_overrides(cfg: Config, values: dict[str, Any], source: str, lines: dict[str, int] | None = None) -> None:
+    """Set `group.key` entries (a flat dict) on `cfg`, type-checked; errors name `source` (a file,
+    with the key's line from `lines` where known, or "command line")."""
     errors = []
+    lines = lines or {}
     for dotted, value in values.items():
+        where = f"{source}:{lines[dotted]}" if dotted in lines else source
         if dotted in RENAMED:
-            errors.append(f"{source}: {dotted} is now {RENAMED[dotted]}; write it so")
+            errors.append(f"{where}: {dotted} is now {RENAMED[dotted]}; write it so")
             continue
         group, _, key = dotted.partition(".")
-        if group not in GROUPS:
-            errors.append(f"{source}: {unknown_name('config group', group, list(GROUPS))}")
-            continue
-        hints = typing.get_type_hints(_GROUP_TYPES[group])
+        hints = typing.get_type_hints(_GROUP_TYPES[group]) if group in GROUPS else {}
         if key not in hints:
-            errors.append(f"{source}: {unknown_name('option', dotted, [f'{group}.{k}' for k in hints])}")
+            errors.append(f"{where}: {unknown_key(dotted)}")
             continue
         try:
             setattr(getattr(cfg, group), key, coerce(dotted, value, hints[key]))
         except ConfigError as e:
             # for a secret the message names the type it got, never the value
             hidden = f"{dotted}: expected {type_name(hints[key])}, got a value of type {type(value).__name__}"
-            errors.append(f"{source}: {hidden if dotted in SECRET_FIELDS else e}")
+            errors.append(f"{where}: {hidden if dotted in SECRET_FIELDS else e}")
     if errors:
         raise ConfigError("\n".join(errors))
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config into a flat `{group.key: value}` dict."""
+    return read_yaml(path)[0]
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read a YAML config into a flat `{group.key: value}` dict and the line of each key. A
+    top-level key that is not a group and holds a single value (`learning_rate: 1e-5`) is kept as
+    it is, for `apply_overrides` to name the option it means."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
     try:
-        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
+        raw = yaml.load(text, Loader=_Loader) or {}
+        node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of config groups at the top level")
-    flat = {}
+    flat, lines = {}, _key_lines(node)
     for group, body in raw.items():
         if not isinstance(body, dict):
-            raise ConfigError(f"{path}: group {group!r} must be a mapping of options, got {body!r}")
+            if group in GROUPS or "." in str(group):
+                raise ConfigError(f"{path}: group {group!r} must be a mapping of options, got {body!r}")
+            flat[str(group)] = body
+            continue
         for key, value in body.items():
             flat[f"{group}.{key}"] = value
-    return flat
+    return flat, lines
+
+
+def _key_lines(node: yaml.Node | None) -> dict[str, int]:
+    """`group.key` (and a lone top-level key) -> its line in the file, from the YAML node tree."""
+    lines: dict[str, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for group_node, body in node.value:
+        group = str(group_node.value)
+        lines[group] = group_node.start_mark.line + 1
+        if isinstance(body, yaml.MappingNode):
+            for key_node, _ in body.value:
+                lines[f"{group}.{key_node.value}"] = key_node.start_mark.line + 1
+    return lines
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes a string `_Loader` would read as a float (`1e5`), so what it writes
+    reads back as it was."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_NO_DOT, list("-+0123456789"))
+
+
+def config_yaml(cfg: Config) -> str:
+    """The config as a YAML file `--config` reads back to the same config: every group and key,
+    with a set secret left out (a comment names it: give it again by file or environment; its
+    file option, when that is how it came, is in the YAML and gives it again)."""
+    data = cfg.to_dict()
+    hidden = []
+    for name in sorted(SECRET_FIELDS):
+        group, _, key = name.partition(".")
+        if data[group].get(key) == REDACTED:
+            del data[group][key]
+            hidden.append(name)
+    groups = [
+        yaml.dump({group: body}, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+        for group, body in data.items()
+    ]
+    notes = "".join(f"# {name}: set, not shown (a secret): give it by file or environment\n" for name in hidden)
+    return "\n".join(groups) + notes
 
 
 def parse_value(text: str) -> Any:
@@ -285,13 +360,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--group.key` option per config field, with its default and help in `--help`."""
+def add_config_arguments(parser: argparse.ArgumentParser, options: tuple[str, ...] | list[str] = tuple(GROUPS)) -> None:
+    """One `--group.key` option per config field of `options` (whole groups, or single
+    `group.key` fields), with its default and help in `--help`."""
     defaults = Config()
     for group in GROUPS:
+        fields = [
+            f
+            for f in dataclasses.fields(getattr(defaults, group))
+            if group in options or f"{group}.{f.name}" in options
+        ]
+        if not fields:
+            continue
         grp = parser.add_argument_group(f"{group} options")
         hints = typing.get_type_hints(_GROUP_TYPES[group])
-        for f in dataclasses.fields(getattr(defaults, group)):
+        for f in fields:
             default = getattr(getattr(defaults, group), f.name)
             grp.add_argument(
                 f"--{group}.{f.name}",
@@ -314,7 +397,8 @@ def build_config(
     cfg = Config()
     files = config_files if isinstance(config_files, list) else [config_files] if config_files else []
     for path in files:
-        apply_overrides(cfg, load_yaml(path), str(path))
+        values, lines = read_yaml(path)
+        apply_overrides(cfg, values, str(path), lines)
     apply_overrides(cfg, cli_values, "command line")
     validate(cfg, for_training)
     read_secrets(cfg)

@@ -94,6 +94,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     if cfg.sandbox.backend is not None:  # the code sandbox of rewards and tools, here and in workers
         set_default_backend(cfg.sandbox.backend)
     check_run(cfg.runs_model_code, cfg.sandbox.backend)  # bubblewrap usable where model-written code runs
+    check_user_code(cfg)  # the rewards, generate functions, filters...: before any model, and the folder untouched
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     random.seed(t_cfg.seed)
@@ -102,7 +103,6 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
     with RunFolder(out_dir) as folder:  # this run's alone; a start that fails leaves it as it was
         cfg, precision = resolve_precision(cfg)
         ckpt = check_run_dir(cfg, resume, allow_config_change)
-        check_user_code(cfg)  # the rewards, generate functions, filters the config names: before any model
 
         model_dir = ensure_model(t_cfg.model)
         tokenizer = load_tokenizer(model_dir)

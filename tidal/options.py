@@ -13,14 +13,30 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ConfigError", "Need", "coerce", "is_dotted", "one_of", "opt", "type_name", "unknown_name"]
+__all__ = [
+    "USER_CODE",
+    "ConfigError",
+    "Need",
+    "coerce",
+    "did_you_mean",
+    "is_dotted",
+    "nearest_names",
+    "one_of",
+    "opt",
+    "type_name",
+    "unknown_name",
+]
 
 # `need(ok, message)`: when `ok` is false, `message` (`group.key: what is wrong; what to do`) is
 # one of the problems `tidal.config.validate` reports together
 Need = Callable[[bool, str], None]
+
+
+# how an option names user code, in every such option's help and in the errors of `tidal.hooks`
+USER_CODE = "pkg.module:fn (a module importable from the working directory or PYTHONPATH) or path/to/file.py:fn"
 
 
 class ConfigError(ValueError):
@@ -55,6 +71,43 @@ def unknown_name(kind: str, name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
     return f"unknown {kind} {name!r}{hint}"
+
+
+def nearest_names(name: str, known: Sequence[str], aliases: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+    """The `group.key` names of `known` that an unknown `name` most likely means, best first;
+    empty when nothing is near. `name` may come with dashes (`--train-lr`), without its group
+    (`lr`) or in another framework's words: `aliases` maps such a word (`learning_rate`) or dotted
+    name (`data.train_batch_size`) to what it means here.
+
+    Tried in order, the first that finds something wins: an alias of the whole name or of its last
+    part; known names with the same last part (`--seed`: every group's seed); a misspelling of a
+    known name (`train.lrr`); a misspelling of an alias or of a known last part."""
+    aliases = aliases or {}
+    norm = name.strip().lstrip("-").replace("-", "_").lower()
+    leaf = norm.rpartition(".")[2]
+    if norm in known:
+        return [norm]
+    for word in (norm, leaf):
+        if word in aliases:
+            return [k for k in aliases[word] if k in known]
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf
+    close = difflib.get_close_matches(norm, known, n=1)
+    if close:
+        return close
+    by_leaf: dict[str, list[str]] = {}
+    for k in known:
+        by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+    for word in difflib.get_close_matches(leaf, [*aliases, *by_leaf], n=1, cutoff=0.8):
+        return [k for k in aliases[word] if k in known] if word in aliases else by_leaf[word]
+    return []
+
+
+def did_you_mean(names: Sequence[str], prefix: str = "") -> str:
+    """`did you mean 'a'?` or `did you mean one of 'a', 'b'?`, each name with `prefix` (`--`)."""
+    quoted = ", ".join(repr(prefix + n) for n in names)
+    return f"did you mean {'one of ' if len(names) > 1 else ''}{quoted}?"
 
 
 def coerce(name: str, value: Any, tp: Any) -> Any:

@@ -21,7 +21,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "fsync_tree",
+    "import_path_env",
     "load_object",
+    "put_cwd_on_path",
     "remove_stale_temps",
 ]
 
@@ -34,6 +36,49 @@ def _is_missing(err: ModuleNotFoundError, candidate: str) -> bool:
     """
     name = err.name or ""
     return bool(name) and (candidate == name or candidate.startswith(name + "."))
+
+
+def _on_path(folder: str) -> bool:
+    """Whether `folder` is an entry of the import path ('' stands for the working directory)."""
+    return any(os.path.abspath(p or os.curdir) == folder for p in sys.path)
+
+
+def _searched() -> str:
+    """Where a module that is not found was looked for, for the error: the working directory (when
+    it is on the import path), PYTHONPATH and the installed packages."""
+    cwd = os.getcwd()
+    pythonpath = os.environ.get("PYTHONPATH") or "unset"
+    if _on_path(cwd):
+        return f"looked in the working directory {cwd}, PYTHONPATH ({pythonpath}) and the installed packages"
+    return (
+        f"looked in PYTHONPATH ({pythonpath}) and the installed packages; the working directory {cwd} is not on "
+        "the import path"
+    )
+
+
+def put_cwd_on_path() -> None:
+    """Put the working directory first on the import path, as `python -m` does: `tidal train
+    --reward.fn myrl.rewards:fn` finds `myrl/` where the command runs, though the `tidal` script's
+    own folder is what Python put there."""
+    cwd = os.getcwd()
+    if not _on_path(cwd):
+        sys.path.insert(0, cwd)
+
+
+def import_path_env() -> str:
+    """A PYTHONPATH for a process tidal starts apart from this one (a Ray actor), so that it finds
+    the user code this process finds: each import-path entry that is not the interpreter's own (the
+    working directory, PYTHONPATH, folders a script or test added), in order, then $PYTHONPATH."""
+    own = [p for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix} if p]
+    entries = []
+    for p in sys.path:
+        p = os.path.abspath(p or os.curdir)
+        if any(p == o or p.startswith(o.rstrip(os.sep) + os.sep) for o in own) or not os.path.isdir(p):
+            continue  # the standard library and site-packages: the other process has its own
+        if p not in entries:
+            entries.append(p)
+    extra = [p for p in (os.environ.get("PYTHONPATH") or "").split(os.pathsep) if p and p not in entries]
+    return os.pathsep.join(entries + extra)
 
 
 def load_object(path: str, *, callable_required: bool = False) -> Any:
@@ -55,9 +100,11 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
         raise ValueError(f"cannot load object from {path!r}: expected 'pkg.module:name' or 'pkg.module.name'")
     path = path.strip()
 
+    shown = None  # how the module is named in errors, when not by its module name
     if ":" in path and path.partition(":")[0].endswith(".py"):
         module_name, attrs = _import_file(path)
         module = sys.modules[module_name]
+        shown = module.__file__
     elif ":" in path:
         module_name, _, attr_chain = path.partition(":")
         attrs = attr_chain.split(".")
@@ -67,7 +114,7 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if _is_missing(e, module_name):
-                raise ImportError(f"cannot load {path!r}: module {module_name!r} not found ({e})") from e
+                raise ImportError(f"cannot load {path!r}: module {module_name!r} not found ({e}); {_searched()}") from e
             raise ImportError(f"cannot load {path!r}: importing module {module_name!r} failed: {e}") from e
         except ImportError as e:
             raise ImportError(f"cannot load {path!r}: importing module {module_name!r} failed: {e}") from e
@@ -91,10 +138,10 @@ def load_object(path: str, *, callable_required: bool = False) -> Any:
             module_name, attrs = candidate, parts[split:]
             break
         if module is None:
-            raise ImportError(f"cannot load {path!r}: module {parts[0]!r} not found")
+            raise ImportError(f"cannot load {path!r}: module {parts[0]!r} not found; {_searched()}")
 
     obj: Any = module
-    owner = module_name
+    owner = shown or module_name
     for attr in attrs:
         try:
             obj = getattr(obj, attr)

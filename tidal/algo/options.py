@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.options import Need, is_dotted, one_of, opt
+from tidal.options import USER_CODE, Need, is_dotted, one_of, opt
 
 ESTIMATORS = (
     "grpo",
@@ -33,10 +33,15 @@ class AlgoConfig:
     mode: str = opt("rl", "rl (rollout + policy gradient) or sft (negative log-likelihood on data.path chats)")
     advantage: str = opt(
         "grpo",
-        "advantage estimator: " + " | ".join(ESTIMATORS) + " | a dotted path to fn(rewards, samples, group_size)",
+        "advantage estimator: "
+        + " | ".join(ESTIMATORS)
+        + f" | your own `advantage(rewards, mask, group_size, samples)` returning [N] or [N, R] advantages, given as "
+        f"{USER_CODE}",
     )
     policy_loss: str = opt(
-        "auto", "ppo | gspo | cispo | a dotted path (auto: gspo/cispo when algo.advantage names them, else ppo)"
+        "auto",
+        "ppo | gspo | cispo | your own `policy_loss(logp, old_logp, advantages, mask, algo)` returning (per-token "
+        f"loss, metrics dict), given as {USER_CODE} (auto: gspo/cispo when algo.advantage names them, else ppo)",
     )
     loss_agg: str = opt(
         "auto",
@@ -59,8 +64,8 @@ class AlgoConfig:
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts")
     dynamic_sampling_filter: str = opt(
         "",
-        "dynamic_sampling: a dotted path / file.py:fn to `fn(group: list[Sample]) -> bool` keeping a group or not, "
-        "instead of the built-in rule (rewards not all equal)",
+        "dynamic_sampling: your own `keep(group: list[Sample]) -> bool` keeping a group or not, instead of the "
+        f"built-in rule (rewards not all equal), given as {USER_CODE}",
     )
     max_sampling_rounds: int = opt(3, "rollout rounds per step to fill the batch when dynamic_sampling is on")
     oversample: float = opt(1.0, "prompts asked per round, as a multiple of the groups still missing")

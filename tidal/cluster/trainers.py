@@ -27,6 +27,7 @@ from tidal.train import lora
 from tidal.train.options import TrainConfig
 from tidal.train.update import Sums
 from tidal.types import Sample
+from tidal.utils import import_path_env
 
 log = logging.getLogger("tidal")
 STARTUP_TIMEOUT_S = 600.0  # ranks start (and meet) within this; their collectives then wait `timeout_s`
@@ -192,6 +193,13 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
+def rank_env(cluster: ClusterConfig) -> dict[str, str]:
+    """Environment of a trainer rank's Ray worker: its torch threads, and this process's import
+    path, so a user policy loss or advantage estimator (`algo.policy_loss: myrl.losses:fn`) found
+    here, in the working directory or a folder a script added, is found in the rank too."""
+    return {"OMP_NUM_THREADS": str(max(1, int(cluster.cpus_per_trainer))), "PYTHONPATH": import_path_env()}
+
+
 class TrainerGroup:
     """The trainer role over `cluster.trainers` rank actors (see the module docstring)."""
 
@@ -223,7 +231,7 @@ class TrainerGroup:
                 num_cpus=cluster.cpus_per_trainer,
                 num_gpus=actor_gpus(cluster)[0],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[r]),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cluster.cpus_per_trainer)))}},
+                runtime_env={"env_vars": rank_env(cluster)},
             ).remote(
                 r,
                 world,

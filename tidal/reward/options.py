@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from tidal.options import Need, is_dotted, opt
+from tidal.options import USER_CODE, Need, is_dotted, opt
 
 SANDBOX_BACKENDS = ("auto", "bwrap", "rlimits")
 SANDBOX_ENV = "TIDAL_SANDBOX_BACKEND"  # the process default backend; worker processes inherit it
@@ -17,13 +17,13 @@ SANDBOX_ENV = "TIDAL_SANDBOX_BACKEND"  # the process default backend; worker pro
 class RewardConfig:
     fn: str = opt(
         "math",
-        "math | exact_match | code_tests | judge (an LLM judge: the judge group) | a dotted path / file.py:fn to "
-        "`async def reward(sample)` returning a float or a dict",
+        "math | exact_match | code_tests | judge (an LLM judge: the judge group) | your own `reward(sample)` "
+        f"(sync or async) returning a float or a dict, given as {USER_CODE}",
     )
     group_fn: str = opt(
         "",
-        "a dotted path / file.py:fn to `async def group_reward(samples) -> list[float | dict]`, called once per "
-        "prompt's group (pairwise or ranking judges); scores instead of reward.fn",
+        "your own `group_reward(samples) -> list[float | dict]` (sync or async), called once per prompt's group "
+        f"(pairwise or ranking judges) and scoring instead of reward.fn, given as {USER_CODE}",
     )
     key: str = opt("score", "key of the scalar to train on when the reward returns a dict")
     timeout: float = opt(60.0, "seconds one reward call may take before it is retried or the sample fails")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.options import Need, is_dotted, one_of, opt
+from tidal.options import USER_CODE, Need, is_dotted, one_of, opt
 
 BUILTIN_GENERATE = ("single_turn", "tools", "agent")
 AGENT_SAMPLES = ("last", "first", "all")
@@ -21,8 +21,8 @@ class RolloutConfig:
     generate: str = opt(
         "single_turn",
         "how a prompt becomes samples: single_turn | tools (multi-turn tool loop: the tools group) | agent (the "
-        "agent door: the agent group) | a dotted path / file.py:fn to `async def generate(ctx, sample, sampling)`; "
-        "a prompt row may name its own in its metadata field `generate`",
+        "agent door: the agent group) | your own `async def generate(ctx, sample, sampling)` given as "
+        f"{USER_CODE}; a prompt row may name its own in its metadata field `generate`",
     )
     max_turns: int = opt(4, "tools and multi-turn generate functions: most assistant turns per sample")
     max_response_tokens: int = opt(
@@ -85,7 +85,9 @@ class ToolsConfig:
     """The built-in tool loop (`rollout.generate: tools`, `tidal.rollout.multi_turn`)."""
 
     names: list = opt(
-        ["calculator", "python"], "built-in tool names (calculator, python) or dotted paths to Python functions"
+        ["calculator", "python"],
+        "built-in tools (calculator, python) or your own functions (type-hinted parameters), each given as "
+        f"{USER_CODE}",
     )
     max_output_tokens: int = opt(256, "a tool's output is cut to this many tokens")
     timeout: float = opt(10.0, "seconds one tool call may take; then the model reads a timeout error")
@@ -100,7 +102,9 @@ class AgentConfig:
     """The agent door (`rollout.generate: agent`, `tidal.rollout.agent`)."""
 
     fn: str = opt(
-        "", "dotted path / file.py:fn to `async def agent(client, prompt, label)` (an openai.AsyncOpenAI client)"
+        "",
+        "your own `async def agent(client, prompt, label)` (client: an openai.AsyncOpenAI; prompt: a string or a list "
+        f"of chat messages) given as {USER_CODE}",
     )
     max_drift_tokens: int = opt(
         16, "a re-rendered history that differs only in tokenization over at most this many tokens is realigned"
@@ -139,9 +143,15 @@ class OverlapConfig:
         "tokens of a partial rollout sampled by older weights: correct (algo.is_correction re-weights them) | "
         "mask (not trained on)",
     )
-    buffer: str = opt("", "a dotted path to a buffer class (add, get, state_dict, load_state_dict); empty = built-in")
+    buffer: str = opt(
+        "",
+        "your own buffer class (add, get, state_dict, load_state_dict; made with no arguments) given as "
+        f"{USER_CODE}; empty = built-in",
+    )
     buffer_filter: str = opt(
-        "fifo", "which buffered groups train next: fifo | newest_first | reward_stratified | a dotted path"
+        "fifo",
+        "which buffered groups train next: fifo | newest_first | reward_stratified | your own "
+        f"`buffer_filter(groups, n, step) -> list[int]` given as {USER_CODE}",
     )
     wait_timeout: float = opt(1800.0, "seconds the trainer waits for a batch before the run stops")
 
