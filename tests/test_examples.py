@@ -118,3 +118,46 @@ def test_the_feedback_turns_example_trains_its_answers_not_the_feedback(monkeypa
     mask = sample.loss_mask
     assert mask[:first] == [1] * first and mask[-second:] == [1] * second  # the answers are trained on
     assert set(mask[first:-second]) == {0}  # the user's feedback between them is not
+
+
+def python_api_script():
+    """examples/python_api/train.py as a module: its main() runs only when called (it guards its entry point)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("python_api_train", ROOT / "examples/python_api/train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_python_api_example_trains_and_prints_each_steps_reward(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    script = python_api_script()
+    tiny = {
+        "train.model": str(tiny_model_dir),
+        "train.dtype": "float32",
+        "engine.dtype": "float32",
+        "train.num_threads": 0,  # leave the test process's threads as conftest set them
+        "rollout.max_new_tokens": 8,
+        "reward.fn": "conftest:token_parity_reward",
+        "log.tensorboard": "false",
+        "log.console": "false",
+    }
+    sets = [a for key, value in tiny.items() for a in ("--set", f"{key}={value}")]
+    out = tmp_path / "run"
+    assert script.main(["--steps", "2", "--out", str(out), *sets]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"2 steps into {out}"
+    assert [line.split(",")[0] for line in printed[1:]] == [
+        f"step {r['step']}: reward {r['reward/mean']:.3f}" for r in rows
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_the_python_api_example_prints_a_bad_option_as_the_command_line_does(capsys):
+    script = python_api_script()
+    assert script.main(["--set", "rollout.n_samples_per_prompt=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: invalid config:\n  rollout.n_samples_per_prompt: grpo compares samples")
