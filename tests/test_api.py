@@ -4,6 +4,7 @@ line builds, its error messages, and a run whose metrics come back to the caller
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,10 +97,10 @@ def test_an_unknown_option_is_named_as_in_a_config_file(tmp_path):
         tidal.make_config(overrides={"train.learning_rate": 1.0e-5})
     with pytest.raises(ConfigError) as from_group:
         tidal.make_config(train={"learning_rate": 1.0e-5})
-    file_message = str(from_file.value)
-    assert file_message.startswith(f"{path}: unknown option 'train.learning_rate'")
-    same = file_message.replace(str(path), "make_config", 1)
-    assert str(from_code.value) == same and str(from_group.value) == same
+    # a file's error starts with the file (and the key's line where the config reader knows it)
+    where, sep, what = str(from_file.value).partition(": unknown option 'train.learning_rate'")
+    assert sep and re.fullmatch(re.escape(str(path)) + r"(:2)?", where)
+    assert str(from_code.value) == f"make_config{sep}{what}" == str(from_group.value)
 
 
 def test_a_group_given_a_value_or_an_unknown_group_is_refused():
