@@ -157,7 +157,9 @@ def test_run_returns_each_steps_metrics_and_evaluate_matches_the_command(tiny_mo
     checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
     assert (checkpoint / "state.json").is_file()
 
-    eval_values = {**values, "rollout.max_new_tokens": 4}
+    # what scoring reads (the reward, the engine, the prompts), as `tidal eval` takes it
+    eval_values = {key: values[key] for key in ("reward.fn", "engine.dtype", "data.env_args")}
+    eval_values["rollout.max_new_tokens"] = 4
     result = tidal.evaluate(
         tidal.make_config(overrides=eval_values, for_training=False), checkpoint, 6, n=1, temperature=0.0
     )
