@@ -1,6 +1,8 @@
 """The examples as a user runs them: every example config is a valid config whose user code loads
-(from the checkout's root, as their READMEs run them), and the feedback-turns generate function
-trains on its answers and not on the user's feedback."""
+(from the checkout's root, or from its own folder where its README runs it there), the
+feedback-turns generate function trains on its answers and not on the user's feedback, the
+reverse-word task's data and reward (a module of the user's own) do what docs/your-task.md
+says, and the Python API example runs."""
 
 from __future__ import annotations
 
@@ -18,12 +20,69 @@ from tidal.rollout.options import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(ROOT.glob("examples/*/config.yaml"))
+# examples laid out as a user's own project: run from their folder, user code found from there
+RUN_IN_OWN_FOLDER = {"reverse_word"}
+REVERSE_WORD = ROOT / "examples" / "reverse_word"
+
+
+def enter(folder: Path, monkeypatch) -> None:
+    """Work in `folder` with it on the import path, as `tidal train` started there has it."""
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.parent.name for p in CONFIGS])
 def test_every_example_config_is_valid_and_its_user_code_loads(config, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    check_user_code(build_config(str(config.relative_to(ROOT)), {}))
+    if config.parent.name in RUN_IN_OWN_FOLDER:
+        enter(config.parent, monkeypatch)
+        check_user_code(build_config(config.name, {}))
+    else:
+        monkeypatch.chdir(ROOT)
+        check_user_code(build_config(str(config.relative_to(ROOT)), {}))
+
+
+def test_the_reverse_word_data_is_forty_words_each_labelled_with_its_reverse(monkeypatch):
+    from tidal.data.load import load_data
+
+    enter(REVERSE_WORD, monkeypatch)
+    # the test tokenizer spends a token per byte: room for the prompts SmolLM2 reads in ~60 tokens
+    cfg = build_config("config.yaml", {"data.max_prompt_length": 512})
+    records = load_data(cfg.data, make_tokenizer())
+    words = [r.metadata["word"] for r in records]
+    assert len(records) == 40 and len(set(words)) == 40
+    for r in records:
+        word = r.metadata["word"]
+        assert r.label == word[::-1] and isinstance(r.prompt, str) and f'"{word}"' in r.prompt
+        assert r.text.startswith("<|im_start|>user\n") and r.text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("response", "score", "parts"),
+    [
+        ("elppa", 1.0, {"exact": 1.0, "letters_in_place": 1.0, "short": 1.0}),
+        ('The word "apple" backwards is "elppa".', 1.0, {"exact": 1.0, "short": 0.0}),
+        ("elpap", 0.5 * 3 / 5 + 0.25, {"exact": 0.0, "letters_in_place": 3 / 5, "short": 1.0}),
+        ("apple", 0.5 * 1 / 5 + 0.25, {"exact": 0.0, "letters_in_place": 1 / 5, "short": 1.0}),
+        ("I cannot do that, sorry about it", 0.0, {"exact": 0.0, "letters_in_place": 0.0, "short": 0.0}),
+        ("", 0.0, {"exact": 0.0, "letters_in_place": 0.0, "short": 0.0}),
+        ("...", 0.0, {"exact": 0.0, "letters_in_place": 0.0, "short": 0.0}),
+    ],
+)
+def test_the_reverse_word_reward_scores_through_tidals_loader(response, score, parts, monkeypatch):
+    import asyncio
+
+    from tidal.reward.score import get_reward_fn, score_samples
+    from tidal.types import Sample, Status
+
+    enter(REVERSE_WORD, monkeypatch)
+    cfg = build_config("config.yaml", {})
+    reward = get_reward_fn(cfg.reward.fn, workers=0)  # a thread: the pool's processes are tested elsewhere
+    sample = Sample(prompt="p", response=response, label="elppa")
+    assert asyncio.run(score_samples([sample], reward)) == 0
+    assert sample.status == Status.COMPLETED
+    assert sample.reward["score"] == pytest.approx(score)
+    for key, value in parts.items():
+        assert sample.reward[key] == pytest.approx(value), key
 
 
 class Answers:
@@ -59,3 +118,46 @@ def test_the_feedback_turns_example_trains_its_answers_not_the_feedback(monkeypa
     mask = sample.loss_mask
     assert mask[:first] == [1] * first and mask[-second:] == [1] * second  # the answers are trained on
     assert set(mask[first:-second]) == {0}  # the user's feedback between them is not
+
+
+def python_api_script():
+    """examples/python_api/train.py as a module: its main() runs only when called (it guards its entry point)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("python_api_train", ROOT / "examples/python_api/train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_python_api_example_trains_and_prints_each_steps_reward(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    script = python_api_script()
+    tiny = {
+        "train.model": str(tiny_model_dir),
+        "train.dtype": "float32",
+        "engine.dtype": "float32",
+        "train.num_threads": 0,  # leave the test process's threads as conftest set them
+        "rollout.max_new_tokens": 8,
+        "reward.fn": "conftest:token_parity_reward",
+        "log.tensorboard": "false",
+        "log.console": "false",
+    }
+    sets = [a for key, value in tiny.items() for a in ("--set", f"{key}={value}")]
+    out = tmp_path / "run"
+    assert script.main(["--steps", "2", "--out", str(out), *sets]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"2 steps into {out}"
+    assert [line.split(",")[0] for line in printed[1:]] == [
+        f"step {r['step']}: reward {r['reward/mean']:.3f}" for r in rows
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_the_python_api_example_prints_a_bad_option_as_the_command_line_does(capsys):
+    script = python_api_script()
+    assert script.main(["--set", "rollout.n_samples_per_prompt=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: invalid config:\n  rollout.n_samples_per_prompt: grpo compares samples")

@@ -389,17 +389,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, options: tuple[str, ..
 
 
 def build_config(
-    config_files: str | Path | list[str | Path] | None, cli_values: dict[str, Any], for_training: bool = True
+    config_files: str | Path | list[str | Path] | None,
+    cli_values: dict[str, Any],
+    for_training: bool = True,
+    source: str = "command line",
 ) -> Config:
     """Defaults, then each YAML file in order (a later file's values over an earlier one's), then
-    command-line overrides; then validate, then read the secrets given by file or environment
-    (`read_secrets`)."""
+    command-line overrides (`source` names them in errors: `tidal.api.make_config` passes its
+    own); then validate, then read the secrets given by file or environment (`read_secrets`)."""
     cfg = Config()
     files = config_files if isinstance(config_files, list) else [config_files] if config_files else []
     for path in files:
         values, lines = read_yaml(path)
         apply_overrides(cfg, values, str(path), lines)
-    apply_overrides(cfg, cli_values, "command line")
+    apply_overrides(cfg, cli_values, source)
     validate(cfg, for_training)
     read_secrets(cfg)
     return cfg

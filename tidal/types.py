@@ -80,6 +80,13 @@ class RoutedExperts:
 class Sample:
     """One prompt + one sampled response, token-exact.
 
+    What a reward reads (`tidal.RewardFn`; docs/your-task.md lists every field): `prompt` is the
+    exact text the model saw (after the chat template), `response` the sampled text (special
+    tokens removed), `label` the row's label as the data file has it, `metadata` the row's
+    metadata dict plus `prompt_index` and what the generate function recorded, `status` how
+    generation ended, `reward` what a generate function or agent already set (else None),
+    `group_index` the prompt's group in the step and `index` the sample's position in it.
+
     `tokens` holds prompt then response ids; the last `response_length` of them are the response.
     `loss_mask`, `rollout_log_probs` and `token_versions` have one entry per response token: the
     mask is 0 on tokens the policy did not sample (tool output, user turns), the log-probs come

@@ -15,7 +15,7 @@ import asyncio
 import inspect
 from typing import Any
 
-from tidal.reward.checks import GroupRewardFn, check_reward, retryable
+from tidal.reward.checks import GroupRewardFn, GroupScoreFn, check_reward, retryable
 from tidal.reward.failures import ErrorLog
 from tidal.reward.pool import is_async_callable
 from tidal.types import Sample, Status
@@ -24,7 +24,7 @@ from tidal.utils import load_object
 __all__ = ["GroupRewardFn", "load_group_reward", "score_groups"]
 
 
-def load_group_reward(spec: str) -> GroupRewardFn:
+def load_group_reward(spec: str) -> GroupScoreFn:
     """The group reward at `spec` (``pkg.mod:fn``, ``pkg.mod.fn`` or ``file.py:fn``) as an async
     function. A sync function runs in a thread so it does not block the rollout's event loop (a
     timeout then marks the group failed but cannot stop the call)."""
@@ -64,7 +64,7 @@ def _check_group(value: Any, n: int, name: str) -> list[float | dict]:
 
 async def score_groups(
     samples: list[Sample],
-    group_fn: GroupRewardFn,
+    group_fn: GroupScoreFn,
     timeout: float | None = None,
     max_concurrency: int = 64,
     retries: int = 0,

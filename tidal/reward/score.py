@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from tidal.reward.checks import GroupRewardFn, RewardFn, check_reward, retryable
+from tidal.reward.checks import GroupScoreFn, ScoreFn, check_reward, retryable
 from tidal.reward.failures import ErrorLog, check_failed_ratio
 from tidal.reward.group import score_groups
 from tidal.reward.options import RewardConfig
@@ -31,7 +31,7 @@ BUILTIN_SAMPLE_REWARDS: dict[str, str] = {
 }
 
 
-def get_reward_fn(spec: str, workers: int = 0) -> RewardFn:
+def get_reward_fn(spec: str, workers: int = 0) -> ScoreFn:
     """Resolve a reward spec into an async function ``sample -> float | dict``.
 
     `spec` is either a name in `BUILTIN_REWARDS` (called as ``fn(sample.response, sample.label)``),
@@ -88,7 +88,7 @@ def get_reward_fn(spec: str, workers: int = 0) -> RewardFn:
 
 async def score_samples(
     samples: list[Sample],
-    reward_fn: RewardFn | str,
+    reward_fn: ScoreFn | str,
     timeout: float | None = None,
     max_concurrency: int = 64,
     retries: int = 0,
@@ -159,11 +159,11 @@ async def score_samples(
 
 async def score_rollout(
     samples: list[Sample],
-    reward_fn: RewardFn | None,
+    reward_fn: ScoreFn | None,
     cfg: RewardConfig,
     max_failed_ratio: float,
     errors: ErrorLog,
-    group_fn: GroupRewardFn | None = None,
+    group_fn: GroupScoreFn | None = None,
 ) -> int:
     """Score a rollout step's samples under the reward group's limits (timeout, retries, backoff);
     then log the step's error summary and apply `max_failed_ratio` (`rollout.max_failed_ratio`) to

@@ -32,7 +32,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 
@@ -55,7 +55,37 @@ from tidal.contracts import SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.types import Sample, Status
 
+if TYPE_CHECKING:
+    import openai
+
 log = logging.getLogger(__name__)
+
+
+class AgentFn(Protocol):
+    """An agent of your own, named by `agent.fn` with `rollout.generate: agent`:
+
+        async def agent(client: openai.AsyncOpenAI, prompt: str | list[dict], label: Any)
+            -> float | dict | None
+
+    It must be `async def` (checked before the model loads) and runs once per sample.
+
+        client   an `openai.AsyncOpenAI` whose base URL is this sample's own session on the agent
+                 door (`client.base_url`, `client.api_key`); every chat call through it samples
+                 from the policy and is recorded token for token. Any `model` name is accepted.
+        prompt   the row's `data.input_key` field as the file has it: a string, or a list of chat
+                 messages (`{"role": ..., "content": ...}`) to send as they are
+        label    the row's `data.label_key` field (None if absent)
+
+    It returns the trajectory's reward (a number, or a dict holding `reward.key`), or None to have
+    `reward.fn` score each sample. The samples it makes keep `metadata["agent_calls"]`, one entry
+    per call (see docs/agents.md, "The agent door"). An exception, or an agent that never calls
+    the model, fails its sample.
+    """
+
+    async def __call__(
+        self, client: openai.AsyncOpenAI, prompt: str | list[dict], label: Any, /
+    ) -> float | dict | None: ...
+
 
 MODEL_NAME = "tidal-policy"  # what /v1/models lists; a request's `model` is not checked
 
@@ -357,7 +387,9 @@ async def _release_door(extra: dict, door: AgentDoor) -> None:
         await door.close()
 
 
-def load_agent(name: str) -> Any:
+def load_agent(name: str) -> AgentFn:
+    """The `AgentFn` at `name` (dotted path or `file.py:fn`); ValueError naming agent.fn and the
+    signature when it cannot be loaded or is not a coroutine function."""
     return load_async_fn(name, "agent.fn", "async def agent(client, prompt, label)")
 
 

@@ -36,7 +36,7 @@ import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tidal.contracts import Engine, GenerationOutput, SamplingParams
 from tidal.data.dataset import PromptRecord
@@ -47,7 +47,35 @@ from tidal.utils import load_object
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
-GenerateFn = Callable[["GenerateContext", Sample, SamplingParams], Awaitable[Sample | list[Sample]]]
+
+class GenerateFn(Protocol):
+    """A generate function of your own, named by `rollout.generate` (or a prompt row's metadata
+    field `generate`):
+
+        async def generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams)
+            -> Sample | list[Sample]
+
+    It must be `async def` and take exactly these three arguments (checked before the model loads).
+
+        ctx       `await ctx.generate(ids, sampling)` samples from the policy and returns a
+                  `GenerationOutput` (token_ids, log_probs, finish_reason "stop" | "length" |
+                  "abort", text, weight_version); `ctx.tokenizer`, `ctx.rollout` (the rollout
+                  group), `ctx.record` (the prompt row: `prompt` as in the file, `label`,
+                  `metadata`), `ctx.tools`, `ctx.agent`, `ctx.extra` (shared by one rollout's samples)
+        sample    a `Sample` holding the prompt tokens only (`response_length` 0), its `prompt`
+                  text, `label`, `metadata`, `group_index` and `index`
+        sampling  the `SamplingParams` of this sample (its own seed; `max_new_tokens` per call)
+
+    Grow the sample with `sample.append_policy(out.token_ids, out.log_probs, out.weight_version,
+    out.text)` for what the policy sampled (trained on) and `sample.append_env(ids, text)` for what
+    the environment adds (not trained on); set `sample.status` (`tidal.rollout.generate.finish`
+    maps a finish reason to it) and optionally `sample.reward` (else `reward.fn` scores it). A
+    list of samples joins the prompt's group. An exception fails this sample only.
+    """
+
+    def __call__(
+        self, ctx: GenerateContext, sample: Sample, sampling: SamplingParams, /
+    ) -> Awaitable[Sample | list[Sample]]: ...
 
 
 @dataclass

@@ -18,7 +18,7 @@ from collections.abc import Awaitable
 from tidal.aio import LoopThread
 from tidal.contracts import Engine, SamplingParams
 from tidal.data.dataset import PromptRecord
-from tidal.reward.checks import GroupRewardFn, RewardFn
+from tidal.reward.checks import GroupScoreFn, ScoreFn
 from tidal.reward.failures import ErrorLog
 from tidal.reward.options import JudgeConfig, RewardConfig
 from tidal.reward.score import check_reward_key, get_reward_fn, score_rollout
@@ -100,7 +100,7 @@ def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
     return fn
 
 
-def load_rewards(reward: RewardConfig, judge: JudgeConfig) -> tuple[RewardFn | None, GroupRewardFn | None]:
+def load_rewards(reward: RewardConfig, judge: JudgeConfig) -> tuple[ScoreFn | None, GroupScoreFn | None]:
     """(per-sample reward, group reward) from the config; exactly one of them is set:
     `reward.group_fn` when given, else `reward.fn` (``judge``: the LLM judge `judge` configures)."""
     if reward.group_fn:
