@@ -116,6 +116,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
 
         roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
         try:
+            log.info("%s", roles.trainer.describe())  # full or LoRA, parameters trained, precision, device
             if ckpt is not None:
                 trainer_state, state = load_checkpoint(ckpt)
                 roles.trainer.load_state_dict(trainer_state)

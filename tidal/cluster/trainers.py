@@ -105,6 +105,9 @@ class TrainerRank:
             self.actor.most_micro_batches = self._most
             self.actor.all_sum = self._sum
 
+    def describe(self) -> str:
+        return self.actor.describe()
+
     def _most(self, n: int) -> int:
         import torch.distributed as dist
 
@@ -245,6 +248,11 @@ class TrainerGroup:
         self.where = self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", STARTUP_TIMEOUT_S)
         self.has_reference = algo.kl_coef > 0
         self.has_teacher = bool(algo.teacher)
+
+    def describe(self) -> str:
+        """What trains (rank 0's `Actor.describe`), and over how many ranks."""
+        line = self._get([self.ranks[0].describe.remote()], "describing the trained model", self.timeout)[0]
+        return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2)" if len(self.ranks) > 1 else line
 
     def rank_name(self, rank: int) -> str:
         """`trainer rank 1 (node 10.0.0.5, pid 1234)`."""
