@@ -70,16 +70,20 @@ class TrainerRank:
         timeout_s: float,
         device: str = "auto",
     ) -> None:
+        import time
+
         import torch.distributed as dist
 
+        from tidal.log import setup_worker_logging
         from tidal.train.actor import Actor
 
+        setup_worker_logging()  # tidal's lines to the driver's console, no library chatter or bars
+        started = time.perf_counter()
         torch.set_num_threads(max(1, threads))
         self.rank, self.world = rank, world
         # resolved on this rank's node: the GPU Ray gave the actor, or the CPU
         choice = resolve_device(device)
         self.device = bind_device(choice.device)
-        log.info("trainer rank %d: cluster.device %s (%s)", rank, self.device, choice.reason)
         if world > 1:
             from urllib.parse import urlparse
 
@@ -104,6 +108,15 @@ class TrainerRank:
         if world > 1:
             self.actor.most_micro_batches = self._most
             self.actor.all_sum = self._sum
+        log.info(
+            "trainer rank %d of %d (pid %d): ready in %.1f s on %s (%s)",
+            rank,
+            world,
+            os.getpid(),
+            time.perf_counter() - started,
+            self.device,
+            choice.reason,
+        )
 
     def describe(self) -> str:
         return self.actor.describe()
