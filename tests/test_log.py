@@ -236,15 +236,21 @@ def test_debug_keeps_the_request_lines(restore_logging, monkeypatch):
     assert logging.getLogger("httpx2").level == logging.NOTSET
 
 
-def test_progress_bars_only_on_a_terminal(restore_logging):
+def test_progress_bars_only_on_a_terminal(restore_logging, monkeypatch):
     from transformers.utils import logging as hf_logging
 
+    import tidal.log
     from tidal.log import quiet_libraries
 
+    monkeypatch.setattr(tidal.log, "_BARS_OFF_BY_USER", False)
     quiet_libraries(terminal=False)
     assert not hf_logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     quiet_libraries(terminal=True)
     assert hf_logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+    # HF_HUB_DISABLE_PROGRESS_BARS=1 set before tidal started keeps them off on a terminal too
+    monkeypatch.setattr(tidal.log, "_BARS_OFF_BY_USER", True)
+    quiet_libraries(terminal=True)
+    assert not hf_logging.is_progress_bar_enabled()
 
 
 def test_a_worker_prints_tidals_lines_once_without_bars(restore_logging, monkeypatch, capsys):

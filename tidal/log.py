@@ -433,6 +433,8 @@ QUIET_LOGGERS = (
     "peft",
 )
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# bars the user turned off before tidal set the variable stay off, terminal or not
+_BARS_OFF_BY_USER = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() in ("1", "true", "yes", "on")
 LOG_LEVEL_ENV = "TIDAL_LOG_LEVEL"
 
 
@@ -445,7 +447,8 @@ def quiet_libraries(level: str | None = None, terminal: bool | None = None) -> N
     """The `QUIET_LOGGERS` at WARNING, unless `level` (default `TIDAL_LOG_LEVEL`) is DEBUG, where
     their request lines are what one is looking for; and the Hugging Face progress bars ("Loading
     weights", "Writing model shards", downloads) only when `terminal` (default: stderr, where
-    they draw, is a terminal). The bars' switch also goes into the environment
+    they draw, is a terminal, and HF_HUB_DISABLE_PROGRESS_BARS did not turn them off before
+    tidal started). The bars' switch also goes into the environment
     (HF_HUB_DISABLE_PROGRESS_BARS), so the processes this one starts (reward workers, a local Ray's
     actors, engine servers) inherit it."""
     if (level or log_level()) != "DEBUG":
@@ -456,7 +459,7 @@ def quiet_libraries(level: str | None = None, terminal: bool | None = None) -> N
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     if terminal is None:
         terminal = _isatty(sys.stderr)
-    show_progress_bars(terminal)
+    show_progress_bars(terminal and not _BARS_OFF_BY_USER)
 
 
 def _isatty(stream: Any) -> bool:
