@@ -4,6 +4,7 @@ console line and the end-of-run reward table."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -168,3 +169,103 @@ def test_missing_tensorboard_warns_once_and_keeps_logging(tmp_path, monkeypatch)
                 logger.log(1, {"x": 2.0})
     assert len(record) == 1
     assert [r["x"] for r in logger.history()] == [1.0, 2.0]
+
+
+@pytest.fixture
+def restore_logging(monkeypatch):
+    """Library logger levels, tidal's handlers and the progress-bar switch as they were."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from tidal.log import QUIET_LOGGERS
+
+    names = (*QUIET_LOGGERS, "tidal")
+    levels = {n: logging.getLogger(n).level for n in names}
+    tidal_log = logging.getLogger("tidal")
+    handlers, propagate = list(tidal_log.handlers), tidal_log.propagate
+    bars = hf_logging.is_progress_bar_enabled()
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", ""))
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+    tidal_log.handlers[:], tidal_log.propagate = handlers, propagate
+    from tidal.log import show_progress_bars
+
+    show_progress_bars(bars)
+
+
+def test_the_agents_http_client_logs_no_request_lines(restore_logging, monkeypatch, caplog):
+    import logging
+
+    import anthropic
+    import openai
+
+    from tidal.log import QUIET_LOGGERS, quiet_libraries
+
+    monkeypatch.delenv("TIDAL_LOG_LEVEL", raising=False)
+
+    # the packages an agent uses log their requests through their own HTTP library (httpx2 for
+    # openai 3): the first class of the client's that is not the package's own wrapper
+    def http_library(client, own):
+        return next(
+            c.__module__.split(".")[0] for c in type(client._client).__mro__ if c.__module__.split(".")[0] != own
+        )
+
+    used = {
+        http_library(openai.AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1"), "openai"),
+        http_library(anthropic.AsyncAnthropic(api_key="k", base_url="http://127.0.0.1:9"), "anthropic"),
+    }
+    assert used <= set(QUIET_LOGGERS)
+    quiet_libraries(terminal=False)
+    with caplog.at_level(logging.INFO):
+        for name in used | {"openai", "anthropic"}:
+            logging.getLogger(name).info('HTTP Request: POST http://127.0.0.1:9/v1/chat/completions "HTTP/1.1 200 OK"')
+            logging.getLogger(name).warning("a real problem")
+    assert [r.getMessage() for r in caplog.records] == ["a real problem"] * (len(used) + 2)
+
+
+def test_debug_keeps_the_request_lines(restore_logging, monkeypatch):
+    import logging
+
+    from tidal.log import quiet_libraries
+
+    monkeypatch.setenv("TIDAL_LOG_LEVEL", "debug")
+    logging.getLogger("httpx2").setLevel(logging.NOTSET)
+    quiet_libraries(terminal=False)
+    assert logging.getLogger("httpx2").level == logging.NOTSET
+
+
+def test_progress_bars_only_on_a_terminal(restore_logging, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    import tidal.log
+    from tidal.log import quiet_libraries
+
+    monkeypatch.setattr(tidal.log, "_BARS_OFF_BY_USER", False)
+    quiet_libraries(terminal=False)
+    assert not hf_logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    quiet_libraries(terminal=True)
+    assert hf_logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+    # HF_HUB_DISABLE_PROGRESS_BARS=1 set before tidal started keeps them off on a terminal too
+    monkeypatch.setattr(tidal.log, "_BARS_OFF_BY_USER", True)
+    quiet_libraries(terminal=True)
+    assert not hf_logging.is_progress_bar_enabled()
+
+
+def test_a_worker_prints_tidals_lines_once_without_bars(restore_logging, monkeypatch, capsys):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from tidal.log import setup_worker_logging
+
+    monkeypatch.delenv("TIDAL_LOG_LEVEL", raising=False)
+    setup_worker_logging()
+    setup_worker_logging()  # a second call adds no second handler
+    logging.getLogger("tidal").info("trainer rank 0 of 1 (pid 1): ready")
+    logging.getLogger("tidal").debug("not at INFO")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith(" INFO tidal: trainer rank 0 of 1 (pid 1): ready")
+    assert not hf_logging.is_progress_bar_enabled()
+    assert logging.getLogger("httpx2").level == logging.WARNING

@@ -152,7 +152,7 @@ def test_rollout_metrics_with_dict_rewards():
     assert m["rewards/score"] == 0.5 and m["rewards/correct"] == 0.75
     assert "rewards/note" not in m
     assert m["response/length_mean"] == 4.0 and m["response/truncated_ratio"] == 0.25
-    assert m["reward/solved_groups"] == 0.5  # the second group's rewards are all equal
+    assert m["reward/equal_reward_groups"] == 0.5  # the second group's rewards are all equal
 
 
 def test_kl_term_starts_at_zero_and_grows(tiny_model_dir, tmp_path):

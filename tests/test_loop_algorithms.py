@@ -94,7 +94,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model_dir, tmp_path
     }
     (h,) = tidal.loop.train(config(tiny_model_dir, tmp_path / "run", **over))
     assert h["dynamic_sampling/filled_without_signal"] == 0.0
-    assert h["reward/solved_groups"] == 0.0  # every group kept has differing rewards
+    assert h["reward/equal_reward_groups"] == 0.0  # every group kept has differing rewards
     assert h["reward/mean"] == pytest.approx(0.5)  # and so alternates 0/1 within each group
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import make_samples
 
 from tidal.cli import main
-from tidal.report import _label, build_report, panels_for, pick_steps
+from tidal.report import _label, build_report, panels_for, pick_steps, reward_used
 from tidal.samples_log import record_step
 
 
@@ -26,7 +26,7 @@ def _run(tmp_path, steps=4):
             "response/length_mean": 30.0 + k,
             "response/length_max": 48,
             "response/truncated_ratio": 0.25,
-            "actor/kl": 0.001 * k,
+            "actor/approx_kl": 0.001 * k,
             "actor/entropy": 1.5 - 0.1 * k,
             "actor/clip_frac": 0.01,
             "loss/pg": -0.01,
@@ -100,7 +100,7 @@ def test_legend_labels_drop_the_shared_path():
     assert [_label(k, evals) for k in evals] == ["gsm", "math"]
     lengths = ["response/length_mean", "response/length_max"]
     assert [_label(k, lengths) for k in lengths] == ["length_mean", "length_max"]
-    kl = ["loss/kl", "actor/kl"]
+    kl = ["loss/kl", "actor/approx_kl"]
     assert [_label(k, kl) for k in kl] == kl
     assert _label("reward/mean", ["reward/mean"]) == "reward/mean"
 
@@ -166,3 +166,43 @@ def test_screenshot_script_renders_the_page_offline(tmp_path):
         colours = {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 20)}
     assert (0x1F, 0x77, 0xB4) in colours
     assert not (run / "report.html").exists()  # the page went to a temporary folder
+
+
+def test_the_header_names_the_reward_actually_used():
+    agent = {"rollout": {"generate": "agent"}, "agent": {"fn": "examples.coding_agent.agent:run"}}
+    by_agent = [{"metadata": {"reward_from": "agent.fn"}}] * 3
+    by_fn = [{"metadata": {"agent_calls": []}}]
+    assert reward_used({"reward": {"fn": "math"}}) == "math (built-in reward.fn)"
+    assert reward_used({"reward": {"fn": "myrl.rewards:fn"}}) == "myrl.rewards:fn (reward.fn)"
+    assert (
+        reward_used({"reward": {"fn": "math", "group_fn": "judges:rank"}})
+        == "group reward judges:rank (reward.group_fn)"
+    )
+    judge = {"reward": {"fn": "judge"}, "judge": {"model": "qwen", "url": "http://127.0.0.1:8001/v1"}}
+    assert reward_used(judge) == "the LLM judge qwen at http://127.0.0.1:8001/v1 (reward.fn judge)"
+    assert (
+        reward_used({**agent, "reward": {"fn": "math"}}, by_agent)
+        == "the agent's own (examples.coding_agent.agent:run)"
+    )
+    assert reward_used({**agent, "reward": {"fn": "code_tests"}}, by_fn) == (
+        "code_tests (built-in reward.fn): the agent returned none"
+    )
+    assert reward_used({**agent, "reward": {"fn": "math"}}, by_agent + by_fn) == (
+        "the agent's own (examples.coding_agent.agent:run) for 3 of 4 samples shown, math (built-in reward.fn) "
+        "for the rest"
+    )
+    # samples kept without metadata (an older run): what the config allows
+    assert reward_used({**agent, "reward": {"fn": "math"}}, [{"reward": 1.0}]) == (
+        "the agent's own (examples.coding_agent.agent:run) where it returned one, else math (built-in reward.fn)"
+    )
+    custom = {"rollout": {"generate": "my_env:generate"}, "reward": {"fn": "math"}}
+    assert reward_used(custom) == "math (built-in reward.fn), where rollout.generate my_env:generate set none"
+    assert reward_used({"algo": {"mode": "sft"}, "reward": {"fn": "math"}}) is None
+
+
+def test_the_page_header_has_the_reward(tmp_path):
+    run = _run(tmp_path)
+    config = {"train": {"model": "smollm2", "num_steps": 9}, "reward": {"fn": "myrl.rewards:fn"}}
+    (run / "config.json").write_text(json.dumps(config))
+    page = build_report(run)
+    assert "· reward: myrl.rewards:fn (reward.fn) ·" in page

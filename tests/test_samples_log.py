@@ -53,6 +53,7 @@ def test_round_trip_of_a_step(tmp_path, caplog):
     assert first["prompt_length"] == len(samples[1].tokens) - samples[1].response_length
     assert first["advantage"] == pytest.approx((2 * (1 - 1.5)) / 2)  # mean of a linspace from 0
     assert rows[3]["status"] == "failed" and rows[3]["error"] == "ValueError: boom"
+    assert rows[3]["metadata"] == {"error": "ValueError: boom"} and rows[0]["metadata"] == {}
     assert rows[3]["reward"] is None  # NaN is not JSON
     shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample ")]
     assert len(shown) == 2

@@ -78,12 +78,12 @@ def test_two_grpo_steps_on_smollm2(smollm2, tmp_path):
         assert 0.0 <= h["reward/mean"] <= 1.0
         # a group whose rewards are all equal has zero advantages and is not trained; which step
         # has such groups depends on the sampled tokens, so each step is checked against its own
-        if h["reward/solved_groups"] == 1.0:
+        if h["reward/equal_reward_groups"] == 1.0:
             assert h["actor/skipped_samples"] == 8
             continue
-        assert h["actor/skipped_samples"] == 8 * h["reward/solved_groups"]
+        assert h["actor/skipped_samples"] == 8 * h["reward/equal_reward_groups"]
         assert h["actor/grad_norm"] > 0
         # trainer and engine (each in the precision the CPU computes natively) score the same tokens
         assert h["actor/rollout_logprob_abs_diff"] < 0.1
-    assert any(h["reward/solved_groups"] < 1.0 for h in history)  # 2 x 2 groups of 4: all equal is rare
+    assert any(h["reward/equal_reward_groups"] < 1.0 for h in history)  # 2 x 2 groups of 4: all equal is rare
     assert (tmp_path / "checkpoints" / "step_2" / "model.safetensors").exists()

@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "export":
+        from tidal.log import setup_logging
         from tidal.train.checkpoint import export_checkpoint
+
+        setup_logging()  # no loading/writing bars off a terminal, no library notices
 
         try:
             print(export_checkpoint(args.run_dir, args.out, args.step, args.lora))

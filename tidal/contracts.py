@@ -374,6 +374,11 @@ class Trainer(Protocol):
         """The policy as a Hugging Face model folder at `path` (safetensors, config)."""
         ...
 
+    def describe(self) -> str:
+        """One line for the run's start: full or LoRA, parameters trained of the total, precision,
+        device (`tidal.train.actor.describe_training`)."""
+        ...
+
 
 class Buffer(Protocol):
     """Finished groups of the overlapped loop, waiting for the trainer (`overlap.buffer`)."""

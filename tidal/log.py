@@ -13,6 +13,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -22,7 +23,16 @@ from typing import IO, Any
 
 from tidal.options import Need, opt
 
-__all__ = ["LogConfig", "MetricsLogger", "print_reward_table", "read_metrics", "reward_table"]
+__all__ = [
+    "LogConfig",
+    "MetricsLogger",
+    "print_reward_table",
+    "quiet_libraries",
+    "read_metrics",
+    "reward_table",
+    "setup_logging",
+    "setup_worker_logging",
+]
 
 
 @dataclass
@@ -299,7 +309,7 @@ class MetricsLogger:
             ("pg", ("loss/pg",), "+.4f"),
             ("nll", ("loss/sft",), ".4f"),
             # The KL penalty term when the trainer uses one, else the policy-shift diagnostic.
-            ("kl", ("loss/kl", "actor/kl"), ".3g"),
+            ("kl", ("loss/kl", "actor/approx_kl"), ".3g"),
             ("gnorm", ("actor/grad_norm",), ".3g"),
         ):
             v = get(*keys)
@@ -406,12 +416,94 @@ def print_reward_table(
     console.print(reward_table(history, key=key, first=first, last=last), markup=False, soft_wrap=True)
 
 
-def setup_logging() -> None:
-    """Log lines with a time stamp at `TIDAL_LOG_LEVEL` (default INFO), libraries' chatter quiet."""
-    level = os.environ.get("TIDAL_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "urllib3", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+# Loggers of the libraries tidal's processes use whose INFO lines are per request or per file: an
+# agent's `openai` client logs every call to the agent door (`HTTP Request: POST ...`, through
+# httpx2), the engine clients and the judge through httpx. At INFO they bury the step lines.
+QUIET_LOGGERS = (
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "httpcore2",
+    "openai",
+    "anthropic",
+    "urllib3",
+    "huggingface_hub",
+    "transformers",
+    "filelock",
+    "peft",
+)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# bars the user turned off before tidal set the variable stay off, terminal or not
+_BARS_OFF_BY_USER = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() in ("1", "true", "yes", "on")
+LOG_LEVEL_ENV = "TIDAL_LOG_LEVEL"
+
+
+def log_level() -> str:
+    """`TIDAL_LOG_LEVEL` (default INFO), upper-cased."""
+    return os.environ.get(LOG_LEVEL_ENV, "INFO").upper() or "INFO"
+
+
+def quiet_libraries(level: str | None = None, terminal: bool | None = None) -> None:
+    """The `QUIET_LOGGERS` at WARNING, unless `level` (default `TIDAL_LOG_LEVEL`) is DEBUG, where
+    their request lines are what one is looking for; and the Hugging Face progress bars ("Loading
+    weights", "Writing model shards", downloads) only when `terminal` (default: stderr, where
+    they draw, is a terminal, and HF_HUB_DISABLE_PROGRESS_BARS did not turn them off before
+    tidal started). The bars' switch also goes into the environment
+    (HF_HUB_DISABLE_PROGRESS_BARS), so the processes this one starts (reward workers, a local Ray's
+    actors, engine servers) inherit it."""
+    if (level or log_level()) != "DEBUG":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # one library's deprecation notice about another's use of it (peft reads transformers'
+        # old property when it wraps a model to merge a LoRA adapter): nothing a user can change
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    if terminal is None:
+        terminal = _isatty(sys.stderr)
+    show_progress_bars(terminal and not _BARS_OFF_BY_USER)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def show_progress_bars(on: bool) -> None:
+    """Turn the Hugging Face libraries' tqdm bars on or off, in this process and (through the
+    environment) in the processes it starts."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0" if on else "1"
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # weight-loading bars would bury the per-step lines
+    if on:
+        enable_progress_bars()
+        hf_logging.enable_progress_bar()
+    else:
+        disable_progress_bars()
+        hf_logging.disable_progress_bar()
+
+
+def setup_logging() -> None:
+    """Log lines with a time stamp at `TIDAL_LOG_LEVEL` (default INFO), libraries' chatter quiet
+    (`quiet_libraries`)."""
+    level = log_level()
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S")
+    quiet_libraries(level)
+
+
+def setup_worker_logging() -> None:
+    """`setup_logging` for a process tidal starts that is not the command's own (a Ray actor):
+    tidal's lines at `TIDAL_LOG_LEVEL` on stderr, which Ray forwards to the driver's console with
+    the actor's name; the libraries quiet and no progress bars (a worker's stderr is a log file,
+    never a terminal). Calling it again changes nothing."""
+    level = log_level()
+    tidal_log = logging.getLogger("tidal")
+    tidal_log.setLevel(level)
+    if not any(getattr(h, "_tidal", False) for h in tidal_log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+        handler._tidal = True  # type: ignore[attr-defined]
+        tidal_log.addHandler(handler)
+        tidal_log.propagate = False  # a root handler Ray or the user set up would print each line twice
+    quiet_libraries(level, terminal=False)

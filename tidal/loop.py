@@ -44,7 +44,7 @@ from tidal.run_dir import RunFolder, check_run_dir
 from tidal.samples_log import record_step
 from tidal.tracking import open_tracker
 from tidal.train.checkpoint import load_checkpoint, save_checkpoint
-from tidal.train.estimate import compute_advantages
+from tidal.train.estimate import NoSignalWarnings, compute_advantages, zero_advantage_reason
 from tidal.types import Status
 
 log = logging.getLogger("tidal")
@@ -116,6 +116,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
 
         roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)
         try:
+            log.info("%s", roles.trainer.describe())  # full or LoRA, parameters trained, precision, device
             if ckpt is not None:
                 trainer_state, state = load_checkpoint(ckpt)
                 roles.trainer.load_state_dict(trainer_state)
@@ -145,6 +146,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             )
             if ckpt is not None:
                 logger.truncate_after(start)
+            no_signal = NoSignalWarnings()
             try:
                 if not sft and start == 0 and evaluator.due(0):  # the initial weights' row, step 0
                     logger.log(0, evaluator.run(0, overlapped))
@@ -153,7 +155,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                     if sft:
                         metrics = sft_step(source, roles)
                     else:
-                        metrics = rl_step(step, source, rollout, roles, cfg, overlapped)
+                        metrics = rl_step(step, source, rollout, roles, cfg, overlapped, no_signal)
                     metrics["time/step"] = time.perf_counter() - t0
                     if not cfg.uses_ray:  # the trainer and engine of this process (CUDA only)
                         metrics.update(memory_metrics(cfg.cluster.device))
@@ -211,8 +213,11 @@ def rl_step(
     roles: Roles,
     cfg: Config,
     overlapped: OverlappedRollout | None = None,
+    no_signal: NoSignalWarnings | None = None,
 ) -> dict[str, float]:
-    """One rollout → advantages → update → weight sync step; returns its metrics."""
+    """One rollout → advantages → update → weight sync step; returns its metrics. `no_signal`
+    warns (rate-limited, across steps) when a step has no advantage to train on."""
+    no_signal = no_signal if no_signal is not None else NoSignalWarnings()
     r_cfg, a_cfg, trainer, critic = cfg.rollout, cfg.algo, roles.trainer, roles.critic
     t0 = time.perf_counter()
     if overlapped is not None:  # rolled out while earlier steps trained
@@ -250,6 +255,7 @@ def rl_step(
         for s in samples:
             if s.status == Status.TRUNCATED:
                 s.loss_mask = [0] * s.response_length
+    no_signal.check(step + 1, zero_advantage_reason(a_cfg, samples, rewards, valid, group, adv))
     metrics.update(trainer.train_step(samples, adv, log_probs, ref))
     if critic is not None:
         metrics.update(critic.train_step(samples, returns, values))

@@ -22,7 +22,7 @@ from tidal.config import redact, upgrade
 from tidal.log import read_metrics, reward_table
 from tidal.samples_log import SAMPLES_DIR, read_samples, saved_steps
 
-__all__ = ["Panel", "build_report", "panels_for", "pick_steps", "write_report"]
+__all__ = ["Panel", "build_report", "panels_for", "pick_steps", "reward_used", "write_report"]
 
 # Long texts are cut in the tables so a run with thousands of samples stays a page a browser opens.
 _MAX_TEXT = 4000
@@ -59,7 +59,7 @@ _LAYOUT: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward parts", ("rewards/",)),
     ("Response length (tokens)", ("response/length_mean", "response/length_max")),
     ("Truncated / failed share", ("response/truncated_ratio", "response/failed_ratio")),
-    ("KL", ("loss/kl", "actor/kl")),
+    ("KL", ("loss/kl", "actor/approx_kl")),
     ("Entropy", ("actor/entropy",)),
     ("Clip fraction", ("actor/clip_frac",)),
     ("Policy loss", ("loss/pg", "loss/sft")),
@@ -109,7 +109,7 @@ def _label(key: str, keys: Sequence[str]) -> str:
     head = 0
     while all(len(p) > head + 1 and p[head] == split[0][head] for p in split):
         head += 1
-    if head == 0:  # nothing shared in front (loss/kl beside actor/kl): the full keys say it best
+    if head == 0:  # nothing shared in front (loss/kl beside actor/approx_kl): the full keys say it best
         return key
     tail = 0
     while all(len(p) > head + tail + 1 and p[-1 - tail] == split[0][-1 - tail] for p in split):
@@ -224,13 +224,51 @@ def _sample_table(step: int, rows: list[dict], open_: bool) -> str:
     )
 
 
+# reward.fn names of the built-in rewards (tidal.reward.verifiers, tidal.reward.score)
+_BUILTIN_REWARDS = ("math", "exact_match", "code_tests")
+
+
+def reward_used(config: dict, records: Sequence[dict] = ()) -> str | None:
+    """What scored the run's samples, from its config and the kept sample `records`: the group
+    reward, the judge, `reward.fn`, or an agent's own reward (its samples say
+    `metadata["reward_from"]`). None for an SFT run, which has no reward."""
+    section = config.get("reward") or {}
+    if (config.get("algo") or {}).get("mode") == "sft":
+        return None
+    if section.get("group_fn"):  # it scores every group, over any reward a generate function set
+        return f"group reward {section['group_fn']} (reward.group_fn)"
+    fn = section.get("fn", "math")
+    if fn == "judge":
+        judge = config.get("judge") or {}
+        by = f"the LLM judge {judge.get('model', 'judge')} at {judge.get('url') or '?'} (reward.fn judge)"
+    elif fn in _BUILTIN_REWARDS:
+        by = f"{fn} (built-in reward.fn)"
+    else:
+        by = f"{fn} (reward.fn)"
+    generate = (config.get("rollout") or {}).get("generate", "single_turn")
+    if generate != "agent":
+        if generate in ("single_turn", "tools"):
+            return by
+        return f"{by}, where rollout.generate {generate} set none"
+    agent = f"the agent's own ({(config.get('agent') or {}).get('fn', '?')})"
+    records = [r for r in records if isinstance(r.get("metadata"), dict)]
+    if not records:  # no samples kept, or kept by a tidal that did not keep their metadata
+        return f"{agent} where it returned one, else {by}"
+    mine = sum(r["metadata"].get("reward_from") == "agent.fn" for r in records)
+    if mine == len(records):
+        return agent
+    if mine == 0:
+        return f"{by}: the agent returned none"
+    return f"{agent} for {mine} of {len(records)} samples shown, {by} for the rest"
+
+
 _SUMMARY_KEYS = (
     "reward/mean",
     "response/length_mean",
     "response/truncated_ratio",
     "actor/entropy",
     "actor/clip_frac",
-    "actor/kl",
+    "actor/approx_kl",
     "loss/pg",
     "perf/rollout_tokens_per_s",
     "time/step",
@@ -300,11 +338,14 @@ def build_report(run_dir: str | Path, sample_steps: int = 50) -> str:
         ("model", "train", "model"),
         ("advantage", "algo", "advantage"),
         ("data", "data", "path"),
-        ("reward", "reward", "fn"),
-        ("lr", "train", "lr"),
     ):
         if cfg(group, key) is not None:
             facts.append(f"{label} {cfg(group, key)}")
+    reward = reward_used(config, [r for rows in samples.values() for r in rows]) if config else None
+    if reward is not None:
+        facts.append(f"reward: {reward}")
+    if cfg("train", "lr") is not None:
+        facts.append(f"lr {cfg('train', 'lr')}")
     if cfg("rollout", "rollout_batch_size") is not None:
         facts.append(f"{cfg('rollout', 'rollout_batch_size')} prompts × {cfg('rollout', 'n_samples_per_prompt')}")
     facts.append("generated " + datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))

@@ -6,7 +6,8 @@ a run killed mid-write leaves the previous steps intact and no half file. One fi
 makes a later step cheap to read without decompressing the ones before it.
 
 A record holds what a person looks at (text, reward and its parts, status, lengths, weight version,
-group, advantage), not the token ids; `debug.save_rollout` keeps whole samples for replay.
+group, advantage, the sample's metadata), not the token ids; `debug.save_rollout` keeps whole
+samples for replay.
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def sample_records(
                 "weight_version": s.weight_version,
                 "advantage": adv,
                 "error": s.metadata.get("error"),
+                # the data row's metadata and what the rollout added: an agent's calls
+                # (agent_calls), a tool loop's turns and stop reason, the finish reason
+                "metadata": dict(s.metadata),
             }
         )
     return out

@@ -116,12 +116,12 @@ def test_group_size_and_sizes_of_a_batch():
         group_sizes(samples_in([0, 1, 0]))
 
 
-def test_solved_groups_counts_groups_of_any_size():
-    # [1]: one sample, never solved; [1, 1]: solved; [0, 1, 1]: not
+def test_equal_reward_groups_counts_groups_of_any_size():
+    # [1]: one sample, never counted; [1, 1]: equal; [0, 1, 1]: not
     metrics = rollout_metrics(samples_in([0, 1, 1, 2, 2, 2]), torch.tensor([1.0, 1, 1, 0, 1, 1]), [1, 2, 3])
-    assert metrics["reward/solved_groups"] == pytest.approx(1 / 3)
+    assert metrics["reward/equal_reward_groups"] == pytest.approx(1 / 3)
     equal = rollout_metrics(samples_in([0, 0, 1, 1]), torch.tensor([1.0, 1, 0, 1]), 2)
-    assert equal["reward/solved_groups"] == 0.5
+    assert equal["reward/equal_reward_groups"] == 0.5
 
 
 def test_optimizer_batches_equal_groups_are_runs_of_the_batch_size():

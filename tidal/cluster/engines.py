@@ -18,7 +18,8 @@ import torch
 from tidal.adapters.options import EngineConfig
 from tidal.aio import LoopThread
 from tidal.cluster.options import ClusterConfig
-from tidal.hardware import CPU, bind_device, resolve_device
+from tidal.hardware import CPU, bind_device, resolve_device, resolve_dtype
+from tidal.log import setup_worker_logging
 
 log = logging.getLogger("tidal")
 
@@ -39,14 +40,20 @@ class EngineServer:
         from tidal.server.app import BackgroundServer, build_app
         from tidal.server.options import ServerConfig
 
+        setup_worker_logging()  # tidal's lines to the driver's console, no library chatter or bars
+        started = time.perf_counter()
         torch.set_num_threads(max(1, threads))
         tokenizer = AutoTokenizer.from_pretrained(model)
         record = engine_kind(kind)
-        placed = CPU
+        placed, where = CPU, f"{kind} places itself"
         if "device" in record.core_options:  # else the core places itself (vLLM)
             choice = resolve_device(device)
-            log.info("engine actor %d: cluster.device %s (%s)", os.getpid(), choice.device, choice.reason)
             placed = str(bind_device(choice.device))  # the GPU Ray gave this actor
+            where = f"{placed} ({choice.reason})"
+            if engine_kwargs.get("dtype") == "auto":  # resolved for this node here, and said in the one line below
+                dtype = resolve_dtype("auto", "engine.dtype", torch.device(placed).type)
+                engine_kwargs = {**engine_kwargs, "dtype": dtype.dtype}
+                where += f", {dtype.dtype} ({dtype.reason})"
         self.core = build_core(record, model, tokenizer, engine_kwargs, placed)
         self.device = getattr(self.core, "device", CPU)
         self.engine = AsyncEngine(self.core)
@@ -56,6 +63,14 @@ class EngineServer:
         self.server = BackgroundServer(app, host=host, port=0).start()
         self.url = f"http://{host}:{self.server.port}"
         self.weight_group = None
+        log.info(
+            "engine actor (pid %d): %s engine ready in %.1f s on %s, serving %s",
+            os.getpid(),
+            kind,
+            time.perf_counter() - started,
+            where,
+            self.url,
+        )
 
     def address(self) -> str:
         return self.url

@@ -71,16 +71,20 @@ class TrainerRank:
         timeout_s: float,
         device: str = "auto",
     ) -> None:
+        import time
+
         import torch.distributed as dist
 
+        from tidal.log import setup_worker_logging
         from tidal.train.actor import Actor
 
+        setup_worker_logging()  # tidal's lines to the driver's console, no library chatter or bars
+        started = time.perf_counter()
         torch.set_num_threads(max(1, threads))
         self.rank, self.world = rank, world
         # resolved on this rank's node: the GPU Ray gave the actor, or the CPU
         choice = resolve_device(device)
         self.device = bind_device(choice.device)
-        log.info("trainer rank %d: cluster.device %s (%s)", rank, self.device, choice.reason)
         if world > 1:
             from urllib.parse import urlparse
 
@@ -105,6 +109,18 @@ class TrainerRank:
         if world > 1:
             self.actor.most_micro_batches = self._most
             self.actor.all_sum = self._sum
+        log.info(
+            "trainer rank %d of %d (pid %d): ready in %.1f s on %s (%s)",
+            rank,
+            world,
+            os.getpid(),
+            time.perf_counter() - started,
+            self.device,
+            choice.reason,
+        )
+
+    def describe(self) -> str:
+        return self.actor.describe()
 
     def _most(self, n: int) -> int:
         import torch.distributed as dist
@@ -253,6 +269,11 @@ class TrainerGroup:
         self.where = self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", STARTUP_TIMEOUT_S)
         self.has_reference = algo.kl_coef > 0
         self.has_teacher = bool(algo.teacher)
+
+    def describe(self) -> str:
+        """What trains (rank 0's `Actor.describe`), and over how many ranks."""
+        line = self._get([self.ranks[0].describe.remote()], "describing the trained model", self.timeout)[0]
+        return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2)" if len(self.ranks) > 1 else line
 
     def rank_name(self, rank: int) -> str:
         """`trainer rank 1 (node 10.0.0.5, pid 1234)`."""

@@ -435,4 +435,6 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         samples = samples[:1]
     for s in samples:
         s.reward = float(reward) if isinstance(reward, int | float) else reward
+        if reward is not None:  # reward.fn then leaves it as it is; the report names who scored
+            s.metadata["reward_from"] = "agent.fn"
     return samples

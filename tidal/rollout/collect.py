@@ -20,12 +20,13 @@ from tidal.utils import load_object
 
 def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: Groups) -> dict[str, float]:
     """The step's reward and response metrics; `group` is the batch's groups (an int, or each
-    group's size). `reward/solved_groups` is the share of groups, whatever their sizes, whose
-    rewards are all equal (at least two samples, max == min: no group-relative signal)."""
+    group's size). `reward/equal_reward_groups` is the share of groups, whatever their sizes, whose
+    rewards are all equal (at least two samples, max == min): a group-relative estimator gives
+    them zero advantage, whether every sample earned 1 or every sample earned 0 (docs/metrics.md)."""
     lengths = [s.response_length for s in samples]
-    # solved = ~(spread or < 2 samples): a 1-sample group is never solved (the std of one value,
-    # NaN, never equalled 0), and a NaN reward counts as spread (as its NaN std did)
-    unsolved = groups_with_signal(rewards, group) | (torch.as_tensor(_sizes(group, len(samples))) < 2)
+    # equal = ~(spread or < 2 samples): a 1-sample group is never counted (there is nothing to
+    # compare), and a NaN reward counts as spread
+    unequal = groups_with_signal(rewards, group) | (torch.as_tensor(_sizes(group, len(samples))) < 2)
     # a dict reward's numeric entries are logged as rewards/<key> (mean over samples that have it)
     parts: dict[str, list[float]] = {}
     for s in samples:
@@ -37,7 +38,7 @@ def rollout_metrics(samples: list[Sample], rewards: torch.Tensor, group: Groups)
         **{k: statistics.fmean(v) for k, v in parts.items()},
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "reward/solved_groups": float((~unsolved).float().mean()),
+        "reward/equal_reward_groups": float((~unequal).float().mean()),
         "response/length_mean": statistics.fmean(lengths),
         "response/length_max": float(max(lengths)),
         "response/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),

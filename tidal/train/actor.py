@@ -39,6 +39,46 @@ from tidal.train.update import (
 from tidal.types import Sample
 
 
+def count_text(n: int) -> str:
+    """A parameter count as people write it: `950`, `4.6K`, `1.2M`, `135M`, `1.7B`."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+# train.dtype (resolved) -> how the weights are kept and computed
+_PRECISION = {
+    "float32": "fp32 weights and compute",
+    "bfloat16": "fp32 master weights, bf16 compute",
+    "autocast": "fp32 master weights, bf16 autocast compute",
+}
+
+
+def describe_training(model: torch.nn.Module, cfg: TrainConfig, dtype: str, device: str | torch.device) -> str:
+    """The start-up line saying what trains: full fine-tuning or LoRA (rank, alpha, the layers
+    that got adapters), how many parameters train of how many, the precision and the device, e.g.
+    `trains 1.2M of 135M parameters (LoRA r=8, alpha 32, on q_proj, v_proj; the base weights
+    frozen), fp32 master weights, bf16 compute, on cpu`."""
+    params = dict(model.named_parameters())  # tied weights once
+    trained = sum(p.numel() for p in params.values() if p.requires_grad)
+    precision = _PRECISION.get(dtype, f"train.dtype {dtype}")
+    if not lora.enabled(cfg):
+        total = sum(p.numel() for p in params.values())
+        what = (
+            f"all {count_text(total)} parameters (full fine-tuning)"
+            if trained == total
+            else (f"{count_text(trained)} of {count_text(total)} parameters")
+        )
+        return f"trains {what}, {precision}, on {device}"
+    base = sum(p.numel() for n, p in params.items() if ".lora_" not in n)
+    targets = ", ".join(sorted({name.rpartition(".")[2] for name in lora.lora_layers(model)}))
+    return (
+        f"trains {count_text(trained)} of {count_text(base)} parameters (LoRA r={cfg.lora_rank}, "
+        f"alpha {cfg.lora_alpha:g}, on {targets}; the base weights frozen), {precision}, on {device}"
+    )
+
+
 def to_grid(values: Tensor, valid: Tensor) -> Tensor:
     """Scatter [T] per-token values back onto the [B, R] grid `valid` marks, zeros elsewhere
     (differentiable)."""
@@ -107,6 +147,10 @@ class Actor:
     # with LoRA the reference is the policy with its adapters off: no model of its own
     has_reference = property(lambda self: self.ref is not None or (self.trained.lora and self.algo.kl_coef > 0))
     has_teacher = property(lambda self: self.teacher is not None)
+
+    def describe(self) -> str:
+        """What trains, for the start-up line (`describe_training`)."""
+        return describe_training(self.model, self.cfg, self.dtype, self.device)
 
     # ---------------------------------------------------------------- scoring
     def _score(self, model: torch.nn.Module, batch: dict[str, Tensor], entropy_grad: bool = False):

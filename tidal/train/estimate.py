@@ -7,6 +7,7 @@ the tokens that are trained on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -131,3 +132,92 @@ def compute_advantages(
         adv = adv + distill
     adv = torch.where(mask.bool(), adv.to(torch.float32), torch.zeros(()))
     return adv, returns, metrics
+
+
+# ---------------------------------------------------------------- steps that train on nothing
+def _values(rewards: Tensor) -> str:
+    """`0.0`, or `0.0, 1.0` (at most four distinct values, then `...`), 4 significant digits."""
+    distinct = sorted({float(r) for r in rewards.tolist()})
+    texts = [f"{v:.4g}" for v in distinct[:4]]
+    shown = ", ".join(t if any(c in t for c in ".ein") else f"{t}.0" for t in texts)
+    return shown + (", ..." if len(distinct) > 4 else "")
+
+
+def zero_advantage_reason(
+    algo: AlgoConfig,
+    samples: Sequence[Sample],
+    rewards: Tensor,
+    valid: Tensor,
+    group_size: Groups,
+    advantages: Tensor,
+) -> str | None:
+    """Why no token of the step has a non-zero advantage (so the policy loss has no gradient:
+    the step learns nothing from its samples), with what to change; None when some token does.
+
+    `advantages` [N, R] as `compute_advantages` returns them; the loss masks are read from
+    `samples` as they will be trained (after `algo.mask_truncated` has cut truncated samples)."""
+    mask = response_mask(samples, advantages.shape[1]) * valid[:, None].to(torch.float32)
+    if bool(((advantages * mask) != 0).any()):
+        return None
+    n = len(samples)
+    if not bool(valid.any()):
+        why = f"every sample failed ({n} of {n})"
+        fix = "each one's error is in samples/step_N.jsonl.gz (field error); fix the generate function or reward"
+    elif not bool(mask.any()):
+        truncated = algo.mask_truncated and all(s.response_length for s in samples)
+        why = (
+            "every sample was truncated and algo.mask_truncated is on"
+            if truncated
+            else "no sample has a token to train"
+        )
+        fix = "raise rollout.max_new_tokens (or rollout.response_budget) so that responses can finish"
+    else:
+        kept = rewards[valid]
+        sizes = [group_size] * (n // group_size) if isinstance(group_size, int) else list(group_size)
+        if algo.advantage in GROUP_ESTIMATORS and max(sizes) < 2:
+            why = f"every group has one sample: {algo.advantage} compares the samples of a prompt"
+            fix = "set rollout.n_samples_per_prompt to 4 or more"
+        else:
+            if bool((kept == kept[0]).all()):
+                why = f"every reward was equal (all {_values(kept[:1])})"
+                if algo.advantage in GROUP_ESTIMATORS:
+                    why = f"every group's rewards were equal (all {_values(kept[:1])})"
+            elif algo.advantage in GROUP_ESTIMATORS:
+                why = f"every group's rewards were equal within the group (values {_values(kept)})"
+            else:
+                why = f"every advantage was zero (algo.advantage: {algo.advantage})"
+            per_prompt = sizes[0] if len(set(sizes)) == 1 else "ragged"
+            fix = (
+                "a reward that tells better responses from worse ones (partial credit), more samples per prompt "
+                f"(rollout.n_samples_per_prompt, now {per_prompt}), prompts the model solves sometimes but not always, "
+                "or algo.dynamic_sampling: true (drops the groups whose rewards are all equal and samples more)"
+            )
+    if (algo.kl_coef > 0 and not algo.kl_in_reward) or algo.entropy_coef > 0:
+        effect = "no sample had a non-zero advantage: only the KL and entropy terms trained this step"
+    else:
+        effect = "no sample had a non-zero advantage, so this step learned nothing from its samples"
+    return f"{why}: {effect}. To change it: {fix}"
+
+
+class NoSignalWarnings:
+    """The console's WARNING for steps with no advantage (`zero_advantage_reason`): the first such
+    step, then at most one line every `every` steps, with the count so far, so that a run that
+    trains on nothing says so without repeating it each step."""
+
+    def __init__(self, every: int = 10, logger: logging.Logger | None = None) -> None:
+        self.every = every
+        self.count = 0
+        self.last: int | None = None
+        self.log = logger or logging.getLogger("tidal")
+
+    def check(self, step: int, reason: str | None) -> bool:
+        """Count step `step` when `reason` says it had no signal; True when a line was logged."""
+        if reason is None:
+            return False
+        self.count += 1
+        if self.last is not None and step - self.last < self.every:
+            return False
+        self.last = step
+        so_far = f" ({self.count} steps without a signal so far)" if self.count > 1 else ""
+        self.log.warning("step %d: %s%s", step, reason, so_far)
+        return True

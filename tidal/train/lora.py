@@ -20,6 +20,7 @@ transformers model it was, so packing, chunked logits and FSDP2 see the module t
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -99,8 +100,6 @@ def apply_lora(
 def mirror(engine_model: torch.nn.Module, trained: torch.nn.Module) -> None:
     """Give `engine_model` (the base model, as an engine loaded it) the LoRA layers `trained`
     has, under the same names, so it can take `trained`'s tensors as they are."""
-    import copy
-
     from peft import inject_adapter_in_model
 
     if has_lora(engine_model):
@@ -206,7 +205,10 @@ def save_adapter(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = lora_config(cfg, model)
+    # the config the adapters were made with: `lora_config` checks target names against the
+    # model's plain linear layers, which the targets no longer are once they hold adapters
+    made = getattr(model, "peft_config", {}).get(ADAPTER)
+    config = copy.deepcopy(made) if made is not None else lora_config(cfg, model)
     config.base_model_name_or_path = None if base is None else str(base)
     config.inference_mode = True
     config.save_pretrained(str(folder))
