@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import sys
 import textwrap
 
@@ -17,6 +18,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+MODEL_HELP = (
+    "a run folder (train.output_dir: its newest checkpoint), a checkpoint folder (RUN/checkpoints/step_N, full or "
+    "LoRA: an adapter is merged onto its base model), a Hugging Face model folder, or smollm2"
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -58,10 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         help="score a model on a prompt set with a reward",
         description="Score MODEL on each --dataset (or eval.datasets, else the first 100 prompts of data.path) "
         "and print a table: mean reward, pass@k, response length. Sampling and reward come from the rollout "
-        "options; --greedy samples one response at temperature 0.",
+        "options; --greedy samples one response at temperature 0. On a run folder or one of its checkpoints the "
+        "run's own config.json gives them (its reward, eval sets, sampling), with --config and flags over it.",
         allow_abbrev=False,
     )
-    e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
+    e.add_argument("model", help=MODEL_HELP)
     e.add_argument(
         "--config",
         action="append",
@@ -117,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "/v1/completions and /v1/chat/completions. Loopback only unless --host says otherwise.",
         allow_abbrev=False,
     )
-    s.add_argument("model", help="local HF model folder or smollm2")
+    s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
     s.add_argument(
@@ -164,10 +172,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from tidal.convert import ensure_model
     from tidal.log import setup_logging
+    from tidal.model_source import locate_model, model_folder
     from tidal.server.app import serve
+    from tidal.types import InputError
 
+    try:
+        source = locate_model(args.model)
+    except InputError as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 1
     setup_logging()
     options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
     if args.max_model_len:
@@ -180,7 +194,15 @@ def _serve(args) -> int:
         max_weights_body_bytes=args.max_weights_body_bytes,
         max_tokenising_bytes=args.max_tokenising_bytes,
     )
-    serve(ensure_model(args.model), args.host, args.port, config=config, **options)
+    try:
+        with model_folder(source) as model_dir:  # a LoRA adapter merged onto its base, for as long as it serves
+            # served under the folder it was given as (a checkpoint's, not a temporary merged one)
+            name = str(source.folder or model_dir)
+            logging.getLogger("tidal").info("serving %s as %r", source.describe(), name)
+            serve(model_dir, args.host, args.port, config=config, model_name=name, **options)
+    except (InputError, FileNotFoundError) as e:  # a damaged checkpoint, an adapter's missing base model
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -217,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "export":
+        from tidal.log import setup_logging
         from tidal.train.checkpoint import export_checkpoint
 
+        setup_logging()  # library chatter and weight bars as the rest of tidal has them
         try:
             print(export_checkpoint(args.run_dir, args.out, args.step, args.lora))
         except (FileNotFoundError, FileExistsError, ValueError) as e:  # CheckpointError names the damaged file
@@ -254,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             "that can give it instead",
             file=sys.stderr,
         )
+    if args.command == "eval":
+        return _eval(args, values)
     try:
         cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:
         print(f"tidal {args.command}: {e}", file=sys.stderr)
         return 2
-    if args.command == "eval":
-        return _eval(cfg, args)
     from tidal.log import setup_logging
     from tidal.loop import train
     from tidal.types import InputError, RunStopped
@@ -284,17 +308,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _eval(cfg, args) -> int:
-    from tidal.eval import evaluate, results_table
+def _eval(args, values: dict) -> int:
+    from tidal.eval import eval_config, evaluate, results_table
     from tidal.log import setup_logging
+    from tidal.model_source import locate_model
     from tidal.types import InputError
     from tidal.utils import atomic_write_json
 
+    try:
+        source = locate_model(args.model)  # a run's checkpoint brings the run's config
+        cfg = eval_config(source.run_config, args.config, values)
+    except InputError as e:
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 2
     setup_logging()
     given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     try:
-        result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
-    except InputError as e:  # an eval set's file names itself and its line; no traceback
+        result = evaluate(cfg, source, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    except ConfigError as e:  # user code (reward, generate function) that does not load
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 2
+    except (InputError, FileNotFoundError) as e:  # a data file's line, a damaged checkpoint, a missing base model
         print(f"tidal eval: {e}", file=sys.stderr)
         return 1
     print(results_table(result["datasets"]))
