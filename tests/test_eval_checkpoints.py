@@ -146,6 +146,14 @@ def test_eval_of_a_lora_run_reproduces_the_loops_eval(lora_run, tmp_path):
                 assert metrics[m] == history[-1][f"eval/{name}/{m}"], (name, m)
 
 
+def _saved(tmp_path):
+    """A run folder with a complete checkpoint at step 2 (no model in it: nothing is loaded)."""
+    from tidal.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run", 2, lambda folder: None, None, {}, {})
+    return tmp_path / "run" / "checkpoints"
+
+
 def _incomplete(tmp_path):
     folder = tmp_path / "run" / "checkpoints" / "step_3"
     folder.mkdir(parents=True)
@@ -168,8 +176,12 @@ def _incomplete(tmp_path):
             "train.save_interval steps and at the end)",
         ),
         (_incomplete, "an incomplete checkpoint (state.json and trainer_state.pt are written last"),
+        (
+            lambda p: _saved(p) / "step_7",
+            "no such checkpoint; the complete checkpoints of run {p}/run are at steps 2 (or give the run folder",
+        ),
     ],
-    ids=["missing", "file", "not-a-model", "run-without-checkpoints", "incomplete-checkpoint"],
+    ids=["missing", "file", "not-a-model", "run-without-checkpoints", "incomplete-checkpoint", "step-not-saved"],
 )
 @pytest.mark.parametrize("command", ["eval", "serve"])
 def test_what_is_not_a_model_is_one_line(command, make, message, tmp_path, capsys):

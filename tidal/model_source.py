@@ -128,6 +128,13 @@ def locate_model(model: str) -> ModelSource:
         return ModelSource(model, None)
     path = Path(model).expanduser()
     if not path.exists():
+        run = _run_of(path)
+        steps = [str(step) for step, _ in list_checkpoints(run)] if run else []
+        if steps:  # a checkpoint of a run that was not saved, or was pruned
+            raise ModelError(
+                f"model {model!r}: no such checkpoint; the complete checkpoints of run {run} are at steps "
+                f"{', '.join(steps)} (or give the run folder for its newest)"
+            )
         raise ModelError(f"model {model!r}: no such file or folder; {EXPECTED}")
     if not path.is_dir():
         raise ModelError(f"model {model!r}: a file, not a folder; {EXPECTED}")
