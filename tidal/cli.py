@@ -315,6 +315,7 @@ def _eval(args, values: dict) -> int:
     from tidal.types import InputError
     from tidal.utils import atomic_write_json
 
+    setup_logging()  # before the config: what it takes from a run's config.json is logged
     try:
         source = locate_model(args.model)  # a run's checkpoint brings the run's config
         cfg = eval_config(source.run_config, args.config, values)
@@ -324,7 +325,6 @@ def _eval(args, values: dict) -> int:
     except ConfigError as e:
         print(f"tidal eval: {e}", file=sys.stderr)
         return 2
-    setup_logging()
     given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     try:
         result = evaluate(cfg, source, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
