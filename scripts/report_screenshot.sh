@@ -8,7 +8,8 @@ if [ $# -lt 2 ]; then
   echo "usage: $0 RUN_DIR OUT.png [WIDTH,HEIGHT]" >&2
   exit 2
 fi
-run_dir=$1
+# both paths absolute before the cd below: relative ones are meant from where the script was started
+run_dir=$(realpath -m "$1")
 out=$(realpath -m "$2")
 size=${3:-1400,2400}
 cd "$(dirname "$0")/.."

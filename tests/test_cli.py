@@ -201,19 +201,21 @@ def test_a_key_on_the_command_line_is_taken_verbatim_and_the_user_warned(fake_lo
         assert key not in err
 
 
-def test_serve_takes_its_limit_on_weight_bodies(monkeypatch):
+def test_serve_takes_its_limit_on_weight_bodies(monkeypatch, tmp_path):
     """`tidal serve --max-weights-body-bytes` sets the largest `/update_weights_from_tensor` body
-    (64 MiB unless given); fake modules keep the model and the web server out of this test."""
+    (64 MiB unless given); fake modules keep the model and the web server out of this test (a
+    folder with a config.json is a model folder to `tidal serve` until an engine loads it)."""
     served = []
     fakes = {
         "tidal.server.app": types.SimpleNamespace(serve=lambda model, host, port, config, **kw: served.append(config)),
-        "tidal.convert": types.SimpleNamespace(ensure_model=lambda name: name),
         "tidal.log": types.SimpleNamespace(setup_logging=lambda: None),
     }
     for name, module in fakes.items():
         monkeypatch.setitem(sys.modules, name, module)
-    assert main(["serve", "m", "--max-weights-body-bytes", "200000000"]) == 0
-    assert main(["serve", "m"]) == 0
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert main(["serve", str(tmp_path), "--max-weights-body-bytes", "200000000"]) == 0
+    assert main(["serve", str(tmp_path)]) == 0
     assert [c.max_weights_body_bytes for c in served] == [200_000_000, 64 * 2**20]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import sys
 import textwrap
 
@@ -41,6 +42,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+MODEL_HELP = (
+    "a run folder (train.output_dir: its newest checkpoint), a checkpoint folder (RUN/checkpoints/step_N, full or "
+    "LoRA: an adapter is merged onto its base model), a Hugging Face model folder, or smollm2"
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -81,12 +88,14 @@ def _parser() -> argparse.ArgumentParser:
         "[--temperature T] [--max-new-tokens N] [--k K,...] [--greedy] [--out FILE] [--GROUP.KEY VALUE ...]",
         description="Score MODEL on each --dataset (or eval.datasets, else the first 100 prompts of data.path) "
         "and print a table: mean reward, pass@k, response length. Sampling and reward come from the rollout "
-        "options; --greedy samples one response at temperature 0. Only the config groups that scoring reads "
-        "are options here; a --config file may hold any (a training config as is).",
+        "options; --greedy samples one response at temperature 0. On a run folder or one of its checkpoints the "
+        "run's own config.json gives them (its reward, eval sets, sampling), with --config and flags over it. Only "
+        "the config groups that scoring reads are options here; a --config file may hold any (a training config "
+        "as is).",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
-    e.add_argument("model", help="local HF model folder (e.g. a checkpoint) or smollm2")
+    e.add_argument("model", help=MODEL_HELP)
     e.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     e.add_argument("--dataset", action="append", metavar="FILE|env:NAME", help="an eval set (repeatable)")
     e.add_argument("--num-prompts", type=int, metavar="N", help="score the first N prompts of each set")
@@ -151,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         "/v1/completions and /v1/chat/completions. Loopback only unless --host says otherwise.",
         allow_abbrev=False,
     )
-    s.add_argument("model", help="local HF model folder or smollm2")
+    s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
     s.add_argument(
@@ -198,10 +207,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from tidal.convert import ensure_model
     from tidal.log import setup_logging
+    from tidal.model_source import locate_model, model_folder
     from tidal.server.app import serve
+    from tidal.types import InputError
 
+    try:
+        source = locate_model(args.model)
+    except InputError as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 1
     setup_logging()
     options = {"dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs}
     if args.max_model_len:
@@ -214,7 +229,15 @@ def _serve(args) -> int:
         max_weights_body_bytes=args.max_weights_body_bytes,
         max_tokenising_bytes=args.max_tokenising_bytes,
     )
-    serve(ensure_model(args.model), args.host, args.port, config=config, **options)
+    try:
+        with model_folder(source) as model_dir:  # a LoRA adapter merged onto its base, for as long as it serves
+            # served under the folder it was given as (a checkpoint's, not a temporary merged one)
+            name = str(source.folder or model_dir)
+            logging.getLogger("tidal").info("serving %s as %r", source.describe(), name)
+            serve(model_dir, args.host, args.port, config=config, model_name=name, **options)
+    except (InputError, FileNotFoundError) as e:  # a damaged checkpoint, an adapter's missing base model
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -305,13 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             "that can give it instead",
             file=sys.stderr,
         )
+    if args.command == "eval":
+        return _eval(args, values)
     try:
         cfg = build_config(args.config, values, for_training=args.command == "train")
     except ConfigError as e:
         print(f"tidal {args.command}: {e}", file=sys.stderr)
         return 2
-    if args.command == "eval":
-        return _eval(cfg, args)
     if args.command == "config":
         return _print_config(cfg)
     from tidal.log import setup_logging
@@ -351,17 +374,30 @@ def _print_config(cfg) -> int:
     return 0
 
 
-def _eval(cfg, args) -> int:
-    from tidal.eval import evaluate, results_table
+def _eval(args, values: dict) -> int:
+    from tidal.eval import eval_config, evaluate, results_table
     from tidal.log import setup_logging
+    from tidal.model_source import locate_model
     from tidal.types import InputError
     from tidal.utils import atomic_write_json
 
-    setup_logging()
+    setup_logging()  # before the config: what it takes from a run's config.json is logged
+    try:
+        source = locate_model(args.model)  # a run's checkpoint brings the run's config
+        cfg = eval_config(source.run_config, args.config, values)
+    except InputError as e:
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 2
     given = {"n": args.n, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     try:
-        result = evaluate(cfg, args.model, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
-    except InputError as e:  # an eval set's file names itself and its line; no traceback
+        result = evaluate(cfg, source, args.num_prompts, **{k: v for k, v in given.items() if v is not None})
+    except ConfigError as e:  # user code (reward, generate function) that does not load
+        print(f"tidal eval: {e}", file=sys.stderr)
+        return 2
+    except (InputError, FileNotFoundError) as e:  # a data file's line, a damaged checkpoint, a missing base model
         print(f"tidal eval: {e}", file=sys.stderr)
         return 1
     print(results_table(result["datasets"]))

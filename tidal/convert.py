@@ -12,6 +12,7 @@ from pathlib import Path
 from tidal.utils import atomic_directory, tidal_home
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAMES = ("smollm2", "smollm2-135m-instruct")  # what `ensure_model` converts on first use
 DONE_MARKER = ".tidal_converted"
 
 
@@ -61,7 +62,7 @@ def ensure_model(model: str) -> Path:
     `smollm2` (or `smollm2-135m-instruct`) converts the bundled GGUF into the cache on first use;
     anything else must be an existing local HF folder.
     """
-    if model.lower() in ("smollm2", "smollm2-135m-instruct"):
+    if model.lower() in BUNDLED_NAMES:
         return convert_gguf(smollm2_gguf_path(), default_cache_dir() / "SmolLM2-135M-Instruct")
     path = Path(model).expanduser()
     if not (path / "config.json").exists():

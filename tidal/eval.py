@@ -1,5 +1,11 @@
 """Evaluation: score a policy on held-out prompt sets with the run's reward, during training
-(`eval.interval`) or standalone (`tidal eval MODEL_DIR`), through one function, `evaluate_set`.
+(`eval.interval`) or standalone (`tidal eval MODEL`), through one function, `evaluate_set`.
+
+`tidal eval` takes a run folder (its newest checkpoint), a checkpoint (full or LoRA, merged on
+load), a model folder or smollm2 (`tidal.model_source`). On a run or one of its checkpoints it
+starts from the run's own settings (`eval_config`: its reward, eval sets, sampling, prompt
+format, engine, from the run's config.json), with `--config` files and flags over them, so
+`tidal eval RUN` scores what the run's own eval scored.
 
 Per set the metrics are the mean reward, the unbiased pass@k of Chen et al. (2021) for every k
 in `eval.pass_k` that is at most the set's n (pass@1 always), the mean response length and the
@@ -17,6 +23,7 @@ and without it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import random
@@ -35,6 +42,8 @@ from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
 from tidal.data.load import load_data
 from tidal.eval_sets import EvalSet
+from tidal.model_source import ModelSource, locate_model, model_folder
+from tidal.options import ConfigError
 from tidal.reward.score import scalar_reward
 from tidal.rollout.manager import RolloutManager, group_sizes
 from tidal.types import Sample, Status
@@ -125,6 +134,15 @@ def set_manager(cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: L
     )
 
 
+def close_rewards(manager: RolloutManager) -> None:
+    """Stop the reward worker processes of a set's manager (a sync user reward runs in a pool)
+    now, while the process is whole: left to exit, workers still starting print tracebacks."""
+    for fn in (manager.reward_fn, manager.group_reward_fn):
+        close = getattr(fn, "close", None)
+        if close is not None:
+            close()
+
+
 def load_set(s: EvalSet, tokenizer: Any) -> list[PromptRecord]:
     """The set's prompts in file order (the first `num_prompts` when set)."""
     records = load_data(s.data, tokenizer)
@@ -201,46 +219,137 @@ def standalone_sets(cfg: Config, num_prompts: int | None = None, **sampling: Any
     return [dataclasses.replace(s, **sampling) for s in sets]
 
 
-def evaluate(cfg: Config, model: str, num_prompts: int | None = None, **sampling: Any) -> dict[str, Any]:
-    """`tidal eval`: score `model` (a folder or smollm2) on every set of `standalone_sets`.
-    Returns `{"model": folder, "datasets": {name: metrics}}`."""
+# The groups a standalone eval takes from a run's config.json: what samples, scores and formats the
+# prompts. Training, placement, overlap, logging and debugging are the run's own business: taken
+# over, they would change nothing here and could fail validation on another machine (a debug
+# folder, a Ray address); `cluster.device` is taken as the run asked for it (`auto` stays `auto`).
+EVAL_GROUPS = ("data", "rollout", "sampling", "engine", "reward", "judge", "tools", "agent", "eval", "sandbox")
+
+
+def run_values(path: Path) -> dict[str, Any]:
+    """A run's `config.json` as flat `group.key` values for a standalone eval of its checkpoints:
+    the `EVAL_GROUPS`, and `cluster.device`, `engine.dtype` as requested before the run resolved
+    them (`resolved` records both); masked secrets are left out (read again from their file or
+    the environment), as are keys this tidal does not know (logged)."""
+    import typing
+
+    from tidal.config import REDACTED, SECRET_FIELDS, upgrade
+
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the run's config ({e})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: expected the run's config as a JSON object of config groups")
+    saved = upgrade(saved)
+    values: dict[str, Any] = {}
+    unknown = []
+    for group in EVAL_GROUPS:
+        body = saved.get(group)
+        known = typing.get_type_hints(type(getattr(Config(), group)))
+        for key, value in (body if isinstance(body, dict) else {}).items():
+            name = f"{group}.{key}"
+            if key not in known:
+                unknown.append(name)
+            elif not (name in SECRET_FIELDS and value == REDACTED):
+                values[name] = value
+    if unknown:
+        log.warning("%s: left out %s, which this tidal does not know", path, ", ".join(unknown))
+    resolved = saved.get("resolved") if isinstance(saved.get("resolved"), dict) else {}
+    cluster = saved.get("cluster") if isinstance(saved.get("cluster"), dict) else {}
+    for name, value in (("cluster.device", cluster.get("device")), ("engine.dtype", values.get("engine.dtype"))):
+        record = resolved.get(name)
+        requested = record.get("requested") if isinstance(record, dict) else None
+        if requested is not None or value is not None:
+            values[name] = requested if requested is not None else value
+    return values
+
+
+def eval_config(run_config: Path | None, files: list[str] | None, values: dict[str, Any]) -> Config:
+    """`tidal eval`'s config: the defaults, then the run's settings when MODEL is a run or one of
+    its checkpoints (`run_values` of its `config.json`), then each `--config` file, then the
+    command line; validated for evaluation. A run whose engines were servers at `engine.urls`
+    (which hold their own weights) is evaluated in tidal's engine unless a file or the command
+    line names `engine.kind` or `engine.urls`."""
+    from tidal.config import apply_overrides, load_yaml, read_secrets, validate
+
+    layers = [(load_yaml(path), str(path)) for path in files or []]
+    layers.append((values, "command line"))
+    cfg = Config()
+    if run_config is not None:
+        apply_overrides(cfg, run_values(run_config), str(run_config))
+        chosen = any(k in flat for flat, _ in layers for k in ("engine.kind", "engine.urls"))
+        if cfg.engine_kind.servers and not chosen:
+            default = Config().engine
+            log.info(
+                "engine.kind: the run's %s reaches servers that hold their own weights; loading the checkpoint in "
+                "engine.kind %s instead (--engine.kind chooses another)",
+                cfg.engine.kind,
+                default.kind,
+            )
+            cfg.engine.kind, cfg.engine.urls = default.kind, default.urls
+    for flat, where in layers:
+        apply_overrides(cfg, flat, where)
+    try:
+        validate(cfg, for_training=False)
+    except ConfigError as e:
+        if run_config is None:
+            raise
+        where = f"(the run's settings come from {run_config}; --config and flags go over them)"
+        raise ConfigError(f"{e}\n{where}") from None
+    read_secrets(cfg)
+    return cfg
+
+
+def evaluate(cfg: Config, model: str | ModelSource, num_prompts: int | None = None, **sampling: Any) -> dict[str, Any]:
+    """`tidal eval`: score `model` (what `tidal.model_source.locate_model` takes: a run folder, a
+    checkpoint, full or LoRA, a model folder or smollm2) on every set of `standalone_sets`.
+    Returns `{"model": folder, "datasets": {name: metrics}}`, with `"step"` for a checkpoint."""
     from tidal.adapters.factory import make_engine
-    from tidal.convert import ensure_model, load_tokenizer
+    from tidal.convert import load_tokenizer
     from tidal.hardware import resolve_device
     from tidal.hooks import check_user_code
     from tidal.reward.sandbox import check_run, set_default_backend
 
+    source = model if isinstance(model, ModelSource) else locate_model(model)
     if cfg.sandbox.backend is not None:  # the code sandbox of a code_tests reward
         set_default_backend(cfg.sandbox.backend)
     check_run(cfg.runs_model_code, cfg.sandbox.backend)
     check_user_code(cfg)  # the reward and generate functions, before the model loads
-    model_dir = ensure_model(model)
-    tokenizer = load_tokenizer(model_dir)
-    sets = standalone_sets(cfg, num_prompts, **sampling)
-    loaded = [(s, load_set(s, tokenizer)) for s in sets]
-    # KV cache sized for the largest call of any set; bigger calls still run, just queued
-    longest = dataclasses.replace(cfg.rollout, max_new_tokens=max(s.max_new_tokens for s in sets))
-    kv_tokens = cfg.engine.cache_tokens(
-        min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded)),
-        max(s.n for s in sets),
-        longest.response_budget,
-        max(s.data.max_prompt_length for s in sets),
-    )
-    device = resolve_device(cfg.cluster.device).device
-    engine = make_engine(cfg.engine, model_dir, tokenizer, kv_tokens, device)
     results = {}
-    with LoopThread("tidal-eval") as loop:
-        try:
-            for s, records in loaded:
-                manager = set_manager(cfg, s, engine, tokenizer, loop)
-                metrics = evaluate_set(
-                    manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.reward.key
-                )
-                metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
-                results[s.name] = metrics
-        finally:
-            loop.run(engine.aclose(), 60, "closing the engine")
-    return {"model": str(Path(model_dir)), "datasets": results}
+    with model_folder(source) as model_dir:
+        log.info("evaluating %s", source.describe())
+        tokenizer = load_tokenizer(model_dir)
+        sets = standalone_sets(cfg, num_prompts, **sampling)
+        loaded = [(s, load_set(s, tokenizer)) for s in sets]
+        # KV cache sized for the largest call of any set; bigger calls still run, just queued
+        longest = dataclasses.replace(cfg.rollout, max_new_tokens=max(s.max_new_tokens for s in sets))
+        kv_tokens = cfg.engine.cache_tokens(
+            min(PROMPTS_PER_CALL, max(len(r) for _, r in loaded)),
+            max(s.n for s in sets),
+            longest.response_budget,
+            max(s.data.max_prompt_length for s in sets),
+        )
+        device = resolve_device(cfg.cluster.device).device
+        engine = make_engine(cfg.engine, model_dir, tokenizer, kv_tokens, device)
+        with LoopThread("tidal-eval") as loop:
+            try:
+                for s, records in loaded:
+                    manager = set_manager(cfg, s, engine, tokenizer, loop)
+                    try:
+                        metrics = evaluate_set(
+                            manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.reward.key
+                        )
+                    finally:
+                        close_rewards(manager)
+                    metrics.pop("weight_version")  # a model loaded from a folder is version 0, whatever it is
+                    results[s.name] = metrics
+            finally:
+                loop.run(engine.aclose(), 60, "closing the engine")
+    out: dict[str, Any] = {"model": str(source.folder or model_dir)}
+    if source.step is not None:
+        out["step"] = source.step
+    return {**out, "datasets": results}
 
 
 def results_table(results: dict[str, dict[str, float]]) -> str:

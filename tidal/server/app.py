@@ -4,12 +4,14 @@ each family's shape, the API key and body limits (`Guard`), and running it (`ser
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +197,27 @@ def serve(
         core = (core_factory or _default_core)(str(model_dir), **engine_kwargs)
     engine = AsyncEngine(core)
     try:
-        uvicorn.run(build_app(engine, model_name or str(model_dir), cfg), host=host, port=port, log_level=log_level)
+        with _sigterm_unwinds():
+            uvicorn.run(build_app(engine, model_name or str(model_dir), cfg), host=host, port=port, log_level=log_level)
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM as SystemExit(143) inside the block. uvicorn shuts down gracefully on SIGTERM, then
+    sends it again to the process under the handler it found: the default one would end the
+    process on the spot, and the callers' `finally` and `with` blocks (the engine's close, a
+    merged LoRA model's temporary folder) would never run."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -358,30 +358,75 @@ def export_checkpoint(
             f"--lora {lora}: {folder} holds a full model, not a LoRA adapter (the run had train.lora_rank 0)"
         )
     with atomic_directory(out) as tmp:
-        if adapter and lora != "adapter":
-            _merge_adapter(folder, tmp)
-        for src in folder.iterdir():
-            if src.name in (STATE_FILE, TRAINER_STATE_FILE) or (
-                adapter and lora != "adapter" and "adapter_" in src.name
-            ):
-                continue
-            (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / src.name)
+        write_plain_folder(folder, tmp, merge=adapter and lora != "adapter", run_dir=output_dir)
     return out
 
 
-def _merge_adapter(folder: Path, out: Path) -> None:
-    """The base model the adapter folder names, with the adapter folded in, saved to `out`."""
+def write_plain_folder(folder: Path, out: Path, merge: bool, run_dir: str | Path | None = None) -> None:
+    """Write checkpoint `folder`'s model and tokenizer files into the folder `out` (no optimizer or
+    loop state): with `merge`, a LoRA adapter's base model with the adapter folded in (the base
+    is found by `adapter_base`), else the files as they are. `tidal export` writes this, and
+    `tidal eval` / `tidal serve` load a LoRA checkpoint through it."""
+    if merge:
+        merge_adapter(folder, out, adapter_base(folder, run_dir))
+    for src in folder.iterdir():
+        if src.name in (STATE_FILE, TRAINER_STATE_FILE) or (merge and "adapter_" in src.name):
+            continue
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, out / src.name)
+
+
+def run_model(run_dir: str | Path | None) -> str | None:
+    """`train.model` of the run whose `config.json` is in `run_dir`, or None when there is none."""
+    if run_dir is None:
+        return None
+    try:
+        saved = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    train = saved.get("train") if isinstance(saved, dict) else None
+    model = train.get("model") if isinstance(train, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def adapter_base(folder: Path, run_dir: str | Path | None = None) -> Path:
+    """The base model folder of the LoRA adapter in `folder`: its `adapter_config.json`'s
+    `base_model_name_or_path`, else the run's `train.model` (the bundled model's name too).
+    A relative path is read from the current folder, as the run read it from the folder it was
+    started in; FileNotFoundError names both and what to do when neither is a model folder."""
+    from tidal.convert import BUNDLED_NAMES, ensure_model
+
+    config_file = folder / "adapter_config.json"
+    try:
+        named = json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{config_file}: cannot read the adapter's config ({e})") from None
+    tried = [c for c in dict.fromkeys([named, run_model(run_dir)]) if c]
+    for candidate in tried:
+        if candidate.lower() in BUNDLED_NAMES:
+            return ensure_model(candidate)
+        if (Path(candidate).expanduser() / "config.json").is_file():
+            return Path(candidate).expanduser()
+    also = f" or the run's train.model {tried[1]!r}" if len(tried) > 1 else ""
+    raise FileNotFoundError(
+        f"{config_file}: the adapter's base model {named!r} (base_model_name_or_path){also} is not a model "
+        f"folder here (a relative path is read from the current folder {Path.cwd()}); run from the folder the run "
+        "was started in, or export the adapter with `tidal export RUN --lora adapter` and merge it onto the base "
+        "model where that lives"
+    )
+
+
+def merge_adapter(folder: Path, out: Path, base: Path) -> None:
+    """The `base` model with the adapter in `folder` folded in (`W + s · B A`, through peft), saved
+    to `out` as fp32 safetensors."""
+    import warnings
+
     from peft import PeftModel
 
-    from tidal.train.lora import read_adapter
     from tidal.train.model import load_causal_lm
 
-    config, _ = read_adapter(folder)
-    base = config.get("base_model_name_or_path")
-    if not base or not Path(base).is_dir():
-        raise FileNotFoundError(
-            f"{folder / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a model folder on this "
-            "machine; export with --lora adapter and merge it onto the base model where that lives"
-        )
-    merged = PeftModel.from_pretrained(load_causal_lm(base), str(folder)).merge_and_unload()
+    with warnings.catch_warnings():
+        # peft calls transformers' is_gradient_checkpointing, deprecated in transformers 5: its
+        # FutureWarning is addressed to peft, not to whoever exports or serves a checkpoint
+        warnings.simplefilter("ignore", FutureWarning)
+        merged = PeftModel.from_pretrained(load_causal_lm(base), str(folder)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
