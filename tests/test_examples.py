@@ -6,6 +6,7 @@ says, and the Python API example runs."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,22 @@ RUN_IN_OWN_FOLDER = {"reverse_word"}
 REVERSE_WORD = ROOT / "examples" / "reverse_word"
 
 
+def forget_user_package(name: str = "myrl") -> None:
+    """Drop the user package `name` (and its modules) from the imported modules: tests of other
+    projects use the same name for their own package."""
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+
+
+@pytest.fixture(autouse=True)
+def _no_user_package_left_behind():
+    yield
+    forget_user_package()
+
+
 def enter(folder: Path, monkeypatch) -> None:
     """Work in `folder` with it on the import path, as `tidal train` started there has it."""
+    forget_user_package()
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
 

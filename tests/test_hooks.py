@@ -48,14 +48,16 @@ USER_CODE_FILE = textwrap.dedent(
 def project(tmp_path, monkeypatch):
     """A user's project folder as the working directory, holding `myrl/hooks.py`, and not on the
     import path (as when the `tidal` script runs: Python puts the script's folder there)."""
+    for name in [m for m in sys.modules if m == "myrl" or m.startswith("myrl.")]:  # another test's package
+        del sys.modules[name]
     (tmp_path / "myrl").mkdir()
     (tmp_path / "myrl" / "__init__.py").write_text("")
     (tmp_path / "myrl" / "hooks.py").write_text(USER_CODE_FILE)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.curdir, str(tmp_path))])
     yield tmp_path
-    for name in ("myrl", "myrl.hooks"):
-        sys.modules.pop(name, None)
+    for name in [m for m in sys.modules if m == "myrl" or m.startswith("myrl.")]:
+        del sys.modules[name]
 
 
 def config(**values) -> Config:

@@ -111,7 +111,6 @@ def test_eval_scores_a_checkpoint_deterministically(tiny_model_dir, tmp_path):
         str(out),
         "--reward.fn=conftest:token_parity_reward",
         "--rollout.max_new_tokens=4",
-        "--log.console=false",
         "--data.env_args={n: 20}",
         "--engine.dtype=float32",
     ]
