@@ -221,3 +221,17 @@ def test_async_callables_stay_on_the_event_loop():
 
     assert is_async_callable(coro) and is_async_callable(AsyncCall())
     assert not is_async_callable(len) and not is_async_callable(lambda s: 1.0)
+
+
+def test_a_pool_closed_after_its_first_reward_stops_its_workers_once_each_has_started(slow_module):
+    """A short eval set closes its pool right after the first rewards, while other workers may
+    still be starting: `close` waits for each to start (else it finds its pool's locks gone and
+    prints a traceback), then stops them all."""
+    pool = RewardPool(f"{slow_module}:sleepy", 3)
+    (sample,) = _samples(1, 0)
+    assert asyncio.run(pool(sample)) == 1.0
+    pool.close()
+    assert len(pool.started) == 3 and len(set(pool.started)) == 3 and os.getpid() not in pool.started
+    for pid in pool.started:  # stopped, and reaped by the pool
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import multiprocessing
+import os
+import queue
 import sys
+import time
 import weakref
 from typing import Any
 
@@ -34,9 +37,14 @@ def is_async_callable(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _init_worker(path: list[str]) -> None:
+READY_TIMEOUT = 10.0  # seconds `close` waits for workers still starting before it stops them
+
+
+def _init_worker(path: list[str], ready: Any = None) -> None:
     # the parent's import path, so a reward module found there (a tmp folder, a project) is found here
     sys.path[:] = path + [p for p in sys.path if p not in path]
+    if ready is not None:
+        ready.put(os.getpid())  # this worker has read what the parent sent it: see `_stop`
 
 
 def _call(spec: str, sample: Sample) -> Any:
@@ -74,14 +82,17 @@ class RewardPool:
         if self._pool is None:
             from pebble import ProcessPool
 
+            context = multiprocessing.get_context("forkserver")
+            self.ready = context.Queue()  # the pid of each worker once it has started
+            self.started: list[int] = []
             self._pool = ProcessPool(
                 max_workers=self.workers,
                 initializer=_init_worker,
-                initargs=(list(sys.path),),
-                context=multiprocessing.get_context("forkserver"),
+                initargs=(list(sys.path), self.ready),
+                context=context,
             )
             # the workers go when this pool object does (a finished rollout manager), or at exit
-            self._finalizer = weakref.finalize(self, _stop, self._pool)
+            self._finalizer = weakref.finalize(self, _stop, self._pool, self.ready, self.workers, self.started)
         return self._pool
 
     async def __call__(self, sample: Sample) -> Any:
@@ -101,6 +112,18 @@ class RewardPool:
             self._pool = None
 
 
-def _stop(pool) -> None:
+def _stop(pool, ready: Any, workers: int, started: list[int]) -> None:
+    """Stop `pool` once each of its `workers` first workers has started (appending their pids to
+    `started`), waiting at most READY_TIMEOUT. A worker is still reading what the parent sent it
+    (its pool's locks among them) for a moment after `start()` returns; stopped and freed before
+    that, the locks are gone and the worker prints a FileNotFoundError traceback (a short eval set
+    closes its pool right after its first rewards)."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while len(started) < workers:
+        try:
+            started.append(ready.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:  # one that cannot start (its import path broken) is stopped as it is
+            break
     pool.stop()
     pool.join(timeout=10)
+    ready.close()
