@@ -139,8 +139,12 @@ def test_cluster_ray_true_puts_one_trainer_and_one_engine_on_ray():
         ),
         (
             {"cluster.ray": True, "engine.kind": "hf"},
-            "1 trainer rank on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU); engines: one engine in this process, beside "
-            "one trainer (no Ray)",
+            "1 trainer rank on Ray (bundles: 1 × 1 CPU); engines: one engine in this process, beside one trainer "
+            "(no Ray)",
+        ),
+        (  # servers take no bundle
+            {"cluster.trainers": 2, "engine.kind": "remote", "engine.urls": ["http://h:1"]},
+            "2 trainer ranks on Ray (bundles: 2 × 1 CPU); engines: HTTP servers (attached at engine.urls, or launched)",
         ),
     ],
 )

@@ -216,7 +216,7 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
                 import ray
 
                 roles.closers.append(ray.shutdown)
-            group, trainer_bundles, engine_bundles = placement(c)
+            group, trainer_bundles, engine_bundles = placement(c, c.engines if engines_on_ray(cfg, sft) else 0)
             roles.closers.append(lambda: _remove_group(group))
             log.info("cluster: %s", ray_layout(cfg, sft))
             placed = (group, engine_bundles)
@@ -242,6 +242,12 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
         raise
 
 
+def engines_on_ray(cfg: Config, sft: bool = False) -> bool:
+    """Whether this run's engines are Ray actors (with a bundle each): not for SFT or a replayed
+    rollout (no engine), nor for servers or a kind that runs in this process."""
+    return cfg.placement == RAY and not sft and not cfg.debug.load_rollout
+
+
 def ray_layout(cfg: Config, sft: bool = False) -> str:
     """What a run on Ray places, in one line, as `tidal.cluster.ray_setup.placement` reserves it:
     `1 trainer rank and 1 engine actor on Ray (bundles: 1 × 1 CPU + 1 × 1 CPU)`; engines that are
@@ -254,14 +260,15 @@ def ray_layout(cfg: Config, sft: bool = False) -> str:
     def size(n: int, cpus: float, gpus: float) -> str:
         return f"{n} × {cpus:g} CPU" + (f" {gpus:g} GPU" if gpus else "")
 
-    on_ray = cfg.placement == RAY and not sft and not cfg.debug.load_rollout
+    on_ray = engines_on_ray(cfg, sft)
     what = count(c.trainers, "trainer rank") + (" and " + count(c.engines, "engine actor") if on_ray else "")
-    if c.colocate:
+    if c.colocate and on_ray:
         cpus, gpus = max(c.cpus_per_trainer, c.cpus_per_engine), max(c.gpus_per_trainer, c.gpus_per_engine)
         bundles = size(c.trainers, cpus, gpus) + ", engines sharing the ranks' bundles"
     else:
         bundles = size(c.trainers, c.cpus_per_trainer, c.gpus_per_trainer)
-        bundles += " + " + size(c.engines, c.cpus_per_engine, c.gpus_per_engine)
+        if on_ray:  # engines that are servers or live in this process take no bundle
+            bundles += " + " + size(c.engines, c.cpus_per_engine, c.gpus_per_engine)
     line = f"{what} on Ray (bundles: {bundles})"
     if not on_ray and not sft and not cfg.debug.load_rollout:
         line += f"; engines: {PLACEMENTS[cfg.placement]}"

@@ -52,21 +52,24 @@ def actor_gpus(cfg: ClusterConfig) -> tuple[float, float]:
     return share, share
 
 
-def placement(cfg: ClusterConfig):
+def placement(cfg: ClusterConfig, engine_actors: int | None = None):
     """A placement group for the run, ready; returns (group, trainer bundle indices, engine bundle
-    indices). Raises TimeoutError naming the resources when Ray cannot place it in 120 s."""
+    indices). `engine_actors` (default `cfg.engines`) is how many engines run as Ray actors: 0 when
+    they are servers or live in the driver, which then reserves no bundle for them. Raises
+    TimeoutError naming the resources when Ray cannot place it in 120 s."""
     import ray
     from ray.util.placement_group import placement_group
 
+    n_engines = cfg.engines if engine_actors is None else engine_actors
     trainer = {"CPU": cfg.cpus_per_trainer, **({"GPU": cfg.gpus_per_trainer} if cfg.gpus_per_trainer else {})}
     engine = {"CPU": cfg.cpus_per_engine, **({"GPU": cfg.gpus_per_engine} if cfg.gpus_per_engine else {})}
-    if cfg.colocate:
+    if cfg.colocate and n_engines:
         merged = {k: max(trainer.get(k, 0), engine.get(k, 0)) for k in set(trainer) | set(engine)}
         bundles = [merged] * cfg.trainers
-        engines = [i % cfg.trainers for i in range(cfg.engines)]
+        engines = [i % cfg.trainers for i in range(n_engines)]
     else:
-        bundles = [trainer] * cfg.trainers + [engine] * cfg.engines
-        engines = list(range(cfg.trainers, cfg.trainers + cfg.engines))
+        bundles = [trainer] * cfg.trainers + [engine] * n_engines
+        engines = list(range(cfg.trainers, cfg.trainers + n_engines))
     group = placement_group(bundles, strategy="PACK")
     try:
         ray.get(group.ready(), timeout=120)
