@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -287,3 +288,10 @@ def atomic_directory(final: str | os.PathLike[str]) -> Iterator[Path]:
 def tidal_home() -> Path:
     """tidal's cache folder (converted models, built kernels): `$TIDAL_HOME`, else `~/.cache/tidal`."""
     return Path(os.environ.get("TIDAL_HOME") or os.path.join(Path.home(), ".cache", "tidal"))
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` in the releases
+    that renamed it (where `past_key_values` warns on every call that it goes in 5.40),
+    `past_key_values` in the earlier 5.x ones (e.g. 5.17, on the GPU machine)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

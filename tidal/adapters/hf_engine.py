@@ -21,6 +21,7 @@ from tidal.contracts import GenerationOutput, RequestOutput, SamplingParams
 from tidal.engine.sampling import sample_tokens
 from tidal.engine.weights import WeightStage, load_named_tensors, model_checksum, read_safetensors_dir
 from tidal.hardware import CPU, weights_dtype
+from tidal.utils import cache_argument
 
 
 class HFEngine:
@@ -43,6 +44,7 @@ class HFEngine:
                 str(model), dtype=weights_dtype(dtype, "engine dtype", device)
             )
         self.model.to(device).eval().requires_grad_(False)
+        self.cache_kw = cache_argument(self.model)
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
@@ -178,7 +180,7 @@ class HFEngine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
+            **{self.cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -232,7 +234,7 @@ class HFEngine:
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
+                **{self.cache_kw: cache},
                 use_cache=True,
             )
             logits = out.logits[:, -1]

@@ -48,6 +48,7 @@ from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
+from tidal.utils import cache_argument
 
 log = logging.getLogger(__name__)
 NAME = "tidal_paged"
@@ -194,6 +195,7 @@ class ModelRunner:
     ) -> None:
         check_supported(model.config)
         self.model = model
+        self.cache_kw = cache_argument(model)  # the forward's name for the KV cache in this transformers
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -234,7 +236,7 @@ class ModelRunner:
         """The forward's cache arguments: a `LatentCache` for a model with MLA layers (each
         attention module hands its cache what it wants kept), none otherwise."""
         if self.model.config.model_type in LATENT_FAMILIES:
-            return {"past_key_values": LatentCache(self, plan), "use_cache": True}
+            return {self.cache_kw: LatentCache(self, plan), "use_cache": True}
         return {"use_cache": False}
 
     def allocate(self) -> None:
