@@ -275,6 +275,13 @@ def ray_session():
 
 def loop_config(model_dir, out_dir, **over):
     """A loop config on the tiny model: 4 steps of 4 prompts x 4 samples, fp32, no TensorBoard."""
+    from tidal.config import build_config
+
+    return build_config(None, loop_values(model_dir, out_dir, **over))
+
+
+def loop_values(model_dir, out_dir, **over) -> dict:
+    """`loop_config`'s `group.key` values, as a command line or `tidal.make_config` takes them."""
     values = {
         "train.model": str(model_dir),
         "train.output_dir": str(out_dir),
@@ -293,9 +300,7 @@ def loop_config(model_dir, out_dir, **over):
         "reward.fn": "conftest:token_parity_reward",
     }
     values.update(over)
-    from tidal.config import build_config
-
-    return build_config(None, values)
+    return values
 
 
 _TEST_LOOP = None

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import loop_values
 
 import tidal
 from tidal.config import build_config
@@ -129,23 +130,8 @@ def test_invalid_values_raise_the_command_lines_message(monkeypatch, capsys):
 def test_run_returns_each_steps_metrics_and_evaluate_matches_the_command(tiny_model_dir, tmp_path):
     from tidal.cli import main
 
-    values = {  # the tiny-model settings of the loop tests (conftest.loop_config)
-        "train.model": str(tiny_model_dir),
-        "train.output_dir": str(tmp_path / "run"),
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 4,
-        "train.lr": 1e-3,
-        "train.dtype": "float32",
-        "engine.dtype": "float32",
-        "rollout.rollout_batch_size": 4,
-        "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 8,
-        "log.tensorboard": False,
-        "log.console": False,
-        "data.env_args": {"n": 50},
-        "reward.fn": "conftest:token_parity_reward",
-    }
-    cfg = tidal.make_config(overrides={**values, "train.num_steps": 2})
+    values = loop_values(tiny_model_dir, tmp_path / "run", **{"train.num_steps": 2})
+    cfg = tidal.make_config(overrides=values)
     history = tidal.run(cfg)
     assert [row["step"] for row in history] == [1, 2]
     for row in history:
