@@ -114,11 +114,20 @@ class RewardModel:
         return out.logits[:, 0].float().cpu().tolist()
 
     def score(self, samples: list[Sample]) -> list[float]:
-        """The reward of each sample, in forwards of at most `rm.batch_size` (loads the model first)."""
+        """The reward of each sample, in forwards of at most `rm.batch_size` (loads the model first).
+
+        The samples go into forwards by length, so each pads to a length close to its own (a long
+        response padding short ones wastes the compute it saves); the scores come back in order."""
         self.load()
         ids = [self.encode(s) for s in samples]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         n = self.cfg.batch_size
-        return [r for i in range(0, len(ids), n) for r in self.forward(ids[i : i + n])]
+        scores = [0.0] * len(ids)
+        for start in range(0, len(order), n):
+            chunk = order[start : start + n]
+            for i, r in zip(chunk, self.forward([ids[i] for i in chunk]), strict=True):
+                scores[i] = r
+        return scores
 
     async def __call__(self, sample: Sample) -> float:
         loop = asyncio.get_running_loop()
