@@ -15,6 +15,7 @@ BENCHES = (
     "lora",
     "routing_replay",
     "decode",
+    "reward_model",
 )
 
 

@@ -367,5 +367,5 @@ def test_tidal_config_checks_like_train(capsys):
     assert main(["config", "--reward.fn=reverse"]) == 2
     assert capsys.readouterr().err.startswith(
         "tidal config: invalid config:\n  reward.fn: 'reverse' is neither built in (math, exact_match, code_tests, "
-        "judge) nor a path to a function;"
+        "judge, rm) nor a path to a function;"
     )

@@ -28,7 +28,7 @@ from tidal.data.options import DataConfig
 from tidal.eval_sets import EvalConfig
 from tidal.log import LogConfig
 from tidal.options import ConfigError
-from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
+from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig, RewardModelConfig
 from tidal.rollout.options import AgentConfig, OverlapConfig, RolloutConfig, SamplingConfig, ToolsConfig
 from tidal.train.options import TrainConfig
 
@@ -61,6 +61,7 @@ def test_default_values():
         "engine",
         "reward",
         "judge",
+        "rm",
         "tools",
         "agent",
         "algo",
@@ -116,7 +117,8 @@ def test_defaults_validate():
 def test_to_dict_has_every_group_and_field():
     d = Config().to_dict()
     assert list(d) == GROUPS
-    classes = [DataConfig, RolloutConfig, SamplingConfig, EngineConfig, RewardConfig, JudgeConfig, ToolsConfig]
+    classes = [DataConfig, RolloutConfig, SamplingConfig, EngineConfig, RewardConfig, JudgeConfig, RewardModelConfig]
+    classes += [ToolsConfig]
     classes += [AgentConfig, AlgoConfig, TrainConfig, ClusterConfig, OverlapConfig, LogConfig]
     classes += [EvalConfig, DebugConfig, CodeSandboxConfig]
     for group, cls in zip(GROUPS, classes, strict=True):
@@ -284,8 +286,8 @@ def test_yaml_unknown_group_without_close_match_lists_groups(tmp_path):
     path = write(tmp_path, "zzzzzz:\n  a: 1\n")
     with pytest.raises(ConfigError) as exc:
         build_config(str(path), {})
-    known = "data, rollout, sampling, engine, reward, judge, tools, agent, algo, train, cluster, overlap, log, eval, "
-    known += "debug, sandbox"
+    known = "data, rollout, sampling, engine, reward, judge, rm, tools, agent, algo, train, cluster, overlap, log, "
+    known += "eval, debug, sandbox"
     assert str(exc.value) == f"{path}:2: unknown config group 'zzzzzz'; known: {known}"
 
 

@@ -180,8 +180,8 @@ def test_a_name_that_is_neither_built_in_nor_a_path_lists_the_built_ins(project)
         }
     )
     assert errors(cfg) == [
-        f"reward.fn: 'reverse' is neither built in (math, exact_match, code_tests, judge) nor a path to a function; "
-        f"{FORMS}",
+        "reward.fn: 'reverse' is neither built in (math, exact_match, code_tests, judge, rm) nor a path to a "
+        f"function; {FORMS}",
         f"overlap.buffer_filter: 'newest' is neither built in (fifo, newest_first, reward_stratified) nor a path to "
         f"a function; {FORMS}",
         f"tools.names: 'calculatr' is neither built in (calculator, python) nor a path to a function; {FORMS}",

@@ -21,14 +21,14 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "train": tuple(GROUPS),
     "config": tuple(GROUPS),
     # what scores a model: the engine and its sampling, the rollout (generate function, tools,
-    # agent), the reward and what it needs (judge, sandbox), the sets and how their prompts are
+    # agent), the reward and what it needs (judge, rm, sandbox), the sets and how their prompts are
     # read, the device; not the loop's (rollout_batch_size, eval.interval) nor training's
     "eval": (
         *(f"data.{k}" for k in ("path", "env_args", "input_key", "label_key", "metadata_key")),
         *(f"data.{k}" for k in ("apply_chat_template", "system_prompt", "max_prompt_length")),
         *(f"rollout.{k}" for k in ("n_samples_per_prompt", "max_new_tokens", "generate", "max_turns")),
         *(f"rollout.{k}" for k in ("max_response_tokens", "max_failed_ratio")),
-        *("sampling", "engine", "reward", "judge", "tools", "agent", "sandbox"),
+        *("sampling", "engine", "reward", "judge", "rm", "tools", "agent", "sandbox"),
         *(f"eval.{k}" for k in ("datasets", "pass_k", "correct_threshold", "seed")),
         "cluster.device",
     ),

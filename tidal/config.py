@@ -11,6 +11,7 @@ alone; each part of tidal receives the groups it needs, never the whole config:
     overlap   tidal.rollout.options.OverlapConfig    train    tidal.train.options.TrainConfig
     eval      tidal.eval_sets.EvalConfig          cluster  tidal.cluster.options.ClusterConfig
     log       tidal.log.LogConfig                    debug    DebugConfig (here: the loop's own)
+    rm        tidal.reward.options.RewardModelConfig
 
 `validate()` runs every group's check and then what spans groups (the engine kind against the
 cluster, the algorithm against the rollout, ...), and reports every problem at once, each naming
@@ -41,7 +42,7 @@ from tidal.data.options import DataConfig
 from tidal.eval_sets import EvalConfig
 from tidal.log import LogConfig
 from tidal.options import ConfigError, Need, coerce, did_you_mean, nearest_names, opt, type_name, unknown_name
-from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig
+from tidal.reward.options import CodeSandboxConfig, JudgeConfig, RewardConfig, RewardModelConfig
 from tidal.rollout.options import AgentConfig, OverlapConfig, RolloutConfig, SamplingConfig, ToolsConfig
 from tidal.train.options import TrainConfig
 
@@ -78,6 +79,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -598,6 +600,8 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         group.check(need)
     if cfg.reward.judged:
         cfg.judge.check(need)
+    if cfg.reward.uses_rm:
+        cfg.rm.check(need)
     for group in (cfg.train, cfg.cluster, cfg.overlap, cfg.log, cfg.debug, cfg.sandbox):
         group.check(need)
     cfg.eval.check(need, cfg.data, cfg.rollout, cfg.sampling)

@@ -129,6 +129,7 @@ def set_manager(cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: L
         sampling=sampling,
         reward=cfg.reward,
         judge=cfg.judge,
+        rm=cfg.rm,
         tools=cfg.tools,
         agent=cfg.agent,
     )
@@ -223,7 +224,7 @@ def standalone_sets(cfg: Config, num_prompts: int | None = None, **sampling: Any
 # prompts. Training, placement, overlap, logging and debugging are the run's own business: taken
 # over, they would change nothing here and could fail validation on another machine (a debug
 # folder, a Ray address); `cluster.device` is taken as the run asked for it (`auto` stays `auto`).
-EVAL_GROUPS = ("data", "rollout", "sampling", "engine", "reward", "judge", "tools", "agent", "eval", "sandbox")
+EVAL_GROUPS = ("data", "rollout", "sampling", "engine", "reward", "judge", "rm", "tools", "agent", "eval", "sandbox")
 
 
 def run_values(path: Path) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def _builtins(option: str) -> tuple[str, ...] | None:
         from tidal.reward.score import BUILTIN_SAMPLE_REWARDS
         from tidal.reward.verifiers import BUILTIN_REWARDS
 
-        return (*BUILTIN_REWARDS, *BUILTIN_SAMPLE_REWARDS, "judge")
+        return (*BUILTIN_REWARDS, *BUILTIN_SAMPLE_REWARDS, "judge", "rm")
     if option == "tools.names":
         from tidal.rollout.multi_turn import BUILTIN_TOOLS
 

@@ -96,6 +96,9 @@ def test_system_prompt(jsonl_file, tokenizer):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert records[2].prompt == "Say hi."
+    # the conversation the template rendered, for rewards that render it their own way (reward models)
+    assert records[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    assert load_prompts(jsonl_file, tokenizer, apply_chat_template=False)[0][2].messages is None
 
 
 def test_system_prompt_without_chat_template_is_an_error(jsonl_file, tokenizer):

@@ -29,7 +29,8 @@ class PromptRecord:
 
     `prompt` is the raw input (a string or a list of `{"role", "content"}` messages), `text` the
     exact string that was tokenized (after the chat template when one was applied) and `index`
-    the row's 0-based position among the rows of the source.
+    the row's 0-based position among the rows of the source. `messages` is the conversation the
+    chat template rendered (the system prompt included), None when no template was applied.
     """
 
     index: int
@@ -38,6 +39,7 @@ class PromptRecord:
     input_ids: list[int]
     label: Any = None
     metadata: dict = field(default_factory=dict)
+    messages: list[dict] | None = None
 
 
 def _json_type_name(value: Any) -> str:
@@ -180,6 +182,7 @@ def build_prompt(
     if not isinstance(metadata, dict):
         raise DataError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
 
+    messages = None
     if isinstance(prompt, str):
         if apply_chat_template:
             messages = [{"role": "user", "content": prompt}]
@@ -192,6 +195,7 @@ def build_prompt(
         if not apply_chat_template:
             raise DataError(f"{where}: {input_key!r} is a list of messages, which needs apply_chat_template=True")
         _check_messages(prompt, where)
+        messages = prompt
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     else:
         raise DataError(f"{where}: {input_key!r} must be a string or a list of messages, got {_json_type_name(prompt)}")
@@ -208,6 +212,7 @@ def build_prompt(
         input_ids=input_ids,
         label=row.get(label_key),
         metadata=dict(metadata),
+        messages=messages,
     )
 
 

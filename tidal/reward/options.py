@@ -1,5 +1,6 @@
 """The reward's option groups: `reward` (what scores a sample and the limits of each call), `judge`
-(the LLM judge, `reward.fn: judge`) and `sandbox` (where model-written code runs)."""
+(the LLM judge, `reward.fn: judge`), `rm` (a reward model, `reward.fn: rm`) and `sandbox` (where
+model-written code runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from tidal.options import USER_CODE, Need, is_dotted, opt
+from tidal.backends import DEVICES
+from tidal.options import USER_CODE, Need, is_dotted, one_of, opt
 
 SANDBOX_BACKENDS = ("auto", "bwrap", "rlimits")
 SANDBOX_ENV = "TIDAL_SANDBOX_BACKEND"  # the process default backend; worker processes inherit it
@@ -17,7 +19,8 @@ SANDBOX_ENV = "TIDAL_SANDBOX_BACKEND"  # the process default backend; worker pro
 class RewardConfig:
     fn: str = opt(
         "math",
-        "math | exact_match | code_tests | judge (an LLM judge: the judge group) | your own `reward(sample)` "
+        "math | exact_match | code_tests | judge (an LLM judge: the judge group) | rm (a reward model: the rm "
+        "group) | your own `reward(sample)` "
         f"(sync or async) returning a float or a dict, given as {USER_CODE}",
     )
     group_fn: str = opt(
@@ -52,6 +55,11 @@ class RewardConfig:
     def judged(self) -> bool:
         """Whether the LLM judge scores (its group's options then apply)."""
         return self.fn == "judge" and not self.group_fn
+
+    @property
+    def uses_rm(self) -> bool:
+        """Whether a reward model scores (the rm group's options then apply)."""
+        return self.fn == "rm" and not self.group_fn
 
 
 @dataclass
@@ -100,6 +108,45 @@ class JudgeConfig:
         need(self.timeout > 0, f"judge.timeout: must be > 0 seconds, got {self.timeout}")
         need(self.retries >= 0, f"judge.retries: must be >= 0, got {self.retries}")
         need(self.concurrency >= 1, f"judge.concurrency: must be >= 1, got {self.concurrency}")
+
+
+RM_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence-classification reward model (`reward.fn: rm`, `tidal.reward.reward_model`)."""
+
+    path: str = opt(
+        "",
+        "local Hugging Face folder of the reward model: an AutoModelForSequenceClassification with num_labels 1 "
+        "(its logit is the reward) and its tokenizer",
+    )
+    device: str = opt("auto", "auto | cpu | cuda: where the reward model computes (auto: cuda where torch sees a GPU)")
+    dtype: str = opt("auto", "auto | float32 | bfloat16 (auto: bfloat16 on CUDA, float32 on the CPU)")
+    batch_size: int = opt(16, "most samples in one forward of the reward model")
+    max_length: int = opt(
+        4096,
+        "most tokens scored per sample; longer texts lose their start (truncated from the left), so the "
+        "response and the last token the score is read at are kept",
+    )
+    chat_template: bool = opt(
+        True,
+        "score the conversation (prompt messages + the response as the assistant turn) rendered with the reward "
+        "model's own chat template when its tokenizer has one; false, or no template: the prompt text + response",
+    )
+
+    def check(self, need: Need) -> None:
+        """Checked when the reward model scores (`RewardConfig.uses_rm`)."""
+        need(bool(self.path), "rm.path: reward.fn rm needs the reward model's folder")
+        need(
+            not self.path or os.path.isdir(self.path),
+            f"rm.path: {self.path!r} is not a folder (a Hugging Face model saved with save_pretrained)",
+        )
+        one_of(need, "rm.device", self.device, DEVICES)
+        one_of(need, "rm.dtype", self.dtype, RM_DTYPES)
+        need(self.batch_size >= 1, f"rm.batch_size: must be >= 1, got {self.batch_size}")
+        need(self.max_length >= 1, f"rm.max_length: must be >= 1, got {self.max_length}")
 
 
 @dataclass

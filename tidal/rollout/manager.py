@@ -20,7 +20,7 @@ from tidal.contracts import Engine, SamplingParams
 from tidal.data.dataset import PromptRecord
 from tidal.reward.checks import GroupScoreFn, ScoreFn
 from tidal.reward.failures import ErrorLog
-from tidal.reward.options import JudgeConfig, RewardConfig
+from tidal.reward.options import JudgeConfig, RewardConfig, RewardModelConfig
 from tidal.reward.score import check_reward_key, get_reward_fn, score_rollout
 from tidal.rollout.generate import FINISH_STATUS, GenerateContext, GenerateFn, load_async_fn, single_turn
 from tidal.rollout.options import AgentConfig, RolloutConfig, SamplingConfig, ToolsConfig
@@ -100,9 +100,12 @@ def load_generate_fn(name: str, where: str = "rollout.generate") -> GenerateFn:
     return fn
 
 
-def load_rewards(reward: RewardConfig, judge: JudgeConfig) -> tuple[ScoreFn | None, GroupScoreFn | None]:
+def load_rewards(
+    reward: RewardConfig, judge: JudgeConfig, rm: RewardModelConfig | None = None
+) -> tuple[ScoreFn | None, GroupScoreFn | None]:
     """(per-sample reward, group reward) from the config; exactly one of them is set:
-    `reward.group_fn` when given, else `reward.fn` (``judge``: the LLM judge `judge` configures)."""
+    `reward.group_fn` when given, else `reward.fn` (``judge``: the LLM judge `judge` configures;
+    ``rm``: the reward model `rm` configures, loaded on its first batch)."""
     if reward.group_fn:
         from tidal.reward.group import load_group_reward
 
@@ -111,6 +114,10 @@ def load_rewards(reward: RewardConfig, judge: JudgeConfig) -> tuple[ScoreFn | No
         from tidal.reward.judge import JudgeReward
 
         return JudgeReward(judge, reward.backoff), None
+    if reward.uses_rm:
+        from tidal.reward.reward_model import RewardModel
+
+        return RewardModel(rm or RewardModelConfig()), None
     return get_reward_fn(reward.fn, reward.workers), None
 
 
@@ -136,6 +143,7 @@ class RolloutManager:
         sampling: SamplingConfig | None = None,
         reward: RewardConfig | None = None,
         judge: JudgeConfig | None = None,
+        rm: RewardModelConfig | None = None,
         tools: ToolsConfig | None = None,
         agent: AgentConfig | None = None,
     ) -> None:
@@ -148,7 +156,7 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.loop = loop if loop is not None else LoopThread()
         self._own_loop = loop is None
-        self.reward_fn, self.group_reward_fn = load_rewards(self.reward, judge or JudgeConfig())
+        self.reward_fn, self.group_reward_fn = load_rewards(self.reward, judge or JudgeConfig(), rm)
         self.reward_errors = ErrorLog()
         self.generate_fn = load_generate_fn(rollout.generate)
         self.extra: dict = {}  # shared state of built-in generate functions (tools, the agent door)
@@ -161,7 +169,7 @@ class RolloutManager:
 
     @classmethod
     def from_config(cls, engine: Engine, cfg, tokenizer=None, loop: LoopThread | None = None) -> RolloutManager:
-        """The manager of a run's `tidal.config.Config`: its rollout, sampling, reward, judge, tools
+        """The manager of a run's `tidal.config.Config`: its rollout, sampling, reward, judge, rm, tools
         and agent groups; MoE routing asked for with `algo.routing_replay`."""
         return cls(
             engine,
@@ -172,6 +180,7 @@ class RolloutManager:
             sampling=cfg.sampling,
             reward=cfg.reward,
             judge=cfg.judge,
+            rm=cfg.rm,
             tools=cfg.tools,
             agent=cfg.agent,
         )
@@ -199,6 +208,8 @@ class RolloutManager:
     async def agenerate(self, records: list[PromptRecord], step: int, first_index: int = 0) -> list[Sample]:
         n = self.rollout.n_samples_per_prompt
         rollout = next(self._rollouts)  # group keys unique to this call
+        # a reward that renders the conversation itself (the reward model, with its own chat template)
+        wants_messages = getattr(self.reward_fn, "wants_messages", False)
         jobs = []
         for g, rec in enumerate(records):
             fn = self.generate_fn
@@ -214,6 +225,8 @@ class RolloutManager:
                     index=i,
                     metadata={**rec.metadata, "prompt_index": rec.index},
                 )
+                if wants_messages and rec.messages is not None:
+                    sample.metadata["prompt_messages"] = rec.messages  # reward_model.MESSAGES_KEY
                 ctx = GenerateContext(
                     self.engine,
                     self.tokenizer,
