@@ -209,8 +209,8 @@ class ChatAnswer:
         return chat_logprobs(self.tok, ids, lps, tops, self.top) if self.logprobs else None
 
     def out_logprobs(self, out: Any) -> dict | None:
-        """The `logprobs` of a whole sample."""
-        return self.logprobs_of(out.token_ids, out.log_probs, out.top_logprobs or [])
+        """The `logprobs` of a whole sample (a rollout engine's `GenerationOutput` has no alternatives)."""
+        return self.logprobs_of(out.token_ids, out.log_probs, getattr(out, "top_logprobs", None) or [])
 
     def message_of(self, i: int, out: Any) -> tuple[dict, str]:
         """(sample `i` as an assistant message, its finish reason), made once: its tool calls get
