@@ -23,27 +23,55 @@ TOOLS = [
 ]
 
 seen_urls: list[str] = []  # the tests check the door is gone afterwards
+replies: list = []  # what the recording agents were answered, call by call
 
 
-async def tool_agent(client, prompt, label, max_tokens=200):
+async def ask(client, stream: bool, **kw) -> dict:
+    """One chat call; the answer as the message the agent sends back: the non-streamed message as
+    the package dumps it, or the one assembled from the chunks of a stream (text deltas joined,
+    tool-call pieces joined by their index)."""
+    if not stream:
+        resp = await client.chat.completions.create(**kw)
+        return resp.choices[0].message.model_dump(exclude_none=True)
+    content, calls = "", {}
+    async for chunk in await client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"id": "", "type": "function", "function": {}})
+                call["id"] += piece.id or ""
+                for key in ("name", "arguments"):
+                    part = getattr(piece.function, key) or ""
+                    call["function"][key] = call["function"].get(key, "") + part
+    message = {"role": "assistant", "content": content} if content or not calls else {"role": "assistant"}
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return message
+
+
+async def tool_agent(client, prompt, label, max_tokens=200, stream=False):
     """Ask, run the tool calls the model makes (or tell it to try again), ask once more; the
     reward is whether the last answer contains the label."""
     seen_urls.append(str(client.base_url))
     messages = [{"role": "user", "content": prompt}]
     for _ in range(2):
-        resp = await client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS, temperature=0.0, max_tokens=max_tokens
+        message = await ask(
+            client, stream, model="policy", messages=messages, tools=TOOLS, temperature=0.0, max_tokens=max_tokens
         )
-        message = resp.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if message.tool_calls:
-            for call in message.tool_calls:
-                args = json.loads(call.function.arguments)
-                result = str(args["a"] + args["b"]) if call.function.name == "add" else "unknown tool"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        else:
+        replies.append(message)
+        messages.append(message)
+        for call in message.get("tool_calls", []):
+            args = json.loads(call["function"]["arguments"])
+            result = str(args["a"] + args["b"]) if call["function"]["name"] == "add" else "unknown tool"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        if "tool_calls" not in message:
             messages.append({"role": "user", "content": "That is wrong, try again."})
-    return float(str(label) in (message.content or ""))
+    return float(str(label) in (message.get("content") or ""))
+
+
+async def streaming_tool_agent(client, prompt, label):
+    """`tool_agent` with `stream=True`."""
+    return await tool_agent(client, prompt, label, stream=True)
 
 
 ANTHROPIC_TOOLS = [
@@ -61,16 +89,30 @@ def anthropic_client(client):
     return anthropic.AsyncAnthropic(base_url=base_url, api_key=client.api_key, max_retries=0)
 
 
-async def anthropic_tool_agent(client, prompt, label, max_tokens=200):
+async def anthropic_ask(claude, stream: bool, **kw) -> list:
+    """One Messages call; its content blocks, recorded in `replies` with the answer's text (from
+    `text_stream` when streamed)."""
+    if stream:
+        async with claude.messages.stream(**kw) as events:
+            text = "".join([piece async for piece in events.text_stream])
+            resp = await events.get_final_message()
+    else:
+        resp = await claude.messages.create(**kw)
+        text = "".join(b.text for b in resp.content if b.type == "text")
+    replies.append({"text": text, "content": [b.model_dump(exclude_none=True) for b in resp.content]})
+    return resp.content
+
+
+async def anthropic_tool_agent(client, prompt, label, max_tokens=200, stream=False):
     """`tool_agent` written against Anthropic's Messages API."""
     async with anthropic_client(client) as claude:
         messages = [{"role": "user", "content": prompt}]
         for _ in range(2):
-            resp = await claude.messages.create(
-                model="policy", max_tokens=max_tokens, messages=messages, tools=ANTHROPIC_TOOLS
+            content = await anthropic_ask(
+                claude, stream, model="policy", max_tokens=max_tokens, messages=messages, tools=ANTHROPIC_TOOLS
             )
-            messages.append({"role": "assistant", "content": resp.content})
-            uses = [b for b in resp.content if b.type == "tool_use"]
+            messages.append({"role": "assistant", "content": content})
+            uses = [b for b in content if b.type == "tool_use"]
             if uses:
                 results = []
                 for use in uses:
@@ -79,8 +121,60 @@ async def anthropic_tool_agent(client, prompt, label, max_tokens=200):
                 messages.append({"role": "user", "content": results})
             else:
                 messages.append({"role": "user", "content": "That is wrong, try again."})
-    text = "".join(b.text for b in resp.content if b.type == "text")
+    text = "".join(b.text for b in content if b.type == "text")
     return float(str(label) in text)
+
+
+async def anthropic_streaming_tool_agent(client, prompt, label):
+    """`anthropic_tool_agent` streaming its answers (`messages.stream`)."""
+    return await anthropic_tool_agent(client, prompt, label, stream=True)
+
+
+async def logprob_agent(client, prompt, label, stream=False):
+    """One call asking for log-probs (and, streamed, the usage chunk); records what it got."""
+    kw = {"model": "policy", "messages": [{"role": "user", "content": prompt}], "logprobs": True}
+    if not stream:
+        resp = await client.chat.completions.create(**kw)
+        (choice,) = resp.choices
+        content, entries, reason, usage = (
+            choice.message.content,
+            choice.logprobs.content,
+            choice.finish_reason,
+            resp.usage,
+        )
+    else:
+        content, entries, reason, usage = "", [], None, None
+        chunks = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                entries += choice.logprobs.content if choice.logprobs else []
+                reason = choice.finish_reason or reason
+    logprobs = [(e.token, e.logprob) for e in entries]
+    replies.append(
+        {
+            "content": content,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "usage": usage.model_dump(exclude_none=True),
+        }
+    )
+
+
+async def streaming_logprob_agent(client, prompt, label):
+    return await logprob_agent(client, prompt, label, stream=True)
+
+
+async def hanging_up_agent(client, prompt, label):
+    """Reads the first chunk of a streamed answer and goes away; then asks the same again, whole."""
+    messages = [{"role": "user", "content": prompt}]
+    chunks = await client.chat.completions.create(model="policy", messages=messages, stream=True)
+    async for _ in chunks:
+        break
+    await chunks.close()
+    resp = await client.chat.completions.create(model="policy", messages=messages)
+    replies.append(resp.choices[0].message.content)
 
 
 async def rebuilding_agent(client, prompt, label):

@@ -273,7 +273,7 @@ def test_sessions_are_separate_and_the_door_is_gone_after_the_rollout():
         httpx.get(a + "/models", timeout=2)
 
 
-def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
+def test_wrong_tokens_and_bad_requests_answer_in_the_error_shape():
     from tidal.rollout.agent import AgentDoor, Session
 
     async def run():
@@ -288,24 +288,24 @@ def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
                 ok = await http.get(url + "/models", headers={"Authorization": f"Bearer {session.token}"})
                 wrong_key = await http.get(url + "/models", headers={"Authorization": "Bearer nope"})
                 no_session = await http.get(f"{door.url}/s/{'0' * 32}/v1/models")
-                body = {"messages": FIRST, "stream": True}
-                stream = await http.post(
+                body = {"messages": FIRST, "n": 2}
+                two = await http.post(
                     url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {session.token}"}
                 )
-                body = {"max_tokens": 5, "messages": FIRST, "stream": True}
-                messages_stream = await http.post(url + "/messages", json=body, headers={"x-api-key": session.token})
+                body = {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}
+                bad_role = await http.post(url + "/messages", json=body, headers={"x-api-key": session.token})
                 messages_key = await http.post(url + "/messages", json=body, headers={"x-api-key": "nope"})
         finally:
             await door.close()
-        return ok, wrong_key, no_session, stream, messages_stream, messages_key
+        return ok, wrong_key, no_session, two, bad_role, messages_key
 
-    ok, wrong_key, no_session, stream, messages_stream, messages_key = asyncio.run(run())
+    ok, wrong_key, no_session, two, bad_role, messages_key = asyncio.run(run())
     # Anthropic's route answers in Anthropic's shape
-    assert messages_stream.status_code == 400 and messages_stream.json() == {
+    assert bad_role.status_code == 400 and bad_role.json() == {
         "type": "error",
         "error": {
             "type": "invalid_request_error",
-            "message": "stream: the agent door answers whole responses; send stream: false",
+            "message": "messages[0].role: must be 'user' or 'assistant', got 'system'",
         },
     }
     assert messages_key.status_code == 401 and messages_key.json() == {
@@ -321,7 +321,9 @@ def test_wrong_tokens_and_streaming_answer_in_the_error_shape():
         "code": 401,
     }
     assert no_session.status_code == 404 and no_session.json()["error"]["message"].startswith("session: no open")
-    assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"
+    assert two.status_code == 400 and two.json()["error"]["message"] == (
+        "n: the agent door samples one answer per call, got 2"
+    )
 
 
 # ---------------------------------------------------------------------------- trains, token-exact

@@ -7,11 +7,10 @@ import pytest
 import torch
 from conftest import make_tokenizer
 
-from tidal.chat.text import trim_stop
+from tidal.chat.text import TextStream, trim_stop
 from tidal.chat.tools import flatten_content, parse_tool_calls, render_messages, template_takes_tools
 from tidal.contracts import SamplingParams
 from tidal.engine.sampling import adjust_logits, top_logprobs
-from tidal.server.common import TextStream
 
 
 def test_tool_calls_are_parsed_outside_reasoning_only():

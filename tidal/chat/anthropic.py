@@ -13,20 +13,24 @@ through, and the engine's answer as a Messages answer (`message`).
 
 The answer is a message whose content is a text block and/or `tool_use` blocks (the `<tool_call>`
 blocks the model wrote, parsed as the OpenAI route parses them) with `stop_reason` end_turn,
-max_tokens, stop_sequence (and the matched `stop_sequence`) or tool_use.
+max_tokens, stop_sequence (and the matched `stop_sequence`) or tool_use; streamed, it is
+Anthropic's events (`message_events`: `message_start`, `content_block_start`/`_delta`/`_stop`,
+`message_delta`, `message_stop`), shared by `tidal serve` and the agent door.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
-from tidal.chat.openai import text_of
+from tidal.chat.openai import Outputs, text_of
+from tidal.chat.text import TextStream
 from tidal.chat.tools import parse_tool_calls
 
 MESSAGES_ROUTE = "/v1/messages"
@@ -216,3 +220,86 @@ def message(out: Any, stops: list[str], requested: list[str], use_tools: bool, m
         "stop_sequence": stop,
         "usage": {"input_tokens": input_tokens, "output_tokens": len(out.token_ids)},
     }
+
+
+# ---------------------------------------------------------------------------- the stream
+def event(kind: str, data: dict) -> str:
+    """One server-sent event as Anthropic sends it: its type named on the `event:` line too."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def block_events(index: int, block: dict) -> list[str]:
+    """A whole content block as start, one delta and stop."""
+    if block["type"] == "tool_use":
+        start = {**block, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+    else:
+        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+    return [
+        event("content_block_start", {"index": index, "content_block": start}),
+        event("content_block_delta", {"index": index, "delta": delta}),
+        event("content_block_stop", {"index": index}),
+    ]
+
+
+def message_head(model: str, input_tokens: int) -> dict:
+    """`message_start`'s message: nothing generated yet."""
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+    }
+
+
+def text_delta(text: str) -> str:
+    """More text of the answer's one text block."""
+    return event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+
+
+async def message_events(
+    outputs: Outputs,
+    tok: Any,
+    stops: list[str],
+    use_tools: bool,
+    model: str,
+    input_tokens: int,
+    whole_of: Callable[[Any], dict],
+) -> AsyncIterator[str]:
+    """The answer as Anthropic's events: text as it comes, or with tools the blocks once whole.
+    `outputs` is the engine's output as it comes (one sample);
+    `whole_of(final output)` is the answer as a whole message (`message`), whose blocks close the
+    stream (the agent door passes the message it recorded, so the streamed tool ids are its ids)."""
+    yield event("message_start", {"message": message_head(model, input_tokens)})
+    text = TextStream(tok, stops=stops)
+    if not use_tools:  # text streams as it comes; with tools, the blocks once the answer is whole
+        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    async for _, ids, _, _, out in outputs:
+        if out is None:
+            if not use_tools and (delta := text.add(ids)):
+                yield text_delta(delta)
+            continue
+        whole = whole_of(out)
+        for e in closing_events(whole, out, text, use_tools):
+            yield e
+    yield event("message_stop", {})
+
+
+def closing_events(whole: dict, out: Any, stream: TextStream, use_tools: bool) -> list[str]:
+    """The events that end the answer `whole` (engine output `out`): its blocks (with tools) or
+    the text held back, then `message_delta` with the stop reason and the tokens generated."""
+    events: list[str] = []
+    if use_tools:
+        for k, block in enumerate(whole["content"]):
+            events += block_events(k, block)
+    else:
+        if tail := stream.add([], final=True):
+            events.append(text_delta(tail))
+        events.append(event("content_block_stop", {"index": 0}))
+    stop = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
+    events.append(event("message_delta", {"delta": stop, "usage": {"output_tokens": len(out.token_ids)}}))
+    return events

@@ -1,6 +1,6 @@
 """OpenAI's chat shapes: the request bodies, the checks a chat request gets, its prompt, and the
-answer as an assistant message with its log-probs and usage (`tidal serve`'s
-`/v1/chat/completions` and the agent door's answer with these, so they agree).
+answer as an assistant message with its log-probs and usage, whole or as the chunks of a stream
+(`tidal serve`'s `/v1/chat/completions` and the agent door's answer with these, so they agree).
 
 Log-probs are those of the tempered distribution each token was drawn from; the alternatives are
 the most likely tokens of softmax(logits / temperature).
@@ -8,6 +8,11 @@ the most likely tokens of softmax(logits / temperature).
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -15,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
 from tidal.chat.render import TextEncoder, render_prompt
-from tidal.chat.text import trim_stop
+from tidal.chat.text import TextStream, trim_stop
 from tidal.chat.tools import parse_tool_calls
 
 
@@ -162,3 +167,107 @@ def models_list(model_name: str, max_model_len: int | None) -> dict:
     """`/v1/models`' answer: the one model served."""
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tidal"}
     return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
+
+
+# ---------------------------------------------------------------------------- the stream
+def sse(obj: dict) -> str:
+    """One server-sent event of OpenAI's streams."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# What a streamed answer is made of, as the engine produces it: (sample index, new token ids, their
+# log-probs, their top alternatives, None) for each step, then (index, [], [], [], final output).
+Outputs = AsyncIterable[tuple[int, list[int], list[float], list, Any]]
+
+
+@dataclass
+class ChatAnswer:
+    """The answer shape of one `/v1/chat/completions` request: its id and time, the model, its
+    stop strings, whether tool calls are parsed out and which log-probs it asked for."""
+
+    tok: Any
+    model: str
+    stops: list[str]
+    use_tools: bool
+    logprobs: bool
+    top: int
+    cid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    made: dict[int, tuple[dict, str]] = field(default_factory=dict)  # messages made so far, by sample index
+
+    def obj(self, kind: str, choices: list[dict], **extra: Any) -> dict:
+        """An answer (`kind` "chat.completion") or a chunk of one with these choices."""
+        head = {"id": self.cid, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        """A chunk of the stream, as its event."""
+        return sse(self.obj("chat.completion.chunk", choices, **extra))
+
+    def logprobs_of(self, ids: list[int], lps: list[float], tops: list) -> dict | None:
+        """OpenAI's chat `logprobs` of these tokens, if the request asked for them."""
+        return chat_logprobs(self.tok, ids, lps, tops, self.top) if self.logprobs else None
+
+    def out_logprobs(self, out: Any) -> dict | None:
+        """The `logprobs` of a whole sample (a rollout engine's `GenerationOutput` has no alternatives)."""
+        return self.logprobs_of(out.token_ids, out.log_probs, getattr(out, "top_logprobs", None) or [])
+
+    def message_of(self, i: int, out: Any) -> tuple[dict, str]:
+        """(sample `i` as an assistant message, its finish reason), made once: its tool calls get
+        fresh ids when made, and an answer streamed must carry the ids of the one recorded (the
+        agent door records the message before it streams it)."""
+        if i not in self.made:
+            self.made[i] = assistant_message(text_of(out, self.stops), self.use_tools, out.finish_reason)
+        return self.made[i]
+
+    def whole(self, outs: list, prompts: list[list[int]]) -> dict:
+        """The answer of a request that does not stream; `prompts` are its distinct prompts."""
+        choices = []
+        for i, o in enumerate(outs):
+            message, reason = self.message_of(i, o)
+            choices.append({"index": i, "message": message, "logprobs": self.out_logprobs(o), "finish_reason": reason})
+        return self.obj("chat.completion", choices, usage=usage(prompts, outs))
+
+    def text_chunk(self, i: int, text: str, ids: list[int], lps: list[float], tops: list) -> str:
+        """Sample `i`'s new text (and its tokens' log-probs) as a chunk."""
+        delta = {"content": text}
+        return self.chunk(
+            [{"index": i, "delta": delta, "logprobs": self.logprobs_of(ids, lps, tops), "finish_reason": None}]
+        )
+
+    def last_chunk(self, i: int, out: Any, stream: TextStream) -> str:
+        """Sample `i`'s last chunk: with tools the whole message (its calls are known only now),
+        else the text held back so far, with the finish reason."""
+        if self.use_tools:
+            message, reason = self.message_of(i, out)
+            delta = {k: v for k, v in message.items() if k != "role"}  # the made message stays as it is
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+            return self.chunk(
+                [{"index": i, "delta": delta, "logprobs": self.out_logprobs(out), "finish_reason": reason}]
+            )
+        tail = stream.add([], final=True)
+        delta = {"content": tail} if tail else {}
+        return self.chunk([{"index": i, "delta": delta, "finish_reason": out.finish_reason}])
+
+
+async def chat_events(
+    answer: ChatAnswer, outputs: Outputs, count: int, prompts: list[list[int]], include_usage: bool
+) -> AsyncIterator[str]:
+    """A chat answer's stream of `count` samples: each sample's role, its text as it comes (with
+    tools, the message once whole), its finish reason, the usage (of the distinct `prompts`) if
+    asked for, then `data: [DONE]`."""
+    streams = [TextStream(answer.tok, stops=answer.stops) for _ in range(count)]
+    for i in range(count):
+        yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    outs = []
+    async for i, ids, lps, tops, out in outputs:
+        if out is None:
+            if not answer.use_tools:  # the calls are parsed once the answer is whole
+                yield answer.text_chunk(i, streams[i].add(ids), ids, lps, tops)
+            continue
+        outs.append(out)
+        yield answer.last_chunk(i, out, streams[i])
+    if include_usage:
+        yield answer.chunk([], usage=usage(prompts, outs))
+    yield "data: [DONE]\n\n"

@@ -19,6 +19,11 @@ request's temperature, top_p and penalties are ignored: the trainer needs the be
 distribution; call k's seed is `turn_seed(sample seed, k)`, as in the tool loop) and recorded:
 prompt ids, sampled ids, log-probs, weight version, finish reason. `align` is the rule that turns the calls into
 samples (docs/agents.md, "The agent door").
+
+A call with `stream: true` is sampled and recorded exactly as one without, and its answer then sent
+as the server-sent events `tidal serve` sends (`tidal.chat.openai.chat_events`,
+`tidal.chat.anthropic.message_events`), one token's text per event: the stream starts once the
+answer is whole (the rollout's engine returns whole answers), not token by token as it is sampled.
 """
 
 from __future__ import annotations
@@ -30,28 +35,29 @@ import hmac
 import logging
 import secrets
 import socket
-import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
-from tidal.chat.anthropic import MessagesBody, assistant_chat_message, message, translate
+from tidal.chat.anthropic import MessagesBody, assistant_chat_message, message, message_events, translate
 from tidal.chat.errors import ApiError, BadRequest
 from tidal.chat.openai import (
+    ChatAnswer,
     ChatBody,
-    assistant_message,
-    chat_logprobs,
+    Outputs,
+    chat_events,
     chat_max_tokens,
     chat_prompt,
     check_chat,
     models_list,
     stops_of,
-    text_of,
     uses_tools,
 )
 from tidal.chat.render import render_prompt
-from tidal.contracts import SamplingParams
+from tidal.contracts import GenerationOutput, SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.types import Sample, Status
 
@@ -142,6 +148,20 @@ def _same_answer(sent: dict, returned: dict) -> bool:
     return same_content and sent.get("tool_calls") == returned.get("tool_calls")
 
 
+async def replay(out: GenerationOutput) -> Outputs:
+    """A whole engine output as the stream the engine would have produced: its tokens one at a
+    time, then the output itself (what the stream builders of `tidal serve` take)."""
+    for t, lp in zip(out.token_ids, out.log_probs, strict=True):
+        yield 0, [t], [lp], [], None
+    yield 0, [], [], [], out
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """A streamed answer's server-sent events. Its answer is sampled and recorded already: a
+    client that goes away meanwhile only stops the sending (no engine request is left running)."""
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
 # ---------------------------------------------------------------------------- a session
 class Session:
     """One trajectory on the door: its calls, one at a time, and the samples they grow."""
@@ -176,11 +196,10 @@ class Session:
                 return {"role": "assistant", "content": text}
         return message
 
-    async def chat(self, body: ChatBody) -> dict:
+    async def chat(self, body: ChatBody) -> dict | StreamingResponse:
+        """OpenAI's `/v1/chat/completions`: one answer, sampled and recorded, whole or streamed."""
         body.warn_unknown("agent door /v1/chat/completions")
         check_chat(body)
-        if body.stream:
-            raise BadRequest("stream: the agent door answers whole responses; send stream: false")
         if body.n != 1:
             raise BadRequest(f"n: the agent door samples one answer per call, got {body.n}")
         if body.top_logprobs:
@@ -191,42 +210,39 @@ class Session:
         raw = [self.as_sampled(m.model_dump(exclude_none=True)) for m in body.messages]
         prompt = await chat_prompt(self.ctx.tokenizer, body, raw)
         stops = [*self.sampling.stop, *stops_of(body)]
+        model = body.model or MODEL_NAME
         async with self.lock:
             out, engine_ids = await self._call(prompt, max_tokens, stops, body.stop_token_ids or [])
-            text = text_of(out, stops)
-            message, reason = assistant_message(text, uses_tools(body), out.finish_reason)
+            cid = f"chatcmpl-{self.token[:8]}-{self.calls}"
+            answer = ChatAnswer(self.ctx.tokenizer, model, stops, uses_tools(body), body.logprobs, 0, cid)
+            message, _ = answer.message_of(0, out)
             self.answers.append((message, out.text))
-        logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.log_probs, [], 0) if body.logprobs else None
-        completion = len(out.token_ids)
-        return {
-            "id": f"chatcmpl-{self.token[:8]}-{self.calls}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or MODEL_NAME,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}],
-            "usage": {
-                "prompt_tokens": len(engine_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(engine_ids) + completion,
-            },
-        }
-
-    async def messages(self, body: MessagesBody) -> dict:
-        """Anthropic's `/v1/messages`: translated to the chat the OpenAI route renders, then sampled
-        and recorded as a chat call is (the same rule, the same prompt ids for one conversation)."""
-        body.warn_unknown("agent door /v1/messages")
         if body.stream:
-            raise BadRequest("stream: the agent door answers whole responses; send stream: false")
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return event_stream(chat_events(answer, replay(out), 1, [engine_ids], include))
+        return answer.whole([out], [engine_ids])
+
+    async def messages(self, body: MessagesBody) -> dict | StreamingResponse:
+        """Anthropic's `/v1/messages`: translated to the chat the OpenAI route renders, then sampled
+        and recorded as a chat call is (the same rule, the same prompt ids for one conversation),
+        answered whole or streamed."""
+        body.warn_unknown("agent door /v1/messages")
         chat, tools = translate(body)
         raw = [self.as_sampled(m) for m in chat]
         prompt = await render_prompt(self.ctx.tokenizer, raw, tools, None)
         requested = list(body.stop_sequences or [])
         stops = [*self.sampling.stop, *requested]
+        use_tools, model = tools is not None, body.model or MODEL_NAME
         async with self.lock:
             out, engine_ids = await self._call(prompt, body.max_tokens, stops, [])
-            answer = message(out, stops, requested, tools is not None, body.model or MODEL_NAME, len(engine_ids))
+            answer = message(out, stops, requested, use_tools, model, len(engine_ids))
             # kept as the chat message its blocks translate to, so that sent back it is known
             self.answers.append((assistant_chat_message(answer["content"]), out.text))
+        if body.stream:
+            tok = self.ctx.tokenizer
+            return event_stream(
+                message_events(replay(out), tok, stops, use_tools, model, len(engine_ids), lambda _: answer)
+            )
         return answer
 
     async def _call(
@@ -307,11 +323,11 @@ class AgentDoor:
             return models_list(MODEL_NAME, self.session(token, request).max_model_len)
 
         @app.post("/s/{token}/v1/chat/completions")
-        async def chat(token: str, body: ChatBody, request: Request) -> dict:
+        async def chat(token: str, body: ChatBody, request: Request) -> Any:
             return await self.session(token, request).chat(body)
 
         @app.post("/s/{token}/v1/messages")
-        async def messages(token: str, body: MessagesBody, request: Request) -> dict:
+        async def messages(token: str, body: MessagesBody, request: Request) -> Any:
             return await self.session(token, request).messages(body)
 
         return app

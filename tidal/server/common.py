@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.errors import ApiError, BadRequest, Busy, Unavailable
-from tidal.chat.text import check_text, trim_stop
+from tidal.chat.text import check_text
 from tidal.contracts import EngineUnavailable, SamplingParams
 from tidal.hardware import libc_function
 from tidal.server.options import ServerConfig
@@ -184,32 +184,6 @@ def sampling_params(field_prefix: str = "", vocab_size: int | None = None, **kw:
         return SamplingParams(**kw).validate()
     except ValueError as e:
         raise BadRequest(f"{field_prefix}{e}") from None
-
-
-class TextStream:
-    """Incremental detokenisation: the text each new batch of tokens adds. A trailing partial
-    UTF-8 character is held back until the tokens that complete it arrive, and so is any tail
-    that may be the start of a stop string (a stop string itself is never sent)."""
-
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stops: Sequence[str] = ()) -> None:
-        self.tokenizer, self.skip, self.stops = tokenizer, skip_special_tokens, list(stops)
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def add(self, ids: Sequence[int], final: bool = False) -> str:
-        """The text `ids` add (all that is left when `final`)."""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip) if self.tokenizer else ""
-        if self.stops:
-            cut = trim_stop(text, self.stops)
-            if len(cut) < len(text):
-                text, final = cut, True
-            elif not final:
-                text = text[: max(len(text) - (max(len(s) for s in self.stops) - 1), self.sent)]
-        if not final and text.endswith("\ufffd"):
-            text = text[:-1]
-        delta, self.sent = text[self.sent :], max(len(text), self.sent)
-        return delta
 
 
 class Runner:

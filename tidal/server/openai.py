@@ -20,7 +20,6 @@ and min-p off, their defaults).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,25 +30,26 @@ from fastapi import APIRouter, Request
 
 from tidal.chat.errors import BadRequest
 from tidal.chat.openai import (
+    ChatAnswer,
     ChatBody,
     OpenAIBody,
-    assistant_message,
-    chat_logprobs,
+    chat_events,
     chat_max_tokens,
     chat_prompt,
     check_chat,
     models_list,
+    sse,
     stops_of,
     text_of,
     token_piece,
     usage,
     uses_tools,
 )
+from tidal.chat.text import TextStream
 from tidal.contracts import SamplingParams
 from tidal.server.common import (
     EventStream,
     Stream,
-    TextStream,
     check_budget,
     check_token_id,
     room_left,
@@ -78,11 +78,6 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[i
             raise BadRequest(f"logit_bias: keys must be token ids, got {k!r}") from None
         check_token_id(token, vocab_size, "logit_bias")
     return out
-
-
-def sse(obj: dict) -> str:
-    """One server-sent event of OpenAI's streams."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def check_n(body: OpenAIBody, cfg: ServerConfig, route: str) -> None:
@@ -250,72 +245,6 @@ async def completion_events(
 
 
 # ---------------------------------------------------------------------------- chat
-@dataclass
-class ChatAnswer:
-    """The answer shape of one `/v1/chat/completions` request: its id and time, the model, its
-    stop strings, whether tool calls are parsed out and which log-probs it asked for."""
-
-    tok: Any
-    model: str
-    stops: list[str]
-    use_tools: bool
-    logprobs: bool
-    top: int
-    cid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def obj(self, kind: str, choices: list[dict], **extra: Any) -> dict:
-        """An answer (`kind` "chat.completion") or a chunk of one with these choices."""
-        head = {"id": self.cid, "object": kind, "created": self.created, "model": self.model}
-        return {**head, "choices": choices, **extra}
-
-    def chunk(self, choices: list[dict], **extra: Any) -> str:
-        """A chunk of the stream, as its event."""
-        return sse(self.obj("chat.completion.chunk", choices, **extra))
-
-    def logprobs_of(self, ids: list[int], lps: list[float], tops: list) -> dict | None:
-        """OpenAI's chat `logprobs` of these tokens, if the request asked for them."""
-        return chat_logprobs(self.tok, ids, lps, tops, self.top) if self.logprobs else None
-
-    def out_logprobs(self, out: Any) -> dict | None:
-        """The `logprobs` of a whole sample."""
-        return self.logprobs_of(out.token_ids, out.log_probs, out.top_logprobs or [])
-
-    def message_of(self, out: Any) -> tuple[dict, str]:
-        """(a sample as an assistant message, its finish reason)."""
-        return assistant_message(text_of(out, self.stops), self.use_tools, out.finish_reason)
-
-    def whole(self, outs: list, job: Samples) -> dict:
-        """The answer of a request that does not stream."""
-        choices = []
-        for i, o in enumerate(outs):
-            message, reason = self.message_of(o)
-            choices.append({"index": i, "message": message, "logprobs": self.out_logprobs(o), "finish_reason": reason})
-        return self.obj("chat.completion", choices, usage=usage(job.prompts, outs))
-
-    def text_chunk(self, i: int, text: str, ids: list[int], lps: list[float], tops: list) -> str:
-        """Sample `i`'s new text (and its tokens' log-probs) as a chunk."""
-        delta = {"content": text}
-        return self.chunk(
-            [{"index": i, "delta": delta, "logprobs": self.logprobs_of(ids, lps, tops), "finish_reason": None}]
-        )
-
-    def last_chunk(self, i: int, out: Any, stream: TextStream) -> str:
-        """Sample `i`'s last chunk: with tools the whole message (its calls are known only now),
-        else the text held back so far, with the finish reason."""
-        if self.use_tools:
-            message, reason = self.message_of(out)
-            message.pop("role")
-            if "tool_calls" in message:
-                message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-            return self.chunk(
-                [{"index": i, "delta": message, "logprobs": self.out_logprobs(out), "finish_reason": reason}]
-            )
-        tail = stream.add([], final=True)
-        delta = {"content": tail} if tail else {}
-        return self.chunk([{"index": i, "delta": delta, "finish_reason": out.finish_reason}])
-
-
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
     """OpenAI's `/v1/chat/completions`: n answers to the chat, whole or streamed, tool calls parsed."""
@@ -327,27 +256,8 @@ async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
     answer = ChatAnswer(s.tok, s.model_name, job.stops, uses_tools(body), body.logprobs, top)
     if body.stream:
         stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
-        return EventStream(chat_events(s, body, answer, job, stream), s.engine, job.rids)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        events = chat_events(answer, stream, len(job.all_prompts), job.prompts, include)
+        return EventStream(events, s.engine, job.rids)
     outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
-    return answer.whole(outs, job)
-
-
-async def chat_events(
-    s: Served, body: ChatBody, answer: ChatAnswer, job: Samples, stream: Stream
-) -> AsyncIterator[str]:
-    """A chat answer's stream: each sample's role, its text as it comes (with tools, the message
-    once whole), its finish reason, the usage if asked for, then `data: [DONE]`."""
-    streams = [TextStream(s.tok, stops=job.stops) for _ in job.all_prompts]
-    for i in range(len(job.all_prompts)):
-        yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-    outs = []
-    async for i, ids, lps, tops, out in stream:
-        if out is None:
-            if not answer.use_tools:  # the calls are parsed once the answer is whole
-                yield answer.text_chunk(i, streams[i].add(ids), ids, lps, tops)
-            continue
-        outs.append(out)
-        yield answer.last_chunk(i, out, streams[i])
-    if body.stream_options and body.stream_options.include_usage:
-        yield answer.chunk([], usage=usage(job.prompts, outs))
-    yield "data: [DONE]\n\n"
+    return answer.whole(outs, job.prompts)
