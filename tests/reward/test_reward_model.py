@@ -168,7 +168,14 @@ def test_grpo_run_trains_on_the_reward_models_scores(tiny_model_dir, rm_dir, tmp
     cfg = loop_config(
         tiny_model_dir,
         tmp_path / "run",
-        **{"train.num_steps": 2, "reward.fn": "rm", "rm.path": str(rm_dir), "rm.device": "cpu", "rm.batch_size": 8},
+        **{
+            "train.num_steps": 2,
+            "reward.fn": "rm",
+            "rm.path": str(rm_dir),
+            "rm.device": "cpu",
+            "rm.dtype": "float32",
+            "rm.batch_size": 8,
+        },
     )
     history = tidal.loop.train(cfg)
     assert [h["step"] for h in history] == [1, 2] and len(steps) == 2

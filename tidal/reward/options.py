@@ -123,7 +123,9 @@ class RewardModelConfig:
         "(its logit is the reward) and its tokenizer",
     )
     device: str = opt("auto", "auto | cpu | cuda: where the reward model computes (auto: cuda where torch sees a GPU)")
-    dtype: str = opt("auto", "auto | float32 | bfloat16 (auto: bfloat16 on CUDA, float32 on the CPU)")
+    dtype: str = opt(
+        "auto", "auto | float32 | bfloat16 (auto: bfloat16 where the device computes it natively, else float32)"
+    )
     batch_size: int = opt(16, "most samples in one forward of the reward model")
     max_length: int = opt(
         4096,

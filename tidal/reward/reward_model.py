@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tidal.hardware import resolve_device
+from tidal.hardware import resolve_device, resolve_dtype
 from tidal.reward.options import RewardModelConfig
 from tidal.types import Sample
 
@@ -73,9 +73,8 @@ class RewardModel:
         if self.model is not None:
             return
         device = torch.device(resolve_device(self.cfg.device, "rm.device").device)
-        dtype = self.cfg.dtype
-        if dtype == "auto":  # bf16 where it computes fast; the CPU has no fast bf16 matmul everywhere
-            dtype = "bfloat16" if device.type == "cuda" else "float32"
+        # auto: bf16 where the device computes it natively (as engine.dtype), else float32
+        dtype = resolve_dtype(self.cfg.dtype, "rm.dtype", device.type).dtype
         key = (self.cfg.path, str(device), dtype)
         with _LOAD_LOCK:
             if key not in _LOADED:
