@@ -102,8 +102,9 @@ def make_tokenizer():
     return fast
 
 
-def make_model(vocab_size: int = 320, seed: int = 0, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(vocab_size: int = 320, **overrides):
+    """The tests' tiny Llama config (2 layers, hidden 64, the byte tokenizer's ids), `overrides` on top."""
+    from transformers import LlamaConfig
 
     cfg = dict(
         vocab_size=vocab_size,
@@ -119,9 +120,15 @@ def make_model(vocab_size: int = 320, seed: int = 0, **overrides):
         bos_token_id=None,
     )
     cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def make_model(vocab_size: int = 320, seed: int = 0, **overrides):
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    return model.eval()
+    return LlamaForCausalLM(config).eval()
 
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")

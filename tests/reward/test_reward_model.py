@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 import torch
-from conftest import loop_config, make_tokenizer
-from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+from conftest import loop_config, make_tokenizer, tiny_llama_config
+from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
 import tidal.loop
 from tidal.config import build_config
@@ -24,19 +24,7 @@ RESPONSES = ["4", "Blue, like the sea on a clear day", "hi", "Rayleigh scatterin
 def save_rm(path, pad_token_id=0):
     """A tiny random Llama with a one-label head and the byte tokenizer (chat template, pad id 0)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        num_labels=1,
-        pad_token_id=pad_token_id,
-        eos_token_id=2,
-        bos_token_id=None,
-    )
+    config = tiny_llama_config(tie_word_embeddings=False, num_labels=1, pad_token_id=pad_token_id)
     LlamaForSequenceClassification(config).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return path
