@@ -63,17 +63,22 @@ class MessagesBody(Body):
 
 
 # ---------------------------------------------------------------------------- request → chat
-def block_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
+def block_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",), noun: str = "block") -> str:
+    """A string, or text blocks joined (of the `kinds` that hold text; the Responses API calls
+    them parts, its `noun`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}: must be a string or a list of text blocks")
+        raise BadRequest(f"{where}: must be a string or a list of text {noun}s")
     out = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise BadRequest(f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}")
+        if kind not in kinds or not isinstance(block.get("text"), str):
+            if kinds == ("text",):
+                raise BadRequest(
+                    f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}"
+                )
+            raise BadRequest(f"{where}[{j}].type: only text {noun}s ({', '.join(kinds)}) are supported, got {kind!r}")
         out.append(block["text"])
     return "".join(out)
 
