@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.chat.anthropic import block_text
+from tidal.chat.anthropic import block_text, chat_function
 from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
 from tidal.chat.openai import Outputs, chat_logprobs, check_tool_choice, text_of
@@ -195,15 +195,10 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise BadRequest(f"tools[{i}].type: only function tools are supported, got {tool.get('type')!r}")
-        if not isinstance(tool.get("name"), str):
-            raise BadRequest(f"tools[{i}].name: must be a string")
         parameters = tool.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise BadRequest(f"tools[{i}].parameters: must be a JSON schema object")
-        function = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": {**function, "parameters": parameters or {"type": "object"}}})
+        if parameters is None:  # a function of no arguments may leave it out
+            parameters = {"type": "object"}
+        out.append(chat_function(tool, i, parameters if isinstance(parameters, dict) else None, "parameters"))
     return out
 
 
