@@ -345,3 +345,11 @@ async def agents_sdk_agent(client, prompt, label, stream=False):
 
 async def agents_sdk_streaming_agent(client, prompt, label):
     return await agents_sdk_agent(client, prompt, label, stream=True)
+
+
+async def responses_short_agent(client, prompt, label):
+    """Two short calls, the first answer's items sent back with another question."""
+    items = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        resp = await client.responses.create(model="policy", input=items, max_output_tokens=8)
+        items += [*(o.model_dump(exclude_none=True) for o in resp.output), {"role": "user", "content": "again"}]

@@ -7,9 +7,16 @@ calls. The engine is `test_agent`'s scripted one."""
 from __future__ import annotations
 
 import pytest
-from test_agent import CALL, FIRST, chat_ids, check_layout, ids
+import torch
+from test_agent import AGENTS, CALL, FIRST, TOK, ascii_model, chat_ids, check_layout, ids
 from test_agent_stream import ANSWER_IDS, ANSWERS, assert_same_samples, recorded_rollout
 
+from tidal.adapters.async_engine import AsyncEngine
+from tidal.data.dataset import PromptRecord
+from tidal.engine.llm_engine import LLMEngine
+from tidal.reward.options import RewardConfig
+from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import AgentConfig, RolloutConfig, SamplingConfig
 from tidal.types import Status
 
 
@@ -83,6 +90,41 @@ def test_an_openai_agents_sdk_agent_with_a_function_tool_trains_on_its_calls(age
 
 
 def chat_ids_text(tokens: list[int]) -> str:
-    from test_agent import TOK
-
     return TOK.decode(tokens)
+
+
+def test_responses_calls_through_the_real_engine_are_token_exact():
+    # tidal's engine on a tiny model writing lowercase ASCII: the recorded log-probs are the
+    # model's own (a fresh forward pass over the sample), the mask covers what it sampled. (The
+    # Agents SDK is not run here: the model never stops, and the SDK raises on a response cut by
+    # its token limit, `status: "incomplete"`, as it does with OpenAI's.)
+    agent, turns = "responses_short_agent", 2
+    model = ascii_model()
+    engine = AsyncEngine(LLMEngine(model, TOK, dtype="float32", block_size=4, kv_cache_tokens=8192))
+    prompt = "what is two plus three"
+    record = PromptRecord(
+        index=0, prompt=prompt, text=prompt, input_ids=chat_ids([{"role": "user", "content": prompt}]), label="5"
+    )
+    cfg = RolloutConfig(n_samples_per_prompt=2, generate="agent", max_new_tokens=8, max_response_tokens=300)
+    groups = {
+        "sampling": SamplingConfig(seed=5),
+        "reward": RewardConfig(fn="exact_match"),
+        "agent": AgentConfig(fn=f"{AGENTS}:{agent}"),
+    }
+    manager = RolloutManager(engine, cfg, TOK, **groups)
+    try:
+        samples = manager.generate([record], step=0)
+    finally:
+        manager.close()
+        engine.close()
+    assert len(samples) == 2
+    for s in samples:
+        assert [c["case"] for c in s.metadata["agent_calls"]][1:] == ["extend"] * (turns - 1)
+        assert sum(s.loss_mask) == 8 * turns  # every call sampled its 8 tokens, all trained on
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0].float()
+        fresh = torch.log_softmax(logits, -1)[torch.arange(s.prompt_length - 1, len(s.tokens) - 1), s.response_tokens]
+        mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        recorded = torch.tensor(s.rollout_log_probs)[mask]
+        assert torch.allclose(fresh[mask], recorded, atol=1e-4), (fresh[mask] - recorded).abs().max()
+        assert recorded.min() < -1.0  # a real distribution, not a forced token
