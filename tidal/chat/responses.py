@@ -188,18 +188,18 @@ def items_chat(items: list[dict], where: str = "input") -> list[dict]:
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses function tools as the chat route's functions."""
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise BadRequest(f"tools[{i}].type: only function tools are supported, got {tool.get('type')!r}")
-        parameters = tool.get("parameters")
-        if parameters is None:  # a function of no arguments may leave it out
-            parameters = {"type": "object"}
-        out.append(chat_function(tool, i, parameters if isinstance(parameters, dict) else None, "parameters"))
-    return out
+    """Responses function tools as the chat route's functions (None when there are none)."""
+    return [function_tool(tool, i) for i, tool in enumerate(tools)] if tools else None
+
+
+def function_tool(tool: dict, i: int) -> dict:
+    """Tool `i`, a function tool of the Responses API, as a chat function."""
+    if tool.get("type") != "function":
+        raise BadRequest(f"tools[{i}].type: only function tools are supported, got {tool.get('type')!r}")
+    parameters = tool.get("parameters")
+    if parameters is None:  # a function of no arguments may leave it out
+        parameters = {"type": "object"}
+    return chat_function(tool, i, parameters if isinstance(parameters, dict) else None, "parameters")
 
 
 def translate(body: ResponsesBody, history: list[dict]) -> tuple[list[dict], list[dict] | None]:
