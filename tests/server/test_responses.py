@@ -6,6 +6,7 @@ package's own stream helper), sampled tokens with a seed, log-probs, a function 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -336,3 +337,34 @@ def test_errors_name_the_field(served, fields, message):  # noqa: F811
         served.client.responses.create(model="tiny", input="x", tool_choice="required")
     assert err.value.status_code == 400 and err.value.body["param"] == "tool_choice"
     assert served.client.responses.create(model="tiny", input="x", max_output_tokens=1).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
+def test_an_openai_agents_sdk_agent_runs_against_the_server(scripted, stream):  # noqa: F811
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # its traces would go to OpenAI's servers
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return "sunny"
+
+    scripted.core.script = "It is sunny in Paris."
+    client = openai.AsyncOpenAI(base_url=scripted.url + "/v1", api_key="none", max_retries=0)
+    model = agents.OpenAIResponsesModel(model="tiny", openai_client=client)
+    agent = agents.Agent(name="weather", instructions="Answer briefly.", model=model, tools=[get_weather])
+
+    async def run():
+        if not stream:
+            return await agents.Runner.run(agent, "What is the weather in Paris?")
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?")
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
+    assert result.final_output == "It is sunny in Paris."
+    # the SDK's instructions, question and function tool rendered as the chat route renders them
+    rendered = scripted.tokenizer.decode(scripted.prompts[0])
+    assert rendered.startswith("<|im_start|>system\nAnswer briefly.\n\n") and '"name": "get_weather"' in rendered
+    assert rendered.endswith("<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
