@@ -113,6 +113,7 @@ json.dump({"env": dict(os.environ), "argv": sys.argv[1:], "stdin": sys.stdin.rea
 def test_the_program_gets_its_session_and_prompt_and_never_the_label(tmp_path, monkeypatch, as_messages):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-the-real-key")  # tidal's own: must not reach the program
     monkeypatch.setenv("TIDAL_TEST_SECRET", "x")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.chdir(tmp_path)
     write(tmp_path, "env_program.py", ENV_PROGRAM)
     prompt = "What is 2 + 3?"
@@ -129,7 +130,9 @@ def test_the_program_gets_its_session_and_prompt_and_never_the_label(tmp_path, m
     assert env["TIDAL_PROMPT"] == text and seen["stdin"] == text
     assert seen["argv"] == ["--task", f"{text}!", "-v"]  # {prompt} replaced, the rest as written
     assert env["OPENAI_AGENTS_DISABLE_TRACING"] == "1" and env["MY_SETTING"] == "on"
-    assert env["PATH"] == os.environ["PATH"] and env["HOME"] == seen["cwd"] == env["TMPDIR"]
+    # `python` is the interpreter tidal runs on, then tidal's PATH
+    assert env["PATH"] == os.pathsep.join(dict.fromkeys([os.path.dirname(PY), "/usr/bin", "/bin"]))
+    assert env["HOME"] == seen["cwd"] == env["TMPDIR"]
     assert "TIDAL_TEST_SECRET" not in env
     assert LABEL not in json.dumps(seen)
     # its own working directory, removed after it
@@ -192,7 +195,10 @@ def agent_values(tmp_path, **agent) -> dict:
 @pytest.mark.parametrize(
     ("command", "message"),
     [
-        ("no-such-agent-7f3a --task x", "agent.command: no program 'no-such-agent-7f3a' on PATH"),
+        (
+            "no-such-agent-7f3a --task x",
+            "agent.command: no program 'no-such-agent-7f3a' beside tidal's Python or on PATH",
+        ),
         ("./not_executable.py", "agent.command: './not_executable.py' is not an executable file"),
         ("python 'open", 'agent.command: "python \'open" cannot be split into arguments: No closing quotation'),
     ],

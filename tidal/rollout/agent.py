@@ -7,6 +7,8 @@ the door, an OpenAI-compatible HTTP server on 127.0.0.1 (`http://127.0.0.1:PORT/
 the token is also the API key). The agent returns the trajectory's reward (a number or a dict)
 or None, and then `reward.fn` scores the samples. An agent that runs another program hands
 it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
+`agent.command` instead runs a program of its own once per sample, the session in its
+environment (`tidal.rollout.program`).
 
 The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
 `anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a

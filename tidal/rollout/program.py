@@ -19,7 +19,7 @@ every process it started (double forks included) when it exits, times out (`agen
 the rollout is cancelled; an address-space limit (`agent.memory_mb`), a CPU-time backstop, capped
 file size, stdout and stderr each kept up to `MAX_OUTPUT_BYTES` (more kills it). Not bubblewrap:
 its new network namespace would cut the program off from the door on the host's 127.0.0.1. The
-program gets a minimal environment: tidal's `PATH`, `HOME` and `TMPDIR` set to its working
+program gets a minimal environment: `program_path()`, `HOME` and `TMPDIR` set to its working
 directory, the variables above, `OPENAI_AGENTS_DISABLE_TRACING=1` (the OpenAI Agents SDK would
 otherwise export traces to api.openai.com) and `agent.env`; none of tidal's other variables (a
 real API key, a proxy) leak in.
@@ -38,6 +38,7 @@ import json
 import os
 import shlex
 import shutil
+import sys
 from typing import TYPE_CHECKING
 
 from tidal.reward.sandbox import SandboxConfig, arun_code
@@ -66,18 +67,27 @@ def parse_command(command: str) -> list[str]:
     return argv
 
 
+def program_path() -> str:
+    """The PATH a program is found on and runs with: the folder of the Python tidal runs on first
+    (so `python` is tidal's own interpreter, with its packages, whether or not its environment
+    was activated), then tidal's PATH."""
+    here = os.path.dirname(sys.executable)
+    rest = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    return os.pathsep.join([here, *(p for p in rest if p and p != here)])
+
+
 def resolve_program(program: str) -> str:
     """The absolute path of the command's program: a path (with a `/`) taken from tidal's working
-    directory, a name looked up on tidal's PATH; ValueError naming `agent.command` if it is not an
-    executable file."""
+    directory, a name looked up on `program_path()`; ValueError naming `agent.command` if it is
+    not an executable file."""
     if "/" in program:
         full = os.path.abspath(program)
         if not (os.path.isfile(full) and os.access(full, os.X_OK)):
             raise ValueError(f"agent.command: {program!r} is not an executable file")
         return full
-    found = shutil.which(program)
+    found = shutil.which(program, path=program_path())
     if found is None:
-        raise ValueError(f"agent.command: no program {program!r} on PATH")
+        raise ValueError(f"agent.command: no program {program!r} beside tidal's Python or on PATH")
     return os.path.abspath(found)
 
 
@@ -110,10 +120,10 @@ def prompt_text(prompt: str | list[dict]) -> str:
 
 
 def program_env(base_url: str, token: str, prompt: str, extra: dict[str, str]) -> dict[str, str]:
-    """The program's environment over the sandbox's minimal one: tidal's PATH, `agent.env`, then
-    the door's endpoints and the prompt (which `agent.env` cannot override)."""
+    """The program's environment over the sandbox's minimal one: `program_path()`, `agent.env`,
+    then the door's endpoints and the prompt (which `agent.env` cannot override)."""
     return {
-        "PATH": os.environ.get("PATH", os.defpath),
+        "PATH": program_path(),
         **extra,
         "OPENAI_BASE_URL": base_url,
         "OPENAI_API_KEY": token,
