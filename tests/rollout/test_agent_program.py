@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import loop_config
-from test_agent import CALL, TOK, ScriptedEngine, ascii_model, chat_ids, ids
+from test_agent import TOK, ScriptedEngine, ascii_model, chat_ids, ids
 
 from tidal.config import build_config
 from tidal.data.dataset import PromptRecord
@@ -60,10 +60,10 @@ def write(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def rollout(reply, agent: AgentConfig, n=1, prompts=("What is 2 + 3?",), reward="exact_match", **cfg):
+def rollout(reply, agent: AgentConfig, n=1, prompts=("What is 2 + 3?",), reward="exact_match", label=LABEL, **cfg):
     chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     records = [
-        PromptRecord(index=i, prompt=p, text=str(p), input_ids=chat_ids(chat), label=LABEL)
+        PromptRecord(index=i, prompt=p, text=str(p), input_ids=chat_ids(chat), label=label)
         for i, (p, chat) in enumerate(zip(prompts, chats, strict=True))
     ]
     rollout_cfg = RolloutConfig(n_samples_per_prompt=n, generate="agent", **cfg)
@@ -235,46 +235,54 @@ def test_the_agent_is_a_function_or_a_program_not_both_nor_neither(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the OpenAI Agents SDK
-SDK_PROGRAM = """
-import asyncio, os
-from agents import Agent, Runner, function_tool, set_default_openai_api
-
-# this program talks chat completions (the SDK's default is the Responses API)
-set_default_openai_api("chat_completions")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agents_sdk"
 
 
-@function_tool
-def add(a: int, b: int) -> int:
-    \"\"\"Add two integers.\"\"\"
-    return a + b
-
-
-async def main() -> None:
-    agent = Agent(name="adder", instructions="Use the add tool.", tools=[add], model="policy")
-    result = await Runner.run(agent, os.environ["TIDAL_PROMPT"])
-    print(result.final_output)
-
-
-asyncio.run(main())
-"""
-
-
-def test_an_openai_agents_sdk_program_calls_its_tool_through_the_door(tmp_path):
+def test_the_agents_sdk_example_calls_its_tool_through_the_door_and_is_scored():
+    """examples/agents_sdk/agent.py as it is: the model's call runs the SDK's function tool, the
+    result comes back in the next prompt, one sample grows over both calls, and the example's
+    reward scores what the program printed."""
     pytest.importorskip("agents")
-    program = write(tmp_path, "sdk_agent.py", SDK_PROGRAM)
-    answers = [ids(CALL) + [2], ids("The sum is 5.") + [2]]
-    samples, engine = rollout(lambda p, k: answers[k], AgentConfig(command=f"{PY} {program}", timeout=120))
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "16 * 86"}}\n</tool_call>'
+    answers = [ids(call) + [2], ids("1376") + [2]]
+    agent = AgentConfig(command=f"{PY} {EXAMPLE / 'agent.py'}", timeout=120)
+    samples, engine = rollout(
+        lambda p, k: answers[k],
+        agent,
+        prompts=("What is 16 * 86?",),
+        reward=f"{EXAMPLE / 'reward.py'}:reward",
+        label="1376",
+    )
     assert len(engine.calls) == 2
-    second = TOK.decode(engine.calls[1][0])
-    assert "<tool_response>\n5\n</tool_response>" in second  # the SDK ran the tool on the model's call
+    assert "<tool_response>\n1376\n</tool_response>" in TOK.decode(engine.calls[1][0])  # the SDK ran the tool
     (s,) = samples
-    assert s.status == Status.COMPLETED and s.metadata["agent_output"] == "The sum is 5.\n"
+    assert s.status == Status.COMPLETED and s.metadata["agent_output"] == "1376\n"
     # the second call's prompt holds the first answer as sampled: one sample, grown
     assert [c["case"] for c in s.metadata["agent_calls"]] == ["new", "extend"]
     first_prompt = engine.calls[0][0]
     assert s.tokens[: len(first_prompt) + len(answers[0])] == first_prompt + answers[0]
     assert s.tokens[-len(answers[1]) :] == answers[1]
     assert sum(s.loss_mask) == len(answers[0]) + len(answers[1])
+    assert s.reward == 1.0  # the last number printed is the label
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("16 * 86", 1376), ("(4 + 5) / 3", 3.0), ("-2 - 7", -9), ("2 ** 10", None), ("__import__('os')", None)],
+)
+def test_the_examples_calculator_evaluates_arithmetic_only(expression, value):
+    import ast
+
+    pytest.importorskip("agents")
+    from tidal.utils import load_object
+
+    evaluate = load_object(f"{EXAMPLE / 'agent.py'}:evaluate")
+    tree = ast.parse(expression, mode="eval").body
+    if value is None:
+        with pytest.raises(ValueError, match=r"^only numbers, \+ - \* / and parentheses are allowed$"):
+            evaluate(tree)
+    else:
+        assert evaluate(tree) == value
 
 
 # ---------------------------------------------------------------------------- trains, token-exact
