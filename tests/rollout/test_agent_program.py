@@ -181,6 +181,27 @@ def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path):
             os.kill(pid, 0)
 
 
+def test_a_program_stopped_by_the_spent_budget_keeps_what_it_sampled(tmp_path):
+    # it calls until the door refuses (a 400 the openai client raises), then dies of it
+    program = write(
+        tmp_path,
+        "greedy.py",
+        """
+        import openai
+        client = openai.OpenAI(max_retries=0)
+        messages = [{"role": "user", "content": "go"}]
+        while True:
+            resp = client.chat.completions.create(model="policy", messages=messages)
+            messages += [resp.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        """,
+    )
+    agent = AgentConfig(command=f"{PY} {program}")
+    samples, engine = rollout(lambda p, k: ids("abcdefgh"), agent, max_new_tokens=8, max_response_tokens=30)
+    (s,) = samples
+    assert s.status == Status.TRUNCATED and s.response_length <= 30 and s.metadata["agent_exit_code"] == 1
+    assert sum(s.loss_mask) == sum(len(c[2].token_ids) for c in engine.calls)
+
+
 def test_a_program_that_never_calls_the_model_fails_its_sample(tmp_path):
     program = write(tmp_path, "idle.py", "print('done')\n")
     samples, _ = rollout(lambda p, k: [2], AgentConfig(command=f"{PY} {program}"), max_failed_ratio=1)
