@@ -7,6 +7,8 @@ the door, an OpenAI-compatible HTTP server on 127.0.0.1 (`http://127.0.0.1:PORT/
 the token is also the API key). The agent returns the trajectory's reward (a number or a dict)
 or None, and then `reward.fn` scores the samples. An agent that runs another program hands
 it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
+`agent.command` instead runs a program of its own once per sample, the session in its
+environment (`tidal.rollout.program`).
 
 The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
 `anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a
@@ -461,15 +463,17 @@ def load_agent(name: str) -> AgentFn:
 
 
 async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> list[Sample]:
-    """Run `agent.fn` on one prompt through its own session on the door; the samples its calls
-    became (`agent.samples` picks which), with the agent's reward if it gave one."""
+    """Run `agent.fn` (or the program of `agent.command`) on one prompt through its own session on
+    the door; the samples its calls became (`agent.samples` picks which), with the agent's reward
+    if it gave one."""
     import openai
 
     cfg = ctx.agent
+    who = "agent.command" if cfg.command else "agent.fn"
     agents: dict = ctx.extra.setdefault("agent_fns", {})
-    if cfg.fn not in agents:
+    if cfg.fn and cfg.fn not in agents:
         agents[cfg.fn] = load_agent(cfg.fn)
-    agent = agents[cfg.fn]
+    agent = agents.get(cfg.fn)
     door = await _acquire_door(ctx.extra)
     session = Session(ctx, sample, sampling)
     door.sessions[session.token] = session
@@ -479,7 +483,12 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
     prompt = ctx.record.prompt if ctx.record is not None else sample.prompt
     try:
         try:
-            reward = await agent(client, prompt, sample.label)
+            if cfg.command:  # an agent program (tidal.rollout.program): its output goes to reward.fn
+                from tidal.rollout.program import run_program
+
+                reward = await run_program(cfg, session, door.base_url(session), prompt)
+            else:
+                reward = await agent(client, prompt, sample.label)
         except Exception as e:
             if not session.budget_refused or not session.trained():
                 raise
@@ -492,10 +501,10 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         await client.close()
         await _release_door(ctx.extra, door)
     if reward is not None and not isinstance(reward, int | float | dict):
-        raise TypeError(f"agent.fn returned {type(reward).__name__}; expected a number, a dict or None")
+        raise TypeError(f"{who} returned {type(reward).__name__}; expected a number, a dict or None")
     samples = session.trained()
     if not samples:
-        raise RuntimeError("agent.fn made no call to the model: nothing to train on")
+        raise RuntimeError(f"{who} made no call to the model: nothing to train on")
     gone = sum(c.get("client_gone", False) for s in session.samples for c in s.metadata.get("agent_calls", []))
     if cfg.samples == "last":
         samples = samples[-1:]
