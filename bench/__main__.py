@@ -16,6 +16,7 @@ BENCHES = (
     "routing_replay",
     "decode",
     "reward_model",
+    "sampling",
 )
 
 

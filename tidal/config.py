@@ -581,10 +581,16 @@ def _check_modes(cfg: Config, need: Need) -> None:
         "eval.interval: evaluation samples with the rollout engine, which sft does not have",
     )
     need(not cfg.data.streaming or rl, "data.streaming: streams prompts for rl; sft data is loaded whole")
-    need(
-        cfg.rollout.generate != "agent" or bool(cfg.agent.fn),
-        "agent.fn: rollout.generate agent needs the agent's dotted path",
-    )
+    if cfg.rollout.generate == "agent":
+        need(
+            bool(cfg.agent.fn) or bool(cfg.agent.command),
+            "agent.fn: rollout.generate agent needs the agent: its dotted path (agent.fn) or a program's command "
+            "line (agent.command)",
+        )
+        need(
+            not (cfg.agent.fn and cfg.agent.command),
+            "agent.command: the agent is agent.fn or agent.command, not both; unset one",
+        )
 
 
 def validate(cfg: Config, for_training: bool = True) -> None:

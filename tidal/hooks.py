@@ -2,6 +2,8 @@
 filters, buffers), imported and checked before anything else loads: a typo in `reward.fn` is an
 error naming `reward.fn` in a second, not a traceback after the model and the engine have loaded.
 
+The program of `agent.command` is not Python: what is checked of it is that its program is found.
+
 The run imports each again where it uses it; what is checked here is that it imports, is callable,
 and takes the arguments tidal will call it with. User modules are found as `python -m` finds them:
 the working directory first, then PYTHONPATH and the installed packages (`put_cwd_on_path`); a file
@@ -115,6 +117,13 @@ def check_user_code(cfg: Config) -> None:
         try:
             _check(option, value, obj)
         except ValueError as e:  # the message names the option and the signature
+            errors.append(str(e))
+    if cfg.rollout.generate == "agent" and cfg.agent.command:  # a program, not Python: it must exist
+        from tidal.rollout.program import check_command
+
+        try:
+            check_command(cfg.agent.command)
+        except ValueError as e:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -13,14 +13,10 @@ from tidal.engine.sampling import sample_tokens
 N_DRAWS = 2000
 
 
-def _gens(seeds):
-    return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-
-
 def _draw(logits_row, n=N_DRAWS, **params):
-    """n independent draws from one distribution, as one batch with a seeded generator per row."""
+    """n independent draws from one distribution, as one batch with a seed per row."""
     logits = torch.as_tensor(logits_row, dtype=torch.float32).repeat(n, 1)
-    return sample_tokens(logits, generators=_gens(range(n)), **params)
+    return sample_tokens(logits, seeds=list(range(n)), **params)
 
 
 def test_greedy_is_argmax_with_raw_softmax_log_prob():
@@ -104,23 +100,23 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
     # Batch A: the seeded request is row 0; batch B: row 2, other rows, params and seeds differ.
     batch_a = torch.cat([target[None], others_a])
     batch_b = torch.cat([others_b[:2], target[None], others_b[2:]])
-    gens_a = _gens([42, None, 1, None])
-    gens_b = _gens([None, 5, 42, 6, None])
+    seeds_a = [42, None, 1, None]
+    seeds_b = [None, 5, 42, 6, None]
     temp_a = torch.tensor([0.9, 1.0, 0.0, 2.0])
     temp_b = torch.tensor([1.0, 0.3, 0.9, 1.5, 0.0])
     toks_a, toks_b = [], []
-    for _ in range(20):
+    for k in range(20):  # the k-th token of each row: its k-th draw
         ta, la = sample_tokens(batch_a, temp_a, top_p=torch.tensor([0.95, 1.0, 1.0, 0.5]),
-                               top_k=torch.tensor([0, 5, 0, 0]), generators=gens_a)  # fmt: skip
+                               top_k=torch.tensor([0, 5, 0, 0]), seeds=seeds_a, draws=[k] * 4)  # fmt: skip
         tb, lb = sample_tokens(batch_b, temp_b, top_p=torch.tensor([1.0, 0.2, 0.95, 1.0, 1.0]),
-                               top_k=torch.tensor([3, 0, 0, 0, 0]), generators=gens_b)  # fmt: skip
+                               top_k=torch.tensor([3, 0, 0, 0, 0]), seeds=seeds_b, draws=[k] * 5)  # fmt: skip
         toks_a.append(ta[0].item())
         toks_b.append(tb[2].item())
         assert la[0].item() == lb[2].item()
     assert toks_a == toks_b
     assert len(set(toks_a)) > 1  # actually random, not accidentally greedy
-    # A fresh generator with the same seed replays the sequence from the start.
-    replay = [sample_tokens(target[None], 0.9, 0.95, 0, generators=_gens([42]))[0].item()]
+    # The same seed at draw 0 again replays the sequence from the start.
+    replay = [sample_tokens(target[None], 0.9, 0.95, 0, seeds=list([42]))[0].item()]
     assert replay[0] == toks_a[0]
 
 
@@ -132,7 +128,7 @@ def test_mixed_params_in_one_batch():
     top_k = torch.tensor([0, 1, 0, 0])
     seen = [set() for _ in range(4)]
     for seed in range(200):
-        tokens, logp = sample_tokens(logits, temperature, top_p, top_k, generators=_gens([seed] * 4))
+        tokens, logp = sample_tokens(logits, temperature, top_p, top_k, seeds=list([seed] * 4))
         # Row 0 greedy: log-prob from the raw softmax; row 1 top_k=1; row 2 top_p=0.5 -> {1, 2}.
         assert tokens[0].item() == 1 and logp[0].item() == pytest.approx(math.log(0.45), abs=1e-6)
         assert tokens[1].item() == 1 and logp[1].item() == 0.0
@@ -144,12 +140,12 @@ def test_mixed_params_in_one_batch():
     assert seen[0] == {1} and seen[1] == {1} and seen[2] == {1, 2} and seen[3] == {0, 1, 2, 3}
 
 
-def test_bad_shapes_and_generator_count():
+def test_bad_shapes_and_seed_count():
     logits = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="shape"):
         sample_tokens(logits, torch.ones(3), 1.0, 0)
     with pytest.raises(ValueError, match="one entry per row"):
-        sample_tokens(logits, 1.0, 1.0, 0, generators=_gens([1]))
+        sample_tokens(logits, 1.0, 1.0, 0, seeds=list([1]))
 
 
 def test_sampling_params_validate_messages():
@@ -178,3 +174,51 @@ def test_sampling_params_from_dict():
         SamplingParams.from_dict({"temprature": 0.7, "top-p": 0.9})
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_dict({"top_p": 2.0})
+
+
+MASK = (1 << 64) - 1
+
+
+def _mix_ref(x: int) -> int:
+    """splitmix64's finaliser on unsigned 64-bit Python integers (the published constants)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def _uniform_ref(seed: int, draw: int) -> float:
+    """row_uniforms' formula in plain integers: top 24 bits of mix(mix(seed ^ salt) + (draw + 1) * gamma)."""
+    state = (_mix_ref((seed & MASK) ^ 0x5851F42D4C957F2D) + (draw + 1) * 0x9E3779B97F4A7C15) & MASK
+    return (_mix_ref(state) >> 40) / (1 << 24)
+
+
+def test_row_uniforms_are_splitmix64_in_plain_integers():
+    # wrapping int64 products and logical shifts give exactly the unsigned reference, seeds of
+    # every size and sign included (rollout seeds go up to 2**63 - 1; a user may pass -1)
+    from tidal.engine.sampling import row_uniforms
+
+    seeds = [0, 1, 2, 42, 11, 2**31, 2**62 + 12345, 2**63 - 1, -1, -(2**63)]
+    draws = [0, 1, 7, 1000, 3, 0, 5, 2**20, 9, 4]
+    got = row_uniforms(torch.tensor(seeds), torch.tensor(draws)).tolist()
+    assert got == [_uniform_ref(s, d) for s, d in zip(seeds, draws, strict=True)]
+    assert all(0.0 <= u < 1.0 for u in got)
+
+
+def test_row_uniforms_are_uniform_and_turn_seeds_are_not_shifted_streams():
+    from tidal.engine.sampling import row_uniforms
+    from tidal.rollout.generate import turn_seed
+
+    # 200 seeds x 500 draws: every decile holds 10% of the numbers within 1% (deterministic: fixed seeds)
+    seeds = torch.arange(200).repeat_interleave(500)
+    draws = torch.arange(500).repeat(200)
+    u = row_uniforms(seeds, draws)
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0) / u.numel()
+    assert (counts - 0.1).abs().max().item() < 0.01
+    assert abs(u.mean().item() - 0.5) < 0.005
+    # a sample's later turns add multiples of gamma to its seed: their streams are not one
+    # stream shifted (the seed is scrambled before the counter is added)
+    s0, s1 = 11, turn_seed(11, 1)
+    a = row_uniforms(torch.full((50,), s0), torch.arange(50))
+    b = row_uniforms(torch.full((50,), s1), torch.arange(50))
+    assert not torch.equal(a[1:], b[:-1]) and not torch.equal(a, b)
+    assert len(set(a.tolist()) & set(b.tolist())) <= 1

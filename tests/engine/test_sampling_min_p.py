@@ -15,14 +15,10 @@ N_DRAWS = 2000
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
 
-def _gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
 def _draw(probs, n=N_DRAWS, temperature=1.0, top_p=1.0, top_k=0, **kw):
     """n independent seeded draws from one row of logits = log(probs)."""
     logits = torch.tensor(probs, dtype=torch.float32).log().repeat(n, 1)
-    return sample_tokens(logits, temperature, top_p, top_k, generators=_gens(range(n)), **kw)
+    return sample_tokens(logits, temperature, top_p, top_k, seeds=list(range(n)), **kw)
 
 
 def _filtered(probs, kept, temperature=1.0):
@@ -87,14 +83,14 @@ def test_min_p_combines_with_top_p_and_top_k():
 
 def test_min_p_zero_leaves_the_distribution_unchanged():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
-    tokens, logp = sample_tokens(logits, 1.0, 1.0, 0, generators=_gens(range(64)), min_p=0.0)
+    tokens, logp = sample_tokens(logits, 1.0, 1.0, 0, seeds=list(range(64)), min_p=0.0)
     ref = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logp, ref)
-    default_tokens, default_logp = sample_tokens(logits, 1.0, 1.0, 0, generators=_gens(range(64)))
+    default_tokens, default_logp = sample_tokens(logits, 1.0, 1.0, 0, seeds=list(range(64)))
     assert torch.equal(tokens, default_tokens) and torch.equal(logp, default_logp)
     # with top_p < 1, min_p = 0 changes nothing either: same draws as top_p alone
-    t1, l1 = sample_tokens(logits, 0.8, 0.6, 0, generators=_gens(range(64)), min_p=0.0)
-    t2, l2 = sample_tokens(logits, 0.8, 0.6, 0, generators=_gens(range(64)))
+    t1, l1 = sample_tokens(logits, 0.8, 0.6, 0, seeds=list(range(64)), min_p=0.0)
+    t2, l2 = sample_tokens(logits, 0.8, 0.6, 0, seeds=list(range(64)))
     assert torch.equal(t1, t2) and torch.equal(l1, l2)
     tokens, logp = _draw(PROBS, top_p=0.7, min_p=0.0)
     _check(tokens, logp, _filtered(PROBS, [0, 1]))
@@ -109,9 +105,9 @@ def test_min_p_one_keeps_only_the_top_token():
 def test_per_row_min_p_does_not_leak_between_rows():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
     mp = torch.tensor([0.0, 0.3, 0.0, 0.9])
-    tok, lp = sample_tokens(logits, 1.0, 1.0, 0, generators=_gens([10, 11, 12, 13]), min_p=mp)
+    tok, lp = sample_tokens(logits, 1.0, 1.0, 0, seeds=list([10, 11, 12, 13]), min_p=mp)
     for i in range(4):
-        t, lone = sample_tokens(logits[i : i + 1], 1.0, 1.0, 0, generators=_gens([10 + i]), min_p=float(mp[i]))
+        t, lone = sample_tokens(logits[i : i + 1], 1.0, 1.0, 0, seeds=list([10 + i]), min_p=float(mp[i]))
         assert tok[i] == t[0]
         torch.testing.assert_close(lp[i], lone[0])
     # rows without min_p keep the plain softmax log-prob

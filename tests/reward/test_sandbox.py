@@ -106,6 +106,15 @@ def test_ok_program_gets_stdin_files_and_a_private_workdir(backend):
     assert not os.path.exists(r.workdir)
 
 
+def test_a_command_without_code_gets_the_environment_it_is_given(backend, tmp_path):
+    """code None: nothing is written, `argv` runs; `env` is set over the minimal environment."""
+    prog = "import os, sys; print(sorted(os.listdir('.')), os.environ['GREETING'], os.environ['HOME'] == os.getcwd())"
+    r = run_code(None, argv=[sys.executable, "-I", "-c", prog], env={"GREETING": "hi"}, backend=backend)
+    assert (r.status, r.stdout) == ("ok", "[] hi True\n")
+    with pytest.raises(ValueError, match="^arun_code: code None needs an argv to run$"):
+        run_code(None, backend=backend)
+
+
 def test_nonzero_exit_and_signal_are_errors(backend):
     r = run_code("import sys; print('bye'); sys.exit(7)", backend=backend)
     assert (r.status, r.exit_code, r.reason, r.stdout) == ("error", 7, "exit code 7", "bye\n")

@@ -248,6 +248,20 @@ async def external_agent(client, prompt, label):
     return {"score": 0.5, "chars": float(len(out))}
 
 
+async def impatient_agent(client, prompt, label):
+    """Gives up on its first call after a short time (closing the connection while the answer is
+    being sampled), then asks the same again."""
+    import openai
+
+    messages = [{"role": "user", "content": prompt}]
+    try:
+        await client.with_options(timeout=0.3).chat.completions.create(model="policy", messages=messages)
+    except openai.APITimeoutError:
+        replies.append("gave up")
+    resp = await client.chat.completions.create(model="policy", messages=messages)
+    replies.append(resp.choices[0].message.content)
+
+
 # ---------------------------------------------------------------------------- the Responses API
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
 

@@ -28,6 +28,9 @@ def test_saved_agent_samples_keep_the_calls_and_the_report_names_the_agents_rewa
         "rollout.rollout_batch_size": 2,
         "rollout.n_samples_per_prompt": 2,
         "train.global_batch_size": 4,
+        # room for both calls whatever bytes the tiny model samples: "again" and the re-rendered
+        # history are environment tokens of the sample, which the default budget (8 x turns) may not hold
+        "rollout.max_response_tokens": 256,
     }
     tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **over))
     rows = read_samples(tmp_path)[1]

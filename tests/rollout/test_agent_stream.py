@@ -5,9 +5,15 @@ whole. The engine is `test_agent`'s scripted one."""
 
 from __future__ import annotations
 
-import pytest
-from test_agent import AGENTS, CALL, COMPACT, FIRST, chat_ids, check_layout, ids, rollout
+import asyncio
 
+import pytest
+from test_agent import AGENTS, CALL, COMPACT, FIRST, TOK, ScriptedEngine, chat_ids, check_layout, ids, rollout
+
+from tidal.data.dataset import PromptRecord
+from tidal.reward.options import RewardConfig
+from tidal.rollout.manager import RolloutManager
+from tidal.rollout.options import AgentConfig, RolloutConfig, SamplingConfig
 from tidal.types import Status
 from tidal.utils import load_object
 
@@ -114,3 +120,51 @@ def test_a_client_that_goes_away_mid_stream_leaves_the_call_recorded():
     check_layout(first, [(answers[0], True)])
     assert first.status == second.status == Status.COMPLETED
     assert replies == ["Five."]
+
+
+class StallingEngine(ScriptedEngine):
+    """The scripted engine whose first request never finishes unless cancelled (which it records)."""
+
+    def __init__(self, reply):
+        super().__init__(reply)
+        self.cancelled = 0
+
+    async def generate(self, input_ids, sampling, *, request_id=None, group=None):
+        if not self.calls and not self.cancelled:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return await super().generate(input_ids, sampling, request_id=request_id, group=group)
+
+
+def test_a_client_that_goes_away_while_its_answer_is_sampled_aborts_it_and_the_sample_says_so():
+    # the first call's client times out while the engine samples: the door cancels the call (the
+    # engine request with it), nothing of it joins the sample, and the retry extends the prompt
+    replies = load_object(f"{AGENTS}:replies")
+    replies.clear()
+    answer = ids("Five.") + [2]
+    p0 = chat_ids(FIRST)
+    records = [PromptRecord(index=0, prompt=FIRST[0]["content"], text="", input_ids=p0, label="5")]
+    engine = StallingEngine(lambda p, k: answer)
+    manager = RolloutManager(
+        engine,
+        RolloutConfig(n_samples_per_prompt=1, generate="agent"),
+        TOK,
+        sampling=SamplingConfig(seed=11),
+        reward=RewardConfig(fn="exact_match"),
+        agent=AgentConfig(fn=f"{AGENTS}:impatient_agent"),
+    )
+    (sample,) = manager.generate(records, step=0)
+    assert engine.cancelled == 1 and replies == ["gave up", "Five."]
+    assert [c[0] for c in engine.calls] == [p0]  # the one request that finished: the retry
+    assert sample.tokens == p0 + answer
+    check_layout(sample, [(answer, True)])
+    gone = {"case": "extend", "at": len(p0), "sampled": 0, "finish_reason": "abort", "client_gone": True}
+    assert sample.metadata["agent_calls"] == [
+        gone,
+        {"case": "extend", "at": len(p0), "sampled": len(answer), "finish_reason": "stop"},
+    ]
+    assert sample.metadata["agent_client_gone"] == 1
+    assert sample.status == Status.COMPLETED

@@ -196,19 +196,16 @@ class HFEngine:
         temp = torch.tensor([sp.temperature for sp in params], device=dev)
         top_p = torch.tensor([sp.top_p for sp in params], device=dev)
         top_k = torch.tensor([sp.top_k for sp in params], device=dev)
-        gens = []
-        for sp in params:
-            g = None
-            if sp.seed is not None:
-                g = torch.Generator(device=dev)
-                g.manual_seed(sp.seed)
-            gens.append(g)
+        seeds = [sp.seed for sp in params]
         stop_ids = [self.eos_ids | set(sp.stop_token_ids) for sp in params]
 
         t0 = time.perf_counter()
         while True:
             idx = torch.tensor(active, device=dev)
-            tok, lp = sample_tokens(logits.float(), temp[idx], top_p[idx], top_k[idx], [gens[i] for i in active])
+            draws = [len(outs[i].token_ids) for i in active]
+            tok, lp = sample_tokens(
+                logits.float(), temp[idx], top_p[idx], top_k[idx], [seeds[i] for i in active], draws=draws
+            )
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for row, req in enumerate(active):

@@ -245,7 +245,8 @@ class LLMEngine:
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
         top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
-        tok, lp = sample_tokens(logits, temp, top_p, top_k, [s.generator for s in seqs], min_p=min_p)
+        seeds, draws = [s.params.seed for s in seqs], [len(s.output_ids) for s in seqs]
+        tok, lp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=min_p, draws=draws)
         want_top = max(s.params.top_logprobs for s in seqs)
         tops = top_logprobs(logits, temp, want_top) if want_top else None
         self.counters["forward_s"] += time.perf_counter() - t0

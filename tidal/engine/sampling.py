@@ -1,4 +1,5 @@
-"""Token sampling over a batch of logits: temperature, top-k, top-p, per-row seeds.
+"""Token sampling over a batch of logits: temperature, top-k, top-p, per-row seeds (counter-based:
+a seeded row's random number is a pure function of its seed and draw index, `row_uniforms`).
 
 Pure tensor code with no model or engine state, so the rollout engine and tests share one
 definition of "the distribution a token was drawn from". The log-prob returned for each token
@@ -17,7 +18,7 @@ from torch import Tensor
 from tidal.contracts import SamplingParams  # the request record of the engine contract
 from tidal.engine import native
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = ["SamplingParams", "row_uniforms", "sample_tokens"]
 
 
 def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -30,29 +31,68 @@ def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device
     return t
 
 
-def _uniforms(
-    batch: int,
-    generators: Sequence[torch.Generator | None] | None,
-    rows: Tensor,
-    device: torch.device,
-) -> Tensor:
-    """One Uniform[0, 1) number per sampled row, [len(rows)].
+# splitmix64's constants (Steele, Lea and Flood, 2014), as the signed int64 torch computes in
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_SEED_SALT = 0x5851F42D4C957F2D  # keeps mix(seed) away from the stream's own steps of gamma
 
-    A row with a generator draws from it alone, so its samples depend only on its own seed and how
-    many tokens it has drawn so far, never on the other rows of the batch.
-    """
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 (torch's `>>` on int64 is arithmetic: it copies the sign bit)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64's finaliser on int64 (multiplications wrap modulo 2**64, as the integers do on
+    every device torch runs on): a bijection whose every output bit depends on every input bit."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def row_uniforms(seeds: Tensor, draws: Tensor) -> Tensor:
+    """Uniform[0, 1) numbers, one per row, each a pure function of its row's seed and draw index:
+
+        u = top 24 bits of mix(mix(seed ^ salt) + (draw + 1) * gamma) / 2**24      (float32)
+
+    the `draw`-th number of splitmix64's stream started from the scrambled seed (`seeds`, `draws`:
+    int64 [N] on any device). A counter-based generator, as Philox is in cuRAND: no per-row state
+    to carry between steps and nothing read back to the host, so a batch's numbers are a few
+    elementwise kernels on the logits' device. Scrambling the seed first matters: the rollout
+    derives a sample's later seeds by adding multiples of gamma (`turn_seed`), which would
+    otherwise make one turn's stream the previous turn's shifted by one."""
+    state = _mix(seeds ^ _SEED_SALT) + (draws + 1) * _GAMMA
+    return _shr(_mix(state), 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _uniforms(seeds: Sequence[int | None] | None, draws: Tensor | Sequence[int] | None, rows: Tensor, batch: int,
+              device: torch.device) -> Tensor:  # fmt: skip
+    """One Uniform[0, 1) number per sampled row ([len(rows)]).
+
+    A seeded row's number is `row_uniforms(seed, draws)`: its samples depend only on its own seed
+    and how many tokens it has drawn so far (`draws`, default 0), never on the other rows of the
+    batch. Unseeded rows draw from torch's global generator."""
     n = rows.numel()
-    if generators is None:
-        return torch.rand(n, device=device)
-    if len(generators) != batch:
-        raise ValueError(f"generators must have one entry per row ({batch}), got {len(generators)}")
-    u = torch.rand(n, device=device)  # unseeded rows keep these
-    for j, r in enumerate(rows.tolist()):
-        g = generators[r]
-        if g is not None:
-            # Draw on the generator's own device (a CPU generator may drive CUDA logits).
-            u[j] = torch.rand(1, generator=g, device=g.device).item()
-    return u
+    u = torch.rand(n, device=device)
+    if seeds is None:
+        return u
+    if len(seeds) != batch:
+        raise ValueError(f"seeds must have one entry per row ({batch}), got {len(seeds)}")
+    seeded = [s is not None for s in seeds]
+    if not any(seeded):
+        return u
+    seed_t = torch.tensor([s if s is not None else 0 for s in seeds], dtype=torch.long, device=device)
+    if draws is None:
+        draw_t = torch.zeros(batch, dtype=torch.long, device=device)
+    else:
+        draw_t = torch.as_tensor(draws, dtype=torch.long, device=device)
+        if draw_t.shape != (batch,):
+            raise ValueError(f"draws must have one entry per row ({batch}), got shape {tuple(draw_t.shape)}")
+    mine = row_uniforms(seed_t[rows], draw_t[rows])
+    if all(seeded):
+        return mine
+    return torch.where(torch.tensor(seeded, device=device)[rows], mine, u)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
@@ -82,8 +122,9 @@ def sample_tokens(
     temperature: Tensor | float,
     top_p: Tensor | float,
     top_k: Tensor | int,
-    generators: Sequence[torch.Generator | None] | None = None,
+    seeds: Sequence[int | None] | None = None,
     min_p: Tensor | float = 0.0,
+    draws: Tensor | Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of `logits` [B, V].
 
@@ -93,7 +134,9 @@ def sample_tokens(
     `top_k` most likely tokens (0 = all), then keep the smallest set of most likely tokens whose
     probability sums to at least `top_p` (always at least one token), drop tokens whose tempered
     probability is below `min_p` times the most likely token's, and sample from what is left,
-    renormalised. `generators[i]`, when given and not None, is the only randomness used for row i.
+    renormalised. `seeds[i]`, when given and not None, is the only randomness used for row i: its
+    token is drawn with `row_uniforms(seeds[i], draws[i])`, `draws[i]` being how many tokens the
+    row has drawn before (0 when `draws` is not given).
 
     Returns `(tokens [B] long, log_probs [B] float32)`, where each log-prob is that of the chosen
     token under the exact (tempered, filtered, renormalised) distribution it was drawn from.
@@ -115,7 +158,7 @@ def sample_tokens(
         raise ValueError("need 0 <= min_p <= 1 in every row")
     filters = ((k > 0) & (k < vocab)) | (p < 1) | (mp > 0)  # rows that keep only some tokens
     if not bool(filters.any()) and bool((temp > 0).all()) and native.can_sample(logits):
-        return native.sample(logits, temp, _uniforms(batch, generators, torch.arange(batch), device))
+        return native.sample(logits, temp, _uniforms(seeds, draws, torch.arange(batch, device=device), batch, device))
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
 
@@ -165,7 +208,7 @@ def sample_tokens(
     # Inverse-CDF sampling: the first token whose cumulative probability exceeds u. One uniform
     # per row instead of a vocabulary's worth of noise (Gumbel-max costs two logs per entry).
     probs = torch.softmax(scaled, dim=-1)
-    s_tok = _inverse_cdf(probs, _uniforms(batch, generators, rows, device))
+    s_tok = _inverse_cdf(probs, _uniforms(seeds, draws, rows, batch, device))
     tokens[rows] = s_tok
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])

@@ -1,14 +1,11 @@
-"""One request's state inside the engine: its tokens, KV blocks, sampler state and result."""
+"""One request's state inside the engine: its tokens, KV blocks and result."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from tidal.contracts import SamplingParams
-from tidal.hardware import CPU
 
 
 class SeqStatus(enum.Enum):
@@ -34,17 +31,12 @@ class Sequence:
     prefix_hits: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     preemptions: int = 0
     cache_epoch: int = 0  # the block manager's epoch when its blocks were allocated
     stop_ids: frozenset[int] = frozenset()
     # a sequence with the same tokens admitted earlier in this step (a GRPO group's sample): this
     # one's uncached K/V and its next-token logits are copied from it, not computed (one step only)
     twin: Sequence | None = None
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator(device=CPU).manual_seed(self.params.seed)
 
     @property
     def tokens(self) -> list[int]:

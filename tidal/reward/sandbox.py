@@ -761,11 +761,13 @@ async def _drain(stream: asyncio.StreamReader) -> None:
         pass
 
 
-def _write_files(workdir: str, code: str, files: dict[str, str] | None) -> list[str]:
-    """Write the program and `files` into `workdir`; their paths relative to it."""
+def _write_files(workdir: str, code: str | None, files: dict[str, str] | None) -> list[str]:
+    """Write the program (unless None) and `files` into `workdir`; their paths relative to it."""
     root = Path(workdir).resolve()
-    (root / CODE_FILE).write_text(code, encoding="utf-8")
-    names = [CODE_FILE]
+    names = []
+    if code is not None:
+        (root / CODE_FILE).write_text(code, encoding="utf-8")
+        names.append(CODE_FILE)
     for name, text in (files or {}).items():
         path = (root / name).resolve()
         if not path.is_relative_to(root) or path == root / CODE_FILE:
@@ -825,22 +827,27 @@ class _Run:
 
 
 async def arun_code(
-    code: str,
+    code: str | None,
     *,
     stdin: str = "",
     files: dict[str, str] | None = None,
     argv: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
     config: SandboxConfig | None = None,
     **limits,
 ) -> SandboxResult:
     """Run `code` in a sandbox and return what happened; never leaves a process behind.
 
     Args:
-        code: the program, written to ``main.py`` in a fresh working directory.
+        code: the program, written to ``main.py`` in a fresh working directory; None writes
+            none (`argv` then names what runs).
         stdin: text fed to the program's standard input (then closed).
         files: more files to create in the working directory, by relative path.
         argv: the command to run there; default ``[sys.executable, "-I", "main.py"]``. With
             bwrap it must live in the directories the sandbox shows (``/usr``, the interpreter's).
+        env: environment variables set over the minimal environment the program gets (``PATH``,
+            ``HOME`` and ``TMPDIR`` = the working directory, ``LANG``); nothing else of the
+            caller's environment is passed.
         config: limits and backend; default ``SandboxConfig()``.
         **limits: overrides of `config` fields, e.g. ``timeout=2, memory_mb=256``.
 
@@ -854,6 +861,8 @@ async def arun_code(
     """
     cfg = dataclasses.replace(config or SandboxConfig(), **limits)
     if argv is None:
+        if code is None:
+            raise ValueError("arun_code: code None needs an argv to run")
         argv = [sys.executable, "-I", CODE_FILE]
     requested = cfg.backend if cfg.backend is not None else default_backend()
     if requested == "rlimits":
@@ -893,7 +902,7 @@ async def arun_code(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
-                env=_sandbox_env(workdir),
+                env={**_sandbox_env(workdir), **(env or {})},
                 start_new_session=True,
                 pass_fds=fds,
                 preexec_fn=_limits_preexec(cfg, nproc, cgroup.procs if cgroup else None, backend),
@@ -996,13 +1005,14 @@ async def arun_code(
 
 
 def run_code(
-    code: str,
+    code: str | None,
     *,
     stdin: str = "",
     files: dict[str, str] | None = None,
     argv: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
     config: SandboxConfig | None = None,
     **limits,
 ) -> SandboxResult:
     """Synchronous `arun_code` for scripts and tests; not for use inside a running event loop."""
-    return asyncio.run(arun_code(code, stdin=stdin, files=files, argv=argv, config=config, **limits))
+    return asyncio.run(arun_code(code, stdin=stdin, files=files, argv=argv, env=env, config=config, **limits))

@@ -7,6 +7,8 @@ the door, an OpenAI-compatible HTTP server on 127.0.0.1 (`http://127.0.0.1:PORT/
 the token is also the API key). The agent returns the trajectory's reward (a number or a dict)
 or None, and then `reward.fn` scores the samples. An agent that runs another program hands
 it `client.base_url` and `client.api_key`; that program must finish before the agent returns.
+`agent.command` instead runs a program of its own once per sample, the session in its
+environment (`tidal.rollout.program`).
 
 The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
 `anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a
@@ -28,6 +30,12 @@ as the server-sent events `tidal serve` sends (`tidal.chat.openai.chat_events`,
 `tidal.chat.anthropic.message_events`, `tidal.chat.responses.response_events`), one token's text
 per event: the stream starts once the answer is whole (the rollout's engine returns whole
 answers), not token by token as it is sampled.
+
+A client that goes away is noticed (`while_connected`, polled every `DISCONNECT_POLL_S`): while its
+answer is being sampled, the call is cancelled, which aborts the engine request, and nothing of it
+joins the sample; once its stream has started, the answer is recorded already and only the sending
+stops. Either way the call's entry in `metadata["agent_calls"]` says `"client_gone": True`, and every
+sample the trajectory returns counts such calls in `metadata["agent_client_gone"]`.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import hmac
 import logging
 import secrets
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,6 +79,8 @@ if TYPE_CHECKING:
     import openai
 
 log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5  # how often a call being sampled checks that its client is still there
 
 
 class AgentFn(Protocol):
@@ -162,10 +172,44 @@ async def replay(out: GenerationOutput) -> Outputs:
     yield 0, [], [], [], out
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    """A streamed answer's server-sent events. Its answer is sampled and recorded already: a
-    client that goes away meanwhile only stops the sending (no engine request is left running)."""
-    return StreamingResponse(events, media_type="text/event-stream")
+def event_stream(events: AsyncIterator[str], record: dict) -> StreamingResponse:
+    """A streamed answer's server-sent events. Its answer is sampled and recorded already (its call's
+    `record`): a client that goes away meanwhile only stops the sending (no engine request is left
+    running), and the record says so."""
+
+    async def sent() -> AsyncIterator[str]:
+        done = False
+        try:
+            async for event in events:
+                yield event
+            done = True
+        finally:
+            if not done:
+                record["client_gone"] = True
+
+    return StreamingResponse(sent(), media_type="text/event-stream")
+
+
+class ClientGone(ApiError):
+    """The client closed its connection before its answer was sampled (answered to nobody)."""
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before the answer was sampled", 499, "client_closed")
+
+
+async def while_connected(request: Request, call: Awaitable[Any]) -> Any:
+    """`call`'s result, or ClientGone once the client of `request` has gone away: the call is then
+    cancelled, which aborts its engine request (`Session._call` marks the call)."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
 
 
 # ---------------------------------------------------------------------------- a session
@@ -177,6 +221,7 @@ class Session:
         self.token = secrets.token_hex(16)
         self.samples: list[Sample] = [sample]  # the first: the dataset prompt, nothing sampled yet
         self.calls = 0
+        self.record: dict = {}  # the entry of the latest call in its sample's metadata["agent_calls"]
         self.used = 0  # response tokens (sampled + environment) over every sample of the trajectory
         self.budget = ctx.rollout.response_budget
         self.budget_refused = False
@@ -226,7 +271,7 @@ class Session:
             self.answers.append((message, out.text))
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(chat_events(answer, replay(out), 1, [engine_ids], include))
+            return event_stream(chat_events(answer, replay(out), 1, [engine_ids], include), self.record)
         return answer.whole([out], [engine_ids])
 
     async def messages(self, body: MessagesBody) -> dict | StreamingResponse:
@@ -248,7 +293,8 @@ class Session:
         if body.stream:
             tok = self.ctx.tokenizer
             return event_stream(
-                message_events(replay(out), tok, stops, use_tools, model, len(engine_ids), lambda _: answer)
+                message_events(replay(out), tok, stops, use_tools, model, len(engine_ids), lambda _: answer),
+                self.record,
             )
         return answer
 
@@ -275,7 +321,7 @@ class Session:
             if body.store is not False:
                 self.stored.put(whole["id"], [*history, *input_items(body), *whole["output"]])
         if body.stream:
-            return event_stream(response_events(answer, replay(out), lambda _: whole))
+            return event_stream(response_events(answer, replay(out), lambda _: whole), self.record)
         return whole
 
     async def _call(
@@ -306,7 +352,13 @@ class Session:
             stop_token_ids=[*self.sampling.stop_token_ids, *stop_token_ids],
         )
         self.calls += 1
-        out = await self.ctx.generate(engine_ids, sp)
+        try:
+            out = await self.ctx.generate(engine_ids, sp)
+        except asyncio.CancelledError:
+            # the client went away (`while_connected`): the agent saw nothing, so nothing joins the sample
+            gone = {"case": fit.case, "at": len(sample.tokens), "sampled": 0, "finish_reason": "abort"}
+            sample.metadata.setdefault("agent_calls", []).append({**gone, "client_gone": True})
+            raise
         if fit.case == "new":
             first = self.samples[0]
             sample = Sample(
@@ -328,6 +380,7 @@ class Session:
         finish(sample, out.finish_reason)
         record = {"case": fit.case, "at": at, "sampled": len(out.token_ids), "finish_reason": out.finish_reason}
         sample.metadata.setdefault("agent_calls", []).append(record)
+        self.record = record
         return out, engine_ids
 
 
@@ -357,15 +410,15 @@ class AgentDoor:
 
         @app.post("/s/{token}/v1/chat/completions")
         async def chat(token: str, body: ChatBody, request: Request) -> Any:
-            return await self.session(token, request).chat(body)
+            return await while_connected(request, self.session(token, request).chat(body))
 
         @app.post("/s/{token}/v1/messages")
         async def messages(token: str, body: MessagesBody, request: Request) -> Any:
-            return await self.session(token, request).messages(body)
+            return await while_connected(request, self.session(token, request).messages(body))
 
         @app.post("/s/{token}/v1/responses")
         async def responses(token: str, body: ResponsesBody, request: Request) -> Any:
-            return await self.session(token, request).responses(body)
+            return await while_connected(request, self.session(token, request).responses(body))
 
         return app
 
@@ -447,15 +500,17 @@ def load_agent(name: str) -> AgentFn:
 
 
 async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: SamplingParams) -> list[Sample]:
-    """Run `agent.fn` on one prompt through its own session on the door; the samples its calls
-    became (`agent.samples` picks which), with the agent's reward if it gave one."""
+    """Run `agent.fn` (or the program of `agent.command`) on one prompt through its own session on
+    the door; the samples its calls became (`agent.samples` picks which), with the agent's reward
+    if it gave one."""
     import openai
 
     cfg = ctx.agent
+    who = "agent.command" if cfg.command else "agent.fn"
     agents: dict = ctx.extra.setdefault("agent_fns", {})
-    if cfg.fn not in agents:
+    if cfg.fn and cfg.fn not in agents:
         agents[cfg.fn] = load_agent(cfg.fn)
-    agent = agents[cfg.fn]
+    agent = agents.get(cfg.fn)
     door = await _acquire_door(ctx.extra)
     session = Session(ctx, sample, sampling)
     door.sessions[session.token] = session
@@ -465,7 +520,12 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
     prompt = ctx.record.prompt if ctx.record is not None else sample.prompt
     try:
         try:
-            reward = await agent(client, prompt, sample.label)
+            if cfg.command:  # an agent program (tidal.rollout.program): its output goes to reward.fn
+                from tidal.rollout.program import run_program
+
+                reward = await run_program(cfg, session, door.base_url(session), prompt)
+            else:
+                reward = await agent(client, prompt, sample.label)
         except Exception as e:
             if not session.budget_refused or not session.trained():
                 raise
@@ -478,15 +538,18 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         await client.close()
         await _release_door(ctx.extra, door)
     if reward is not None and not isinstance(reward, int | float | dict):
-        raise TypeError(f"agent.fn returned {type(reward).__name__}; expected a number, a dict or None")
+        raise TypeError(f"{who} returned {type(reward).__name__}; expected a number, a dict or None")
     samples = session.trained()
     if not samples:
-        raise RuntimeError("agent.fn made no call to the model: nothing to train on")
+        raise RuntimeError(f"{who} made no call to the model: nothing to train on")
+    gone = sum(c.get("client_gone", False) for s in session.samples for c in s.metadata.get("agent_calls", []))
     if cfg.samples == "last":
         samples = samples[-1:]
     elif cfg.samples == "first":
         samples = samples[:1]
     for s in samples:
+        if gone:
+            s.metadata["agent_client_gone"] = gone
         s.reward = float(reward) if isinstance(reward, int | float) else reward
         if reward is not None:  # reward.fn then leaves it as it is; the report names who scored
             s.metadata["reward_from"] = "agent.fn"

@@ -115,11 +115,31 @@ class AgentConfig:
         "which samples of a trajectory are trained when its calls split into several: last | first | all "
         "(all: every trajectory of a batch must split into the same number, else the rollout stops with an error)",
     )
+    # agent programs (tidal.rollout.program): the agent as a command, instead of agent.fn
+    command: str = opt(
+        "",
+        "instead of agent.fn: a program run once per sample, e.g. 'python my_agent.py' (split as a shell would, "
+        "run with no shell; {prompt} in an argument is replaced by the prompt) in a fresh working directory, with "
+        "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY (its session on the door) and "
+        "TIDAL_PROMPT (also on stdin) in its environment; what it prints goes to metadata agent_output",
+    )
+    timeout: float = opt(
+        600.0,
+        "agent.command: seconds the program may run per sample; then all its processes are killed, the sample fails",
+    )
+    memory_mb: int = opt(4096, "agent.command: address space of each of the program's processes, in MiB (RLIMIT_AS)")
+    env: dict = opt({}, "agent.command: more environment variables of the program (name: value)")
 
     def check(self, need: Need) -> None:
         one_of(need, "agent.samples", self.samples, AGENT_SAMPLES)
         need(self.max_drift_tokens >= 0, f"agent.max_drift_tokens: must be >= 0, got {self.max_drift_tokens}")
         need(self.request_timeout > 0, f"agent.request_timeout: must be > 0 seconds, got {self.request_timeout}")
+        need(self.timeout > 0, f"agent.timeout: must be > 0 seconds, got {self.timeout}")
+        need(self.memory_mb >= 1, f"agent.memory_mb: must be >= 1, got {self.memory_mb}")
+        need(
+            isinstance(self.env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()),
+            f"agent.env: must map variable names to strings, got {self.env!r}",
+        )
 
 
 @dataclass
