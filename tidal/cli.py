@@ -203,6 +203,13 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.max_tokenising_bytes,
         help=f"request text tokenised at once, server-wide; 503 beyond (default: {defaults.max_tokenising_bytes})",
     )
+    s.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=defaults.max_stored_responses,
+        help="/v1/responses answers kept in memory for previous_response_id, the latest first "
+        f"(default: {defaults.max_stored_responses})",
+    )
     return p
 
 
@@ -228,6 +235,7 @@ def _serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         max_weights_body_bytes=args.max_weights_body_bytes,
         max_tokenising_bytes=args.max_tokenising_bytes,
+        max_stored_responses=args.max_stored_responses,
     )
     try:
         with model_folder(source) as model_dir:  # a LoRA adapter merged onto its base, for as long as it serves

@@ -47,6 +47,13 @@ def served():
 
 @pytest.fixture
 def scripted():
+    s = scripted_served()
+    yield s
+    s.close()
+
+
+def scripted_served() -> Served:
+    """A server whose engine writes `core.script` (`ScriptedCore`), with both clients."""
     # the tool descriptions alone are ~500 byte tokens: a longer context than the default
     s = Served(model=make_model(vocab_size=259, seed=0, max_position_embeddings=2048))
     s.engine.close()
@@ -56,9 +63,7 @@ def scripted():
     s.server = BackgroundServer(build_app(s.engine, "tiny")).start()
     s.url = s.server.url
     s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
-    s = with_clients(s)
-    yield s
-    s.close()
+    return with_clients(s)
 
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(served):
@@ -140,9 +145,9 @@ def test_a_tool_call_round_trip(scripted):
     assert "<tool_response>\nError: no such city\n</tool_response>" in scripted.tokenizer.decode(scripted.prompts[4])
 
 
-def sse_events(url: str, body: dict) -> list[tuple[str, dict]]:
-    """(event line, data) of each server-sent event, in order."""
-    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=30) as r:
+def sse_events(url: str, body: dict, route: str = "/v1/messages") -> list[tuple[str, dict]]:
+    """(event line, data) of each server-sent event of `route`, in order."""
+    with httpx.stream("POST", url + route, json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = []

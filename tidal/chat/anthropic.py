@@ -63,17 +63,22 @@ class MessagesBody(Body):
 
 
 # ---------------------------------------------------------------------------- request → chat
-def block_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
+def block_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",), noun: str = "block") -> str:
+    """A string, or text blocks joined (of the `kinds` that hold text; the Responses API calls
+    them parts, its `noun`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}: must be a string or a list of text blocks")
+        raise BadRequest(f"{where}: must be a string or a list of text {noun}s")
     out = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise BadRequest(f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}")
+        if kind not in kinds or not isinstance(block.get("text"), str):
+            if kinds == ("text",):
+                raise BadRequest(
+                    f"{where}[{j}]: expected a text block {{'type': 'text', 'text': ...}}, got type {kind!r}"
+                )
+            raise BadRequest(f"{where}[{j}].type: only text {noun}s ({', '.join(kinds)}) are supported, got {kind!r}")
         out.append(block["text"])
     return "".join(out)
 
@@ -139,15 +144,22 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
             raise BadRequest(f"tools[{i}].type: {tool['type']!r} is a server tool; only custom tools are supported")
-        if not isinstance(tool.get("name"), str):
-            raise BadRequest(f"tools[{i}].name: must be a string")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise BadRequest(f"tools[{i}].input_schema: must be a JSON schema object")
-        function = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
+        schema = tool.get("input_schema")
+        out.append(chat_function(tool, i, schema if isinstance(schema, dict) else None, "input_schema"))
     return out
+
+
+def chat_function(tool: dict, i: int, schema: dict | None, schema_field: str) -> dict:
+    """Tool `i` (its name, its description if any) with the JSON schema `schema` of its arguments
+    as an OpenAI function; BadRequest naming the field (`schema_field`) that is not right."""
+    if not isinstance(tool.get("name"), str):
+        raise BadRequest(f"tools[{i}].name: must be a string")
+    if schema is None:
+        raise BadRequest(f"tools[{i}].{schema_field}: must be a JSON schema object")
+    function = {"name": tool["name"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": {**function, "parameters": schema}}
 
 
 def translate(body: MessagesBody) -> tuple[list[dict], list[dict] | None]:

@@ -14,6 +14,9 @@ The door speaks Anthropic's Messages API too (`/s/<token>/v1/messages`: an
 `anthropic.AsyncAnthropic(base_url=<the session URL without /v1>, api_key=<the token>)`); a
 request there is translated to the chat it stands for (`tidal.chat.anthropic.translate`) and is
 then a chat call like any other, so one conversation makes the same samples through either API.
+OpenAI's Responses API likewise (`/s/<token>/v1/responses`, `client.responses.create`, what the
+OpenAI Agents SDK calls by default; `tidal.chat.responses.translate`), with `previous_response_id`
+naming an earlier response of the same session.
 
 Every chat call of a session is rendered exactly as `tidal serve` renders it (the shared
 functions of `tidal.chat.openai`), sampled by the engine with the rollout's sampling (the
@@ -24,8 +27,9 @@ samples (docs/agents.md, "The agent door").
 
 A call with `stream: true` is sampled and recorded exactly as one without, and its answer then sent
 as the server-sent events `tidal serve` sends (`tidal.chat.openai.chat_events`,
-`tidal.chat.anthropic.message_events`), one token's text per event: the stream starts once the
-answer is whole (the rollout's engine returns whole answers), not token by token as it is sampled.
+`tidal.chat.anthropic.message_events`, `tidal.chat.responses.response_events`), one token's text
+per event: the stream starts once the answer is whole (the rollout's engine returns whole
+answers), not token by token as it is sampled.
 
 A client that goes away is noticed (`while_connected`, polled every `DISCONNECT_POLL_S`): while its
 answer is being sampled, the call is cancelled, which aborts the engine request, and nothing of it
@@ -65,6 +69,8 @@ from tidal.chat.openai import (
     uses_tools,
 )
 from tidal.chat.render import render_prompt
+from tidal.chat.responses import ResponseAnswer, ResponsesBody, ResponseStore, input_items, items_chat, response_events
+from tidal.chat.responses import translate as translate_items
 from tidal.contracts import GenerationOutput, SamplingParams
 from tidal.rollout.generate import GenerateContext, finish, keep_routing, load_async_fn, turn_seed
 from tidal.types import Sample, Status
@@ -220,6 +226,7 @@ class Session:
         self.budget = ctx.rollout.response_budget
         self.budget_refused = False
         self.answers: list[tuple[dict, str]] = []  # (an assistant message the door returned, the text sampled)
+        self.stored = ResponseStore()  # the session's `/v1/responses` answers, for previous_response_id
         self.lock = asyncio.Lock()  # an agent's parallel calls are served one at a time
         tok = ctx.tokenizer
         self.decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
@@ -290,6 +297,32 @@ class Session:
                 self.record,
             )
         return answer
+
+    async def responses(self, body: ResponsesBody) -> dict | StreamingResponse:
+        """OpenAI's `/v1/responses`: its items translated to the chat the OpenAI route renders, then
+        sampled and recorded as a chat call is; with `store` (default true) the response is kept
+        for `previous_response_id` within this session. Answered whole or streamed."""
+        body.warn_unknown("agent door /v1/responses")
+        if body.top_logprobs:
+            raise BadRequest("top_logprobs: the agent door returns the sampled tokens' log-probs only")
+        history = self.stored.history(body.previous_response_id)
+        chat, tools = translate_items(body, history)
+        raw = [self.as_sampled(m) for m in chat]
+        prompt = await render_prompt(self.ctx.tokenizer, raw, tools, None)
+        stops = list(self.sampling.stop)
+        async with self.lock:
+            out, engine_ids = await self._call(prompt, body.max_output_tokens, stops, [])
+            model = body.model or MODEL_NAME
+            answer = ResponseAnswer(self.ctx.tokenizer, body, model, stops, tools is not None, len(engine_ids))
+            whole = answer.whole(out)
+            # kept as the chat message its items translate to, so that sent back it is known
+            (said,) = items_chat(whole["output"])
+            self.answers.append((said, out.text))
+            if body.store is not False:
+                self.stored.put(whole["id"], [*history, *input_items(body), *whole["output"]])
+        if body.stream:
+            return event_stream(response_events(answer, replay(out), lambda _: whole), self.record)
+        return whole
 
     async def _call(
         self, prompt: list[int], max_tokens: int | None, stops: list[str], stop_token_ids: list[int]
@@ -382,6 +415,10 @@ class AgentDoor:
         @app.post("/s/{token}/v1/messages")
         async def messages(token: str, body: MessagesBody, request: Request) -> Any:
             return await while_connected(request, self.session(token, request).messages(body))
+
+        @app.post("/s/{token}/v1/responses")
+        async def responses(token: str, body: ResponsesBody, request: Request) -> Any:
+            return await while_connected(request, self.session(token, request).responses(body))
 
         return app
 

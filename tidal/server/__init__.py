@@ -1,6 +1,6 @@
 """The HTTP server of the engine (`tidal serve`): SGLang's native API (`tidal.server.sglang`),
-OpenAI's (`tidal.server.openai`) and Anthropic's Messages API (`tidal.server.anthropic`) over one
-`AsyncEngine`.
+OpenAI's (`tidal.server.openai`; its Responses API: `tidal.server.responses`) and Anthropic's
+Messages API (`tidal.server.anthropic`) over one `AsyncEngine`.
 
 - **Errors** have one shape everywhere: `{"error": {"message", "type", "param", "code"}}`, but
   Anthropic's `{"type": "error", "error": {"type", "message"}}` on its route, `/v1/messages`.

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.http_errors import add_error_handlers, error_for
 from tidal.contracts import EngineUnavailable
-from tidal.server import anthropic, openai, sglang, sglang_weights
+from tidal.server import anthropic, openai, responses, sglang, sglang_weights
 from tidal.server.common import unavailable
 from tidal.server.options import API_KEY_ENV, ServerConfig
 from tidal.server.state import Served
@@ -39,7 +39,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     add_error_handlers(app)
     app.add_exception_handler(EngineUnavailable, _on_unavailable)
     app.state.served = Served.create(engine, model_name, cfg)  # what every route reads (`State`)
-    for family in (sglang, sglang_weights, openai, anthropic):
+    for family in (sglang, sglang_weights, openai, anthropic, responses):
         app.include_router(family.routes)
     app.add_middleware(Guard, cfg=cfg)
     return app

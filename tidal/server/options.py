@@ -21,8 +21,10 @@ class ServerConfig:
     `max_request_tokens` tokens in all (prompts + every sample's new tokens); a body is at most
     `max_body_bytes` (`max_weights_body_bytes` for `/update_weights_from_tensor`). At most
     `max_tokenising_bytes` of request text is tokenised at once, server-wide (tokenising takes
-    150-250 bytes of memory a byte of text); a request that would go over is answered 503. The
-    defaults protect a laptop."""
+    150-250 bytes of memory a byte of text); a request that would go over is answered 503. For
+    `previous_response_id`, the items of at most `max_stored_responses` responses are kept, at
+    most `max_stored_response_chars` characters of them (the oldest go first). The defaults
+    protect a laptop."""
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
@@ -33,6 +35,9 @@ class ServerConfig:
     max_batch: int = 256
     max_request_tokens: int = 262_144
     max_tokenising_bytes: int = 8 * 2**20
+    # `/v1/responses`' `previous_response_id`: the items of the latest responses, kept in memory
+    max_stored_responses: int = 1024
+    max_stored_response_chars: int = 64 * 2**20
 
     @classmethod
     def from_env(cls, api_key: str | None = None, **kw: Any) -> ServerConfig:

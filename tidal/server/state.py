@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from tidal.adapters.async_engine import AsyncEngine
+from tidal.chat.responses import ResponseStore
 from tidal.server.common import Runner, Texts
 from tidal.server.options import ServerConfig
 from tidal.server.weight_group import WeightReceiver
@@ -18,7 +19,7 @@ from tidal.server.weight_group import WeightReceiver
 class Served:
     """One app's engine and the name it is served under, its limits, its one tokenising budget
     (shared by every route, so the limit on text tokenised at once holds server-wide), the runner
-    of its requests and its weight-update groups."""
+    of its requests, its weight-update groups and its stored responses."""
 
     engine: AsyncEngine
     model_name: str
@@ -26,12 +27,14 @@ class Served:
     texts: Texts
     runner: Runner
     receiver: WeightReceiver
+    stored: ResponseStore  # `/v1/responses`' stored responses, for `previous_response_id`
 
     @classmethod
     def create(cls, engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> Served:
         """The state of a new app serving `engine` as `model_name` within `cfg`'s limits."""
         texts = Texts(engine.tokenizer, engine.max_model_len, cfg)
-        return cls(engine, model_name, cfg, texts, Runner(engine), WeightReceiver(engine))
+        stored = ResponseStore(cfg.max_stored_responses, cfg.max_stored_response_chars)
+        return cls(engine, model_name, cfg, texts, Runner(engine), WeightReceiver(engine), stored)
 
     @property
     def tok(self) -> Any:
