@@ -307,6 +307,12 @@ def test_the_examples_calculator_evaluates_arithmetic_only(expression, value):
 
 
 # ---------------------------------------------------------------------------- trains, token-exact
+def by_index(sample) -> float:
+    """A reward that differs within every group of two (the batch positions 2g and 2g + 1), so each
+    step has advantages to train on whatever tokens the tiny model samples."""
+    return float(sample.index % 2)
+
+
 def test_a_program_trains_through_the_loop_token_exactly(tmp_path):
     import tidal.loop
 
@@ -325,6 +331,7 @@ def test_a_program_trains_through_the_loop_token_exactly(tmp_path):
             "rollout.n_samples_per_prompt": 2,
             "rollout.max_new_tokens": 6,
             "train.global_batch_size": 4,
+            "reward.fn": f"{Path(__file__)}:by_index",
         },
     )
     history = tidal.loop.train(cfg)
