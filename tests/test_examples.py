@@ -180,3 +180,31 @@ def test_the_python_api_example_prints_a_bad_option_as_the_command_line_does(cap
     assert script.main(["--set", "rollout.n_samples_per_prompt=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train.py: invalid config:\n  rollout.n_samples_per_prompt: grpo compares samples")
+
+
+def test_the_reward_model_example_trains_on_the_text_tidal_scores(monkeypatch):
+    """build_rm.py's training text is what `reward.fn: rm` scores (the conversation in the reward
+    model's chat template), and its pairs put an answer stating a number first."""
+    import random
+
+    from tidal.reward.options import RewardModelConfig
+    from tidal.reward.reward_model import MESSAGES_KEY, RewardModel
+    from tidal.types import Sample
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "reward_model"))
+    import build_rm
+    import preference
+
+    tok = make_tokenizer()
+    messages = [{"role": "user", "content": "Tell me one fact about the Moon."}]
+    answer = "It is about 384,400 km from Earth."
+    rm = RewardModel(RewardModelConfig(path="unused"))
+    rm.tokenizer = tok  # encode needs the tokenizer only
+    scored = rm.encode(Sample(prompt="", response=answer, metadata={MESSAGES_KEY: messages}))
+    assert build_rm.encode(tok, messages, answer) == scored
+    record = PromptRecord(index=0, prompt="p", text="p", input_ids=[1], messages=messages)
+    pairs = build_rm.make_pairs([record], [["No digits.", "In 1969.", "Far away.", "2 km"]], 3, random.Random(0))
+    assert len({(c, r) for _, c, r in pairs}) == 3  # 3 distinct pairs of the 4 possible
+    for m, chosen, rejected in pairs:
+        assert m == messages and preference.states_a_number(chosen) and not preference.states_a_number(rejected)
+    assert preference.has_number(Sample(response="x2")) == 1.0 and preference.has_number(Sample(response="x")) == 0.0
