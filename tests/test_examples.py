@@ -24,6 +24,9 @@ CONFIGS = sorted(ROOT.glob("examples/*/config.yaml"))
 # examples laid out as a user's own project: run from their folder, user code found from there
 RUN_IN_OWN_FOLDER = {"reverse_word"}
 REVERSE_WORD = ROOT / "examples" / "reverse_word"
+# folders an example's own script writes before its run (examples/reward_model: build_rm.py writes
+# the reward model), stood in for by an empty folder: the config is checked, not run
+BUILT_FIRST = {"reward_model": ("rm.path",)}
 
 
 def forget_user_package(name: str = "myrl") -> None:
@@ -47,13 +50,14 @@ def enter(folder: Path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.parent.name for p in CONFIGS])
-def test_every_example_config_is_valid_and_its_user_code_loads(config, monkeypatch):
+def test_every_example_config_is_valid_and_its_user_code_loads(config, monkeypatch, tmp_path):
+    built = {key: str(tmp_path) for key in BUILT_FIRST.get(config.parent.name, ())}
     if config.parent.name in RUN_IN_OWN_FOLDER:
         enter(config.parent, monkeypatch)
-        check_user_code(build_config(config.name, {}))
+        check_user_code(build_config(config.name, built))
     else:
         monkeypatch.chdir(ROOT)
-        check_user_code(build_config(str(config.relative_to(ROOT)), {}))
+        check_user_code(build_config(str(config.relative_to(ROOT)), built))
 
 
 def test_the_reverse_word_data_is_forty_words_each_labelled_with_its_reverse(monkeypatch):
@@ -176,3 +180,31 @@ def test_the_python_api_example_prints_a_bad_option_as_the_command_line_does(cap
     assert script.main(["--set", "rollout.n_samples_per_prompt=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train.py: invalid config:\n  rollout.n_samples_per_prompt: grpo compares samples")
+
+
+def test_the_reward_model_example_trains_on_the_text_tidal_scores(monkeypatch):
+    """build_rm.py's training text is what `reward.fn: rm` scores (the conversation in the reward
+    model's chat template), and its pairs put an answer stating a number first."""
+    import random
+
+    from tidal.reward.options import RewardModelConfig
+    from tidal.reward.reward_model import MESSAGES_KEY, RewardModel
+    from tidal.types import Sample
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "reward_model"))
+    import build_rm
+    import preference
+
+    tok = make_tokenizer()
+    messages = [{"role": "user", "content": "Tell me one fact about the Moon."}]
+    answer = "It is about 384,400 km from Earth."
+    rm = RewardModel(RewardModelConfig(path="unused"))
+    rm.tokenizer = tok  # encode needs the tokenizer only
+    scored = rm.encode(Sample(prompt="", response=answer, metadata={MESSAGES_KEY: messages}))
+    assert build_rm.encode(tok, messages, answer) == scored
+    record = PromptRecord(index=0, prompt="p", text="p", input_ids=[1], messages=messages)
+    pairs = build_rm.make_pairs([record], [["No digits.", "In 1969.", "Far away.", "2 km"]], 3, random.Random(0))
+    assert len({(c, r) for _, c, r in pairs}) == 3  # 3 distinct pairs of the 4 possible
+    for m, chosen, rejected in pairs:
+        assert m == messages and preference.states_a_number(chosen) and not preference.states_a_number(rejected)
+    assert preference.has_number(Sample(response="x2")) == 1.0 and preference.has_number(Sample(response="x")) == 0.0

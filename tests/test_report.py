@@ -180,6 +180,8 @@ def test_the_header_names_the_reward_actually_used():
     )
     judge = {"reward": {"fn": "judge"}, "judge": {"model": "qwen", "url": "http://127.0.0.1:8001/v1"}}
     assert reward_used(judge) == "the LLM judge qwen at http://127.0.0.1:8001/v1 (reward.fn judge)"
+    local = {"reward": {"fn": "judge"}, "judge": {"model": "judge", "url": "", "path": "/models/judge"}}
+    assert reward_used(local) == "the LLM judge /models/judge, served by tidal (reward.fn judge)"
     assert (
         reward_used({**agent, "reward": {"fn": "math"}}, by_agent)
         == "the agent's own (examples.coding_agent.agent:run)"

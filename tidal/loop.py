@@ -31,7 +31,7 @@ from tidal.convert import ensure_model, load_tokenizer
 from tidal.data.load import load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
-from tidal.eval import Evaluator
+from tidal.eval import Evaluator, close_rewards
 from tidal.hardware import cpu_info, memory_metrics, resolve_device, resolve_dtype
 from tidal.hooks import check_user_code
 from tidal.log import MetricsLogger, print_reward_table
@@ -129,6 +129,9 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             if not sft:
                 roles.sync.push(start)  # the engines answer and take the weights (their key, their limits)
                 rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
+                # the reward's own resources (a local judge's server and engine, worker processes)
+                # end with the run; closers run in reverse, so after the overlapped worker stops
+                roles.closers.append(lambda: close_rewards(rollout))
                 if cfg.overlap.mode != "off":  # a worker thread rolls out ahead while the trainer trains
                     overlapped = OverlappedRollout(
                         cfg.overlap, cfg.algo, t_cfg.num_steps, source, rollout, start, state.get("overlap")

@@ -240,7 +240,10 @@ def reward_used(config: dict, records: Sequence[dict] = ()) -> str | None:
     fn = section.get("fn", "math")
     if fn == "judge":
         judge = config.get("judge") or {}
-        by = f"the LLM judge {judge.get('model', 'judge')} at {judge.get('url') or '?'} (reward.fn judge)"
+        if judge.get("path"):  # a model tidal served itself: its folder says which, not a loopback port
+            by = f"the LLM judge {judge['path']}, served by tidal (reward.fn judge)"
+        else:
+            by = f"the LLM judge {judge.get('model', 'judge')} at {judge.get('url') or '?'} (reward.fn judge)"
     elif fn in _BUILTIN_REWARDS:
         by = f"{fn} (built-in reward.fn)"
     else:

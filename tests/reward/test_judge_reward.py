@@ -200,7 +200,8 @@ def test_config_names_the_keys():
     with pytest.raises(ConfigError) as exc:
         validate(cfg)
     assert str(exc.value).split("\n")[1:] == [
-        "  judge.url: reward.fn judge needs the judge's http(s):// base URL, got ''",
+        "  judge.url: reward.fn judge needs the judge's http(s):// base URL (or judge.path, a local model tidal "
+        "serves), got ''",
         "  judge.prompt_template: a format string with only {prompt}, {response} and {label} (write other "
         "braces twice), failed with KeyError: 'answer'",
         "  judge.score_regex: not a regular expression (missing ), unterminated subpattern at position 0)",

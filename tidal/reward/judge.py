@@ -8,6 +8,10 @@ times out (`judge.timeout`), loses its connection or gets HTTP 429/5xx is tried 
 any other HTTP error, or an answer with no score fails that sample only (status FAILED, the error
 naming the judge's URL), like any failed reward. The API key is read from the environment variable
 named by `judge.api_key_env` and only ever put in the Authorization header.
+
+With `judge.path` instead of `judge.url`, tidal serves the judge model itself for the run
+(`tidal.reward.local_judge`): the same requests go to that server on a loopback port, with the
+key it was started with; `close()` gives it back, and the last judge to close stops it.
 """
 
 from __future__ import annotations
@@ -64,8 +68,18 @@ class JudgeReward:
     __name__ = "judge"
 
     def __init__(self, cfg: JudgeConfig, backoff: float = 1.0) -> None:
-        """`backoff`: seconds before the first retry, doubling after each (`reward.backoff`)."""
-        self.url = cfg.url.rstrip("/")
+        """`backoff`: seconds before the first retry, doubling after each (`reward.backoff`).
+        With `judge.path` the local judge starts here (the model loads), before any rollout."""
+        self._local = None
+        if cfg.path:
+            from tidal.reward import local_judge
+
+            self._local = local_judge.acquire(cfg)
+            self.url = self._local.url
+            key: str | None = self._local.api_key
+        else:
+            self.url = cfg.url.rstrip("/")
+            key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self.model = cfg.model
         self.template = cfg.prompt_template
         self.max_tokens = cfg.max_tokens
@@ -74,7 +88,6 @@ class JudgeReward:
         self.backoff = backoff
         self.regex = cfg.score_regex
         self.concurrency = cfg.concurrency
-        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         # An httpx client and a semaphore belong to the event loop they were made on; tests and
         # evaluation may score on more than one loop, so each loop gets its own pair.
@@ -82,6 +95,15 @@ class JudgeReward:
 
     def __repr__(self) -> str:  # never the headers: they hold the key
         return f"JudgeReward(url={self.url!r}, model={self.model!r})"
+
+    def close(self) -> None:
+        """Give back the local judge (`judge.path`; the last user stops its server and engine).
+        Nothing to do for a remote judge; calling it twice is harmless."""
+        local, self._local = self._local, None
+        if local is not None:
+            from tidal.reward import local_judge
+
+            local_judge.release(local)
 
     def _state(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from tidal.backends import DEVICES
+from tidal.convert import BUNDLED_NAMES
 from tidal.options import USER_CODE, Need, is_dotted, one_of, opt
 
 SANDBOX_BACKENDS = ("auto", "bwrap", "rlimits")
@@ -62,11 +63,27 @@ class RewardConfig:
         return self.fn == "rm" and not self.group_fn
 
 
+RM_DTYPES = ("auto", "float32", "bfloat16")  # the dtypes of models tidal loads to score (rm, a local judge)
+
+
 @dataclass
 class JudgeConfig:
-    """An LLM judge behind an OpenAI-compatible server (`reward.fn: judge`, `tidal.reward.judge`)."""
+    """An LLM judge (`reward.fn: judge`, `tidal.reward.judge`): behind an OpenAI-compatible server
+    (`judge.url`), or a local model tidal serves itself (`judge.path`, `tidal.reward.local_judge`)."""
 
-    url: str = opt("", "OpenAI-compatible base URL of the judge model, e.g. http://127.0.0.1:8000/v1")
+    url: str = opt("", "OpenAI-compatible base URL of the judge model, e.g. http://127.0.0.1:8000/v1 (or judge.path)")
+    path: str = opt(
+        "",
+        "instead of judge.url: a local Hugging Face folder of an instruct model (or smollm2) that tidal serves "
+        "itself for the run, on a loopback port, and asks as it asks a remote judge",
+    )
+    device: str = opt("auto", "auto | cpu | cuda: where a local judge (judge.path) computes")
+    dtype: str = opt(
+        "auto",
+        "auto | float32 | bfloat16: a local judge's weights (auto: bfloat16 where the device computes it natively)",
+    )
+    max_model_len: int = opt(0, "a local judge's most tokens per request, prompt + answer (0: the model's own)")
+    kv_cache_tokens: int = opt(16384, "a local judge's KV cache, in tokens across its requests in flight")
     model: str = opt("judge", "the `model` field of the judge's requests")
     prompt_template: str = opt(
         "Rate how well the response answers the question, from 0 (wrong) to 1 (fully correct).\n\n"
@@ -87,10 +104,29 @@ class JudgeConfig:
 
     def check(self, need: Need) -> None:
         """Checked when the judge scores (`RewardConfig.judged`)."""
-        need(
-            self.url.startswith(("http://", "https://")),
-            f"judge.url: reward.fn judge needs the judge's http(s):// base URL, got {self.url!r}",
-        )
+        if self.path:
+            need(
+                not self.url,
+                f"judge.url: set judge.url (a judge server) or judge.path (a model tidal serves), not both; "
+                f"got url {self.url!r} and path {self.path!r}",
+            )
+            need(
+                self.path.lower() in BUNDLED_NAMES or os.path.isfile(os.path.join(self.path, "config.json")),
+                f"judge.path: {self.path!r} is not a model folder (a Hugging Face folder with config.json) or smollm2",
+            )
+            one_of(need, "judge.device", self.device, DEVICES)
+            one_of(need, "judge.dtype", self.dtype, RM_DTYPES)
+            need(
+                self.max_model_len >= 0,
+                f"judge.max_model_len: must be >= 0 (0 = the model's), got {self.max_model_len}",
+            )
+            need(self.kv_cache_tokens >= 1, f"judge.kv_cache_tokens: must be >= 1, got {self.kv_cache_tokens}")
+        else:
+            need(
+                self.url.startswith(("http://", "https://")),
+                "judge.url: reward.fn judge needs the judge's http(s):// base URL (or judge.path, a local model "
+                f"tidal serves), got {self.url!r}",
+            )
         try:
             self.prompt_template.format(prompt="", response="", label="")
         except (KeyError, IndexError, ValueError) as e:
@@ -108,9 +144,6 @@ class JudgeConfig:
         need(self.timeout > 0, f"judge.timeout: must be > 0 seconds, got {self.timeout}")
         need(self.retries >= 0, f"judge.retries: must be >= 0, got {self.retries}")
         need(self.concurrency >= 1, f"judge.concurrency: must be >= 1, got {self.concurrency}")
-
-
-RM_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
