@@ -20,7 +20,8 @@ import sys
 from agents import Agent, Runner, function_tool, set_default_openai_api
 
 # This program talks to its model through chat completions (the SDK's default is the Responses
-# API): the choice is the program's, made here once.
+# API, on which the SDK raises when an answer is cut at its token limit): the choice is the
+# program's, made here once.
 set_default_openai_api("chat_completions")
 
 OPERATORS = {
