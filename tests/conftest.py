@@ -235,6 +235,13 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def index_parity_reward(sample) -> float:
+    """A reward that differs within every group of two or more samples (a group's samples sit at
+    consecutive batch positions), so every sample of a step trains whatever the model samples
+    (used as `reward.fn: conftest:index_parity_reward`)."""
+    return float(sample.index % 2)
+
+
 def token_parity_reward(sample) -> float:
     """A reward a random tiny model earns about half the time, so GRPO has signal in loop tests
     (used as `reward.fn: conftest:token_parity_reward`)."""

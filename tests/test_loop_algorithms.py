@@ -49,9 +49,11 @@ def test_every_algorithm_trains_through_the_loop(tiny_model_dir, tmp_path, name)
 
 def test_mask_truncated_takes_truncated_samples_out_of_the_loss(tiny_model_dir, tmp_path):
     # step 1 samples the same responses with and without the option (same seeds, same weights);
-    # a truncated response has exactly max_new_tokens = 8 tokens, all of which leave the loss
-    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "a", **{"train.num_steps": 1}))[0]
-    over = {"train.num_steps": 1, "algo.mask_truncated": True}
+    # a truncated response has exactly max_new_tokens = 8 tokens, all of which leave the loss;
+    # every group has signal (actor/tokens counts only the samples with an advantage)
+    one = {"train.num_steps": 1, "reward.fn": "conftest:index_parity_reward"}
+    full = tidal.loop.train(config(tiny_model_dir, tmp_path / "a", **one))[0]
+    over = {**one, "algo.mask_truncated": True}
     masked = tidal.loop.train(config(tiny_model_dir, tmp_path / "b", **over))[0]
     truncated = round(masked["response/truncated_ratio"] * 16)
     assert truncated > 0
