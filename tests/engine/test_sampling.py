@@ -222,3 +222,42 @@ def test_row_uniforms_are_uniform_and_turn_seeds_are_not_shifted_streams():
     b = row_uniforms(torch.full((50,), s1), torch.arange(50))
     assert not torch.equal(a[1:], b[:-1]) and not torch.equal(a, b)
     assert len(set(a.tolist()) & set(b.tolist())) <= 1
+
+
+READ_BACKS = {"__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__", "numpy"}
+
+
+def test_parameters_given_as_lists_draw_without_reading_anything_back(monkeypatch):
+    # the engine passes Python lists: what decides how to draw is read from them, never from a
+    # tensor (on a GPU every read-back stalls the host until the device catches up). The torch
+    # path, as on a GPU: the CPU's native sampler checks its own input, on the host anyway
+    from torch.overrides import TorchFunctionMode
+
+    from tidal.engine import native
+
+    monkeypatch.setattr(native, "can_sample", lambda logits: False)
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in READ_BACKS:
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2))
+    mixed = ([0.0, 1.0, 0.7, 1.0, 1.3, 1.0], [1.0, 1.0, 1.0, 0.9, 1.0, 1.0], [0, 0, 0, 0, 0, 5])
+    plain = ([1.0] * 6, [1.0] * 6, [0] * 6)  # the RL case
+    for temp, top_p, top_k in (mixed, plain):
+        seeds, draws = [1, 2, None, 4, 5, 6], [3] * 6
+        with Reads() as reads:
+            tokens, logp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=[0.0] * 6, draws=draws)
+        assert reads.seen == []
+        # the same draw as with the parameters as tensors (which are read back to decide), seeded rows
+        t_tokens, t_logp = sample_tokens(
+            logits, torch.tensor(temp), torch.tensor(top_p), torch.tensor(top_k), seeds, draws=draws
+        )
+        seeded = [0, 1, 3, 4, 5]
+        assert torch.equal(tokens[seeded], t_tokens[seeded]) and torch.equal(logp[seeded], t_logp[seeded])

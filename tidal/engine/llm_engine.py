@@ -240,15 +240,14 @@ class LLMEngine:
             for s in twins:
                 s.twin = None
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
-        dev = self.device
-        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+        # Python lists, not tensors: the sampler reads what it must decide on from them, not back from the device
+        temp = [s.params.temperature for s in seqs]
+        top_p, top_k = [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
         seeds, draws = [s.params.seed for s in seqs], [len(s.output_ids) for s in seqs]
         tok, lp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=min_p, draws=draws)
         want_top = max(s.params.top_logprobs for s in seqs)
-        tops = top_logprobs(logits, temp, want_top) if want_top else None
+        tops = top_logprobs(logits, torch.tensor(temp, device=self.device), want_top) if want_top else None
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += decodes

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from tidal.contracts import SamplingParams  # the request record of the engine contract
 from tidal.engine import native
+from tidal.hardware import CPU
 
 __all__ = ["SamplingParams", "row_uniforms", "sample_tokens"]
 
@@ -116,19 +118,78 @@ def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
     return ci * chunk + torch.minimum(ti, last_nonzero)
 
 
+@dataclass
+class _RowPlan:
+    """A batch's sampling parameters as [B] tensors on the logits' device, and what the draw needs
+    to know of them as Python values: which rows are greedy, whether a sampled row is tempered
+    (T != 1) or filtered (top-k, top-p or min-p keeps only some tokens).
+
+    Made from Python numbers or lists (the engine's case: `of` reads the flags from them, so the
+    step reads nothing back from the device) or from tensors (the flags are then read back)."""
+
+    temp: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    min_p: Tensor
+    greedy_rows: Tensor
+    sampled_rows: Tensor
+    n_greedy: int
+    tempered: bool
+    filtered: bool
+
+    @staticmethod
+    def of(temperature, top_p, top_k, min_p, batch: int, vocab: int, device: torch.device) -> _RowPlan:
+        values = (temperature, top_p, top_k, min_p)
+        if any(isinstance(v, Tensor) for v in values):
+            host = [_per_row(v, batch, dt, CPU).tolist() for v, dt in zip(values, _DTYPES, strict=True)]
+        else:
+            host = [_host_row(v, batch) for v in values]
+        t, p, k, mp = host
+        if any(x < 0 for x in t) or any(not 0 < x <= 1 for x in p) or any(x < 0 for x in k):
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
+        if any(not 0 <= x <= 1 for x in mp):
+            raise ValueError("need 0 <= min_p <= 1 in every row")
+        greedy = [i for i in range(batch) if t[i] == 0]
+        sampled = [i for i in range(batch) if t[i] != 0]
+        tensors = [torch.tensor(v, dtype=dt, device=device) for v, dt in zip(host, _DTYPES, strict=True)]
+        return _RowPlan(
+            *tensors,
+            greedy_rows=torch.tensor(greedy, dtype=torch.long, device=device),
+            sampled_rows=torch.tensor(sampled, dtype=torch.long, device=device),
+            n_greedy=len(greedy),
+            tempered=any(t[i] != 1 for i in sampled),
+            filtered=any(0 < k[i] < vocab or p[i] < 1 or mp[i] > 0 for i in sampled),
+        )
+
+
+_DTYPES = (torch.float32, torch.float32, torch.long, torch.float32)  # temperature, top_p, top_k, min_p
+
+
+def _host_row(value: float | int | Sequence, batch: int) -> list:
+    """A scalar or per-row parameter given as Python values, as a list of `batch` values."""
+    if isinstance(value, int | float):
+        return [value] * batch
+    values = list(value)
+    if len(values) != batch:
+        raise ValueError(f"per-row sampling parameter must have shape ({batch},), got ({len(values)},)")
+    return values
+
+
 @torch.no_grad()
 def sample_tokens(
     logits: Tensor,
-    temperature: Tensor | float,
-    top_p: Tensor | float,
-    top_k: Tensor | int,
+    temperature: Tensor | float | Sequence[float],
+    top_p: Tensor | float | Sequence[float],
+    top_k: Tensor | int | Sequence[int],
     seeds: Sequence[int | None] | None = None,
-    min_p: Tensor | float = 0.0,
+    min_p: Tensor | float | Sequence[float] = 0.0,
     draws: Tensor | Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of `logits` [B, V].
 
-    Parameters may be scalars or per-row [B] tensors, so one batch can mix requests.
+    Parameters may be scalars, per-row lists or per-row [B] tensors, so one batch can mix requests.
+    Given as Python values (the engine's case), nothing is read back from the logits' device to
+    decide how to draw (on a GPU a read-back stalls the host until the device catches up).
     Rows with temperature 0 are greedy: the token is the argmax and its log-prob comes from the
     plain softmax of the raw logits. Other rows divide the logits by the temperature, keep the
     `top_k` most likely tokens (0 = all), then keep the smallest set of most likely tokens whose
@@ -148,16 +209,9 @@ def sample_tokens(
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
     batch, vocab = logits.shape
     device = logits.device
-    temp = _per_row(temperature, batch, torch.float32, device)
-    p = _per_row(top_p, batch, torch.float32, device)
-    k = _per_row(top_k, batch, torch.long, device)
-    mp = _per_row(min_p, batch, torch.float32, device)
-    if bool((temp < 0).any()) or bool(((p <= 0) | (p > 1)).any()) or bool((k < 0).any()):
-        raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0 in every row")
-    if bool(((mp < 0) | (mp > 1)).any()):
-        raise ValueError("need 0 <= min_p <= 1 in every row")
-    filters = ((k > 0) & (k < vocab)) | (p < 1) | (mp > 0)  # rows that keep only some tokens
-    if not bool(filters.any()) and bool((temp > 0).all()) and native.can_sample(logits):
+    plan = _RowPlan.of(temperature, top_p, top_k, min_p, batch, vocab, device)
+    temp, p, k, mp = plan.temp, plan.top_p, plan.top_k, plan.min_p
+    if not plan.filtered and plan.n_greedy == 0 and native.can_sample(logits):
         return native.sample(logits, temp, _uniforms(seeds, draws, torch.arange(batch, device=device), batch, device))
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
@@ -165,26 +219,25 @@ def sample_tokens(
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
 
-    greedy = temp == 0
-    if bool(greedy.any()):
-        g_rows = greedy.nonzero(as_tuple=True)[0]
+    if plan.n_greedy:
+        g_rows = plan.greedy_rows
         g_logits = logits[g_rows]
         g_tok = g_logits.argmax(dim=-1)
         tokens[g_rows] = g_tok
         log_probs[g_rows] = torch.log_softmax(g_logits, dim=-1).gather(-1, g_tok[:, None])[:, 0]
 
-    if bool(greedy.all()):
+    if plan.n_greedy == batch:
         return tokens, log_probs
 
-    rows = (~greedy).nonzero(as_tuple=True)[0]
+    rows = plan.sampled_rows
     # skip the copies the common RL case (every row sampled at temperature 1) does not need
-    scaled = logits if rows.numel() == batch else logits[rows]
-    if bool((temp[rows] != 1).any()):
+    scaled = logits if plan.n_greedy == 0 else logits[rows]
+    if plan.tempered:
         scaled = scaled / temp[rows, None]
     rk = k[rows]
     rp = p[rows]
     rmp = mp[rows]
-    if bool(filters[rows].any()):
+    if plan.filtered:
         # Filter in sorted order, then scatter the keep-mask back to vocab order: the draw then
         # walks the vocabulary in id order, so a seeded row does not depend on sort tie-breaking.
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
