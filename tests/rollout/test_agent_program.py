@@ -170,11 +170,11 @@ def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path):
         time.sleep(600)
         """,
     )
-    agent = AgentConfig(command=f"{PY} {program}", timeout=3)
+    agent = AgentConfig(command=f"{PY} {program}", timeout=8)  # room for a slow machine to start it
     samples, engine = rollout(lambda p, k: [2], agent, max_failed_ratio=1)
     assert not engine.calls
     assert failed_with(
-        samples[0], f"agent.command: {PY} timed out after 3 s, having made 0 calls to the model; stderr: working on it"
+        samples[0], f"agent.command: {PY} timed out after 8 s, having made 0 calls to the model; stderr: working on it"
     )
     for pid in map(int, pids.read_text().split()):
         with pytest.raises(ProcessLookupError):

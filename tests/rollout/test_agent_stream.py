@@ -131,6 +131,7 @@ class StallingEngine(ScriptedEngine):
 
     async def generate(self, input_ids, sampling, *, request_id=None, group=None):
         if not self.calls and not self.cancelled:
+            load_object(f"{AGENTS}:sampling").append(True)  # the agent gives up now
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
@@ -140,10 +141,11 @@ class StallingEngine(ScriptedEngine):
 
 
 def test_a_client_that_goes_away_while_its_answer_is_sampled_aborts_it_and_the_sample_says_so():
-    # the first call's client times out while the engine samples: the door cancels the call (the
+    # the first call's client goes away while the engine samples: the door cancels the call (the
     # engine request with it), nothing of it joins the sample, and the retry extends the prompt
     replies = load_object(f"{AGENTS}:replies")
     replies.clear()
+    load_object(f"{AGENTS}:sampling").clear()
     answer = ids("Five.") + [2]
     p0 = chat_ids(FIRST)
     records = [PromptRecord(index=0, prompt=FIRST[0]["content"], text="", input_ids=p0, label="5")]
