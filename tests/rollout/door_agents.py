@@ -263,3 +263,110 @@ async def impatient_agent(client, prompt, label):
         replies.append("gave up")
     resp = await client.chat.completions.create(model="policy", messages=messages)
     replies.append(resp.choices[0].message.content)
+
+
+# ---------------------------------------------------------------------------- the Responses API
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
+
+
+async def respond(client, stream: bool, **kw):
+    """One Responses call; the response, whole or the one the stream's last event carries (its
+    text deltas joined must be its text)."""
+    if not stream:
+        return await client.responses.create(**kw)
+    events = [e async for e in await client.responses.create(stream=True, **kw)]
+    final = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    return final
+
+
+async def responses_tool_agent(client, prompt, label, stream=False, chain=False):
+    """`tool_agent` written against the Responses API: the items sent back each time, or (`chain`)
+    only the new ones, after `previous_response_id`."""
+    items = [{"role": "user", "content": prompt}]
+    previous = None
+    for _ in range(2):
+        resp = await respond(
+            client,
+            stream,
+            model="policy",
+            input=items,
+            tools=RESPONSES_TOOLS,
+            previous_response_id=previous,
+            max_output_tokens=200,  # as `tool_agent` asks
+        )
+        output = [o.model_dump(exclude_none=True) for o in resp.output]
+        replies.append([{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in output])
+        new = []
+        for call in (o for o in output if o["type"] == "function_call"):
+            args = json.loads(call["arguments"])
+            result = str(args["a"] + args["b"]) if call["name"] == "add" else "unknown tool"
+            new.append({"type": "function_call_output", "call_id": call["call_id"], "output": result})
+        if not new:
+            new.append({"role": "user", "content": "That is wrong, try again."})
+        items, previous = (new, resp.id) if chain else ([*items, *output, *new], None)
+    return float(str(label) in resp.output_text)
+
+
+async def responses_streaming_tool_agent(client, prompt, label):
+    return await responses_tool_agent(client, prompt, label, stream=True)
+
+
+async def responses_chained_tool_agent(client, prompt, label):
+    return await responses_tool_agent(client, prompt, label, chain=True)
+
+
+async def responses_logprob_agent(client, prompt, label, stream=False):
+    """One call asking for the sampled tokens' log-probs; records what it got."""
+    kw = {"model": "policy", "input": prompt, "include": ["message.output_text.logprobs"]}
+    resp = await respond(client, stream, **kw)
+    part = resp.output[0].content[0]
+    replies.append(
+        {
+            "text": part.text,
+            "logprobs": [(e.token, e.logprob) for e in part.logprobs],
+            "status": resp.status,
+            "incomplete": resp.incomplete_details.model_dump() if resp.incomplete_details else None,
+            "usage": resp.usage.model_dump(exclude_none=True),
+        }
+    )
+
+
+async def responses_streaming_logprob_agent(client, prompt, label):
+    return await responses_logprob_agent(client, prompt, label, stream=True)
+
+
+async def agents_sdk_agent(client, prompt, label, stream=False):
+    """An agent of the OpenAI Agents SDK, unmodified, with a function tool: its default model,
+    the Responses API, on the session's client (no tracing: nothing outside can be reached)."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    model = OpenAIResponsesModel(model="policy", openai_client=client)
+    agent = Agent(name="adder", model=model, tools=[add])
+    if stream:
+        result = Runner.run_streamed(agent, prompt, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, prompt, max_turns=3)
+    replies.append(result.final_output)
+    return float(str(label) in result.final_output)
+
+
+async def agents_sdk_streaming_agent(client, prompt, label):
+    return await agents_sdk_agent(client, prompt, label, stream=True)
+
+
+async def responses_short_agent(client, prompt, label):
+    """Two short calls, the first answer's items sent back with another question."""
+    items = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        resp = await client.responses.create(model="policy", input=items, max_output_tokens=8)
+        items += [*(o.model_dump(exclude_none=True) for o in resp.output), {"role": "user", "content": "again"}]
