@@ -31,7 +31,8 @@ def engines(family: str, dtype: str) -> tuple[LLMEngine, LLMEngine]:
 
 
 @pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32"),
-                                               ("qwen2", "float32"), ("qwen2", "bfloat16")])  # fmt: skip
+                                               ("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32"),
+                                               ("qwen3", "bfloat16")])  # fmt: skip
 def test_decode_steps_give_transformers_bits(family, dtype):
     on, off = engines(family, dtype)
     assert on.runner.decode_path is not None
@@ -46,7 +47,7 @@ def test_decode_steps_give_transformers_bits(family, dtype):
     assert len(calls) == 2 and on.stats()["steps"] == 10  # the prefill gives the first token
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3_moe"])
 def test_other_families_keep_transformers_forward(family):
     engine = LLMEngine(tiny_model(family), None, dtype="float32", kv_cache_tokens=256)
     assert engine.runner.decode_path is None

@@ -15,7 +15,8 @@ are its bits: the engine checks that on its first decode step (both paths, `torc
 keeps transformers' path for good if they differ.
 
 Families: those whose decoder layer is Llama's (pre-norm attention and MLP with residuals): llama,
-mistral (the config's sliding window on every layer) and qwen2 (each layer's own window); their
+mistral (the config's sliding window on every layer), qwen2 (each layer's own window) and qwen3
+(qwen2's, with a per-head RMSNorm of q and k before the rotary embedding); their
 forwards were read for this, transformers 5.x. Steps with a prefill, other families, and models
 with hooks (MoE routing capture) run transformers' forward.
 """
@@ -35,7 +36,9 @@ WINDOWS = {
     "llama": lambda attn: None,
     "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
     "qwen2": lambda attn: attn.sliding_window,
+    "qwen3": lambda attn: attn.sliding_window,
 }
+QK_NORM = ("qwen3",)  # per-head RMSNorm of q and k after their projections, before the rotary
 
 
 def supports(model: nn.Module) -> bool:
@@ -71,6 +74,7 @@ class DecodePath:
         )
         window = WINDOWS[model.config.model_type]
         self.windows = [window(layer.self_attn) for layer in inner.layers]
+        self.qk_norm = model.config.model_type in QK_NORM
 
     def __call__(self, plan) -> Tensor:
         # Modules are looked up at each call, and so are their `forward`s: the engine replaces
@@ -84,6 +88,8 @@ class DecodePath:
             attn, d = layer.self_attn, layer.self_attn.head_dim
             h = layer.input_layernorm.forward(x)
             q, k, v = (y.view(b, -1, d) for y in project((attn.q_proj, attn.k_proj, attn.v_proj), h))  # [B, heads, D]
+            if self.qk_norm:
+                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
             if self.native_rope:
                 q, k = native.rotary(q, cos_b, sin_b), native.rotary(k, cos_b, sin_b)
             else:  # as the attention module calls it, on [1, heads, B, D] views

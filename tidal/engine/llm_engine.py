@@ -16,6 +16,7 @@ requests wait or are preempted and recomputed, never dropped.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from tidal.engine.weights import (
 )
 from tidal.hardware import CPU, TORCH_DTYPES, release_cached, weights_dtype
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineConfig:
@@ -56,6 +59,9 @@ class EngineConfig:
     # a CPU's decode attention read from the paged cache in place by a C kernel built on first use
     # (`tidal.engine.native`; float32 or bfloat16), else gathered and run by sdpa
     native_attention: bool = True
+    # a GPU's pure decode steps replayed from CUDA graphs captured at start, one per batch-size
+    # bucket up to max_num_seqs (`tidal.engine.cuda_graphs`); off: the same kernels launched one by one
+    cuda_graphs: bool = True
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -105,6 +111,15 @@ class LLMEngine:
         if kind == "none":
             kind = PACKED if cfg.pack_weights and packs(self.device, dtype) else None
         self.quant = Quantizer(self.model, kind) if kind else None
+        if self.quant is not None:
+            self.runner.extra_bindings = self.quant.storage
+        self.graphs_off: str | None = None  # why decode steps are not replayed from CUDA graphs
+        if self.device.type == "cuda":
+            self.graphs_off = self.runner.use_static_decode(cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
+            if not cfg.cuda_graphs:
+                self.graphs_off = "engine cuda_graphs: false"
+            elif self.graphs_off:
+                log.warning("CUDA graphs off: %s", self.graphs_off)
         eos = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -253,7 +268,11 @@ class LLMEngine:
         self.counters["decode_tokens"] += decodes
         self.counters["prefill_tokens"] += new_tokens - decodes
         finished = []
-        for i, (seq, t, logp) in enumerate(zip(seqs, tok.tolist(), lp.tolist(), strict=True)):
+        # one read-back of the step (on a GPU, the step's only wait): ids and log-probs as float64,
+        # which holds both exactly
+        host = torch.stack([tok.double(), lp.double()]).tolist()
+        for i, (seq, t, logp) in enumerate(zip(seqs, host[0], host[1], strict=True)):
+            t = int(t)
             seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
             seq.output_ids.append(t)
             seq.log_probs.append(logp)
@@ -361,6 +380,7 @@ class LLMEngine:
             "prefix_hit_blocks": self.blocks.hits,
             "preemptions": self.scheduler.num_preemptions,
             **self.counters,
+            **(self.runner.graphs.stats() if self.runner.graphs is not None else {}),
         }
 
     # ---------------------------------------------------------------- batch convenience

@@ -40,12 +40,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tidal import moe
 from tidal.attend import attend, causal_mask
-from tidal.engine import decode_path, fuse, native
+from tidal.engine import decode_path, fuse, native, paged_kernel
+from tidal.engine.cuda_graphs import DecodeGraphs
 from tidal.engine.sequence import Sequence
 from tidal.hardware import CPU, on_host, to_device
 from tidal.utils import cache_argument
@@ -109,6 +111,29 @@ class BatchPlan:
     multi_union: list[Tensor] = field(default_factory=list)  # like multi's context slots
     windowed: dict[int, Tensor] = field(default_factory=dict)  # single_mask within a sliding window
     only_single: bool = False  # every sequence computes one token (a pure decode step)
+    # on a GPU: the single tokens' block tables [Bd, W] int32 (read on the device by
+    # `paged_kernel`; single_len their context lengths) instead of their slot lists
+    tables: Tensor | None = None
+
+    @staticmethod
+    def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
+        """A pure decode step's plan from device tensors (`DecodeGraphs`' static buffers)."""
+        empty = torch.zeros(0, 1, dtype=torch.long, device=input_ids.device)
+        return BatchPlan(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            last=torch.arange(input_ids.shape[0], device=input_ids.device),
+            single_tok=torch.arange(input_ids.shape[0], device=input_ids.device),
+            single_slots=empty,
+            single_mask=empty.bool()[:, :, None, None],
+            single_pos=empty,
+            single_qpos=positions,
+            single_len=lens,
+            multi=[],
+            only_single=True,
+            tables=tables,
+        )
 
     def to(self, device: torch.device) -> BatchPlan:
         skip = ("multi", "multi_union", "windowed", "only_single")
@@ -220,6 +245,14 @@ class ModelRunner:
         # first use, CPU float32 or bfloat16 caches; else (or per layer where it cannot serve) gather + sdpa
         self.native = native_attention and device.type == CPU and native.load() is not None
         self._probe()
+        # on a GPU, decode attention reads block tables on the device (`paged_kernel`, one
+        # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
+        # block past the last is the padding rows' (`DecodeGraphs`)
+        self.device_tables = device.type == "cuda" and not self.latent
+        self.kernel = self.device_tables and paged_kernel.runs_on(device)
+        self.pad_block = num_blocks
+        self.graphs: DecodeGraphs | None = None
+        self.extra_bindings = tuple  # what else a captured graph reads (the engine's quantized copies)
         self.allocate()
 
     @torch.inference_mode()
@@ -242,7 +275,7 @@ class ModelRunner:
     def allocate(self) -> None:
         """The KV cache (pages are only resident once a block is written) and, for an MoE model,
         the experts chosen at each slot."""
-        slots = self.num_blocks * self.block_size
+        slots = (self.num_blocks + 1) * self.block_size  # + the padding block
         layers = sorted(self.kv_shapes)
         opts = {"dtype": self.cache_dtype, "device": self.device}
         self.k_cache = [torch.zeros(slots, self.kv_shapes[i][0], self.kv_shapes[i][1], **opts) for i in layers]
@@ -255,6 +288,40 @@ class ModelRunner:
     def release(self) -> None:
         self.k_cache, self.v_cache, self.routes = [], [], None
         self._buffers = [None, None]
+        if self.graphs is not None:
+            self.graphs.reset()
+
+    def use_static_decode(self, max_seqs: int, max_len: int, capture: bool) -> str | None:
+        """Run pure decode steps of up to `max_seqs` sequences through `DecodeGraphs`: from CUDA
+        graphs captured now (`capture`, on a GPU) or eagerly over the same static buffers (a CPU
+        in tests). Returns why not, where the model cannot (None when it does)."""
+        if self.decode_path is None:
+            kind = self.model.config.model_type
+            families = ", ".join(decode_path.WINDOWS)
+            return f"{kind} steps run transformers' forward (the decode path covers {families}, without MoE)"
+        if self.latent:
+            return "latent attention (MLA) reads its cache through transformers' forward"
+        self.device_tables = True
+        width = min(-(-max_len // self.block_size), self.num_blocks)
+        self.graphs = DecodeGraphs(
+            self.decode_path,
+            BatchPlan.decode,
+            self.bindings,
+            self.device,
+            max_seqs,
+            width,
+            self.block_size,
+            self.pad_block,
+            capture,
+        )
+        if capture:
+            self.graphs.capture_all()
+        return None
+
+    def bindings(self) -> tuple[int, ...]:
+        """The storage a captured graph reads: parameters, caches and the engine's extras."""
+        tensors = (*self.model.parameters(), *self.k_cache, *self.v_cache)
+        return tuple(t.data_ptr() for t in tensors) + tuple(self.extra_bindings())
 
     def kv_bytes(self) -> int:
         slots = self.num_blocks * self.block_size
@@ -297,7 +364,15 @@ class ModelRunner:
                 multi.append((flat, flat + end - start, ctx, start))
             flat += end - start
             last.append(flat - 1)
-        if single_tables:
+        tables = None
+        if single_tables and self.device_tables:
+            lengths = torch.tensor(single_len)
+            width = max(len(t) for t in single_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in single_tables], dtype=torch.int32)
+            single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
+            single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+            single_qpos = lengths - 1
+        elif single_tables:
             lengths = torch.tensor(single_len)
             width = max(len(t) for t in single_tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in single_tables])
@@ -334,6 +409,7 @@ class ModelRunner:
             single_len=lengths,
             multi=multi,
             only_single=not multi,
+            tables=tables,
             **latent,
         )
 
@@ -368,7 +444,10 @@ class ModelRunner:
             # become G query rows of that head (query head h uses KV head h // G), which is about
             # twice as fast on CPU as sdpa's enable_gqa
             qs = q if plan.only_single else q[plan.single_tok]
-            if self.native and native.supports(qs, kc, vc):
+            if plan.tables is not None:
+                attend_paged = paged_kernel.decode_attention if self.kernel else paged_kernel.reference_decode_attention
+                o = attend_paged(qs, kc, vc, plan.tables, plan.single_len, self.block_size, scale, window, softcap)
+            elif self.native and native.supports(qs, kc, vc):
                 o = native.decode_attention(qs, kc, vc, single_src, plan.single_len, scale, window, softcap)
             else:
                 qd = qs.reshape(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
@@ -405,19 +484,35 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence]) -> Tensor:
         """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
         and return the next-token logits of each sequence [S, V] in the model's dtype."""
+        graphs = self.graphs if self.decode_path is not None and self.decode_path_checked else None
+        if graphs is not None and graphs.size_for(len(seqs)) and all(s.num_tokens - s.num_cached == 1 for s in seqs):
+            return graphs.run(seqs)
         plan = self.plan(seqs)
         if self.decode_path is not None and plan.only_single:
             if self.decode_path_checked:
                 return self.decode_path(plan)
             # the first decode step runs both (transformers' last: its K/V stay) and compares
             fast, logits = self.decode_path(plan), self._model_forward(plan)
-            self.decode_path_checked = torch.equal(fast, logits)
+            self.decode_path_checked = self._agree(fast, logits)
             if not self.decode_path_checked:
                 diff = (fast.float() - logits.float()).abs().max().item()
                 log.warning("the decode path's logits differ from transformers' (max %.3g): kept off", diff)
                 self.decode_path = None
             return logits
         return self._model_forward(plan)
+
+    def _agree(self, fast: Tensor, logits: Tensor) -> bool:
+        """Whether the decode path computed transformers' logits: the same bits on a CPU; on a GPU,
+        where the libraries may pick other kernels for the two call shapes, within 1% of the
+        largest logit."""
+        if torch.equal(fast, logits):
+            return True
+        if self.device.type != "cuda":
+            return False
+        diff = (fast.float() - logits.float()).abs().max()
+        scale = logits.float().abs().max()
+        log.info("the decode path's logits differ from transformers' by at most %.3g of %.3g", diff, scale)
+        return bool(diff <= 0.01 * scale)
 
     def _model_forward(self, plan: BatchPlan) -> Tensor:
         """The step as transformers' forward of the model."""
@@ -428,6 +523,12 @@ class ModelRunner:
             "tidal_step": (self, plan),
             **self._cache(plan),
         }
+        if self.device.type == "cuda":  # not cuDNN's attention: it is re-planned for every new set of lengths
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return self._call_model(plan, kw)
+        return self._call_model(plan, kw)
+
+    def _call_model(self, plan: BatchPlan, kw: dict) -> Tensor:
         if self.routes is None:
             out = self.model(plan.input_ids[None], **kw)
         else:

@@ -268,6 +268,12 @@ class Quantizer:
         self.refresh_s = time.perf_counter() - t0
         return self.refresh_s
 
+    def storage(self) -> tuple[int, ...]:
+        """Addresses of the quantized copies (a captured CUDA graph reads them: re-quantizing
+        makes new ones)."""
+        packed = [lay.packed for lay in (*self.layers.values(), *self.joined) if lay.packed is not None]
+        return tuple(t.data_ptr() for p in packed if isinstance(p, tuple) for t in p if isinstance(t, Tensor))
+
     def release(self) -> None:
         """Drop the quantized copies (the engine sleeps); the next forward or refresh rebuilds them."""
         for layer in (*self.layers.values(), *self.joined):

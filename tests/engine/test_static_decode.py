@@ -1,0 +1,93 @@
+"""Decode steps over static buffers (`tidal.engine.cuda_graphs.DecodeGraphs`), the path a GPU
+replays from CUDA graphs, run eagerly on the CPU: block tables and lengths read by the paged
+attention (its PyTorch reference here), batches padded to a bucket with rows that touch only the
+padding block. Same tokens as the runner's usual path."""
+
+from __future__ import annotations
+
+import pytest
+from families import tiny_model
+
+from tidal.contracts import SamplingParams
+from tidal.engine.cuda_graphs import bucket_sizes
+from tidal.engine.llm_engine import LLMEngine
+from tidal.engine.sequence import Sequence
+
+# 3, 5 and 6 sequences: batches that pad to buckets of 4 and 8
+PROMPTS = [[1, 5, 9], list(range(40, 60)), [7, 300, 17, 250, 99, 3, 64, 128, 190, 211, 16, 45], [11], [4, 4], [8] * 9]
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(24) == [1, 2, 4, 8, 16, 24]
+    assert bucket_sizes(512)[:9] == [1, 2, 4, 8, 16, 32, 48, 64, 96]
+    assert bucket_sizes(512)[-2:] == [480, 512] and len(bucket_sizes(512)) == 22
+    assert bucket_sizes(100)[-3:] == [64, 96, 100]
+
+
+def engines(family: str, dtype: str, max_seqs: int = 8) -> tuple[LLMEngine, LLMEngine]:
+    """The same model twice: the usual CPU engine, and one whose pure decode steps run through
+    the static buffers (as on a GPU, without capturing)."""
+    kw = {"dtype": dtype, "block_size": 4, "kv_cache_tokens": 512, "max_num_seqs": max_seqs}
+    plain, static = LLMEngine(tiny_model(family), None, **kw), LLMEngine(tiny_model(family), None, **kw)
+    assert static.runner.use_static_decode(max_seqs, static.max_model_len, capture=False) is None
+    return plain, static
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_static_buffers_give_the_usual_tokens(family):
+    # float32: in bfloat16 the reference attention rounds its scores where the CPU's kernel keeps
+    # float32, and a sampled token can flip (the kernel's bf16 test: tests/engine/test_paged_kernel.py)
+    plain, static = engines(family, "float32")
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[0] = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    want = plain.generate_batch(PROMPTS, params)
+    calls = []
+    fill = static.runner.graphs.fill
+    static.runner.graphs.fill = lambda seqs, size: calls.append((len(seqs), size)) or fill(seqs, size)
+    got = static.generate_batch(PROMPTS, params)
+    # the first decode step is the decode path's check (transformers' forward beside it); the
+    # other ten ran over the static buffers, 6 sequences padded to 8
+    assert calls == [(6, 8)] * 10 and static.runner.decode_path_checked
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids  # the same sums in another order
+        assert max(abs(a - b) for a, b in zip(g.log_probs, w.log_probs, strict=True)) < 1e-5
+
+
+def test_padding_rows_touch_only_the_padding_block():
+    plain, static = engines("llama", "float32", max_seqs=8)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)] * 3
+    static.generate_batch(PROMPTS[:3], params)  # 3 sequences in a bucket of 4
+    pad = static.runner.pad_block * static.cfg.block_size
+    for cache in static.runner.k_cache:
+        # the padding rows wrote their keys to the padding slot, and nothing else there moved
+        assert cache[pad].abs().sum() > 0 and cache[pad + 1 :].abs().sum() == 0
+
+
+def test_fill_writes_each_sequences_table_and_padding():
+    _, static = engines("llama", "float32", max_seqs=8)
+    graphs = static.runner.graphs
+    seqs = []
+    for i, (table, n) in enumerate([([5, 2, 9], 10), ([7], 3), ([1, 0, 3, 4, 6], 17)]):
+        seq = Sequence(str(i), list(range(1, n)), SamplingParams(), block_table=table)
+        seq.output_ids = [100 + i]
+        seq.num_cached = n - 1
+        seqs.append(seq)
+    graphs.host_tab.fill_(-1)
+    graphs.fill(seqs, 4)
+    vec, tab = graphs.vec[:, :4].tolist(), graphs.tab[:4].tolist()
+    pad = static.runner.pad_block
+    assert vec[0] == [100, 101, 102, 0]  # each sequence's last token; padding feeds token 0
+    assert vec[1] == [9, 2, 16, 0]  # its position
+    assert vec[2] == [9 * 4 + 1, 7 * 4 + 2, 6 * 4 + 0, pad * 4]  # the slot of that position
+    assert vec[3] == [10, 3, 17, 1]  # context lengths
+    assert tab[0][:3] == [5, 2, 9] and tab[1][:1] == [7] and tab[2][:5] == [1, 0, 3, 4, 6] and tab[3][0] == pad
+
+
+def test_graphs_are_off_where_the_decode_path_is():
+    engine = LLMEngine(tiny_model("gemma2"), None, dtype="float32", kv_cache_tokens=256)
+    why = engine.runner.use_static_decode(8, 64, capture=False)
+    assert why == (
+        "gemma2 steps run transformers' forward (the decode path covers llama, mistral, qwen2, qwen3, without MoE)"
+    )
+    assert engine.runner.graphs is None and not engine.runner.device_tables

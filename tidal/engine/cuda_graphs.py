@@ -1,0 +1,207 @@
+"""Decode steps replayed from CUDA graphs: one launch for a whole forward pass.
+
+A pure decode step of a small model is hundreds of small kernels (a dozen per layer); launched one
+by one from Python, the GPU waits on the host for most of the step. `DecodeGraphs` captures the
+decode path's forward (`tidal.engine.decode_path`: embedding, every layer with the paged
+attention kernel reading block tables on the device, final norm, output head) once per
+batch-size bucket into a CUDA graph over static buffers, and a step only fills those buffers and
+replays the graph of the smallest bucket that holds the batch.
+
+Per step the host writes five things for each sequence into one pinned staging area: its last
+token, that token's position and cache slot, its context length and its block table row; two
+copies take them to the device (one for the four vectors, one for the used columns of the
+table). Rows past the batch in the bucket are padding: token 0 at position 0 writing its key and
+value to a slot no sequence owns (the runner's extra padding block), reading a context of that
+one slot; their logits are never read.
+
+A graph replays the addresses it was captured with: the weights', the KV cache's and the
+buffers'. `check` compares those addresses (the parameters' and caches' storage, and what the
+engine says moved: a quantized copy re-made, the cache re-allocated after sleep) with the
+captured ones and drops stale graphs, which are captured again on their next use. Weight
+updates copy into the parameters in place, so an RL run captures once.
+
+`DecodeGraphs(..., capture=False)` runs the same static-buffer path eagerly: on a CPU for tests,
+and on a GPU where capture failed (the reason is logged once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from tidal.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_seqs: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, 16, then every multiple of 16 up to 64 and
+    of 32 beyond, up to `max_seqs` (which is always one). A batch pads to the next size: at most
+    31 idle rows, which cost little next to a launch per kernel."""
+    sizes = {1, 2, 4, 8, *range(16, 65, 16), *range(96, max_seqs + 1, 32), max_seqs}
+    return sorted(s for s in sizes if s <= max_seqs)
+
+
+class DecodeGraphs:
+    """See the module docstring. `forward(plan)` is the decode path (logits [B, V] of a
+    `BatchPlan` with device block tables); `plan_of(buffers)` makes that plan from static
+    views; `bindings()` lists the addresses a captured graph depends on."""
+
+    def __init__(
+        self,
+        forward: Callable,
+        plan_of: Callable,
+        bindings: Callable[[], tuple[int, ...]],
+        device: torch.device,
+        max_seqs: int,
+        width: int,
+        block_size: int,
+        pad_block: int,
+        capture: bool,
+    ) -> None:
+        self.forward, self.plan_of, self.bindings = forward, plan_of, bindings
+        self.device, self.block_size, self.pad_block = device, block_size, pad_block
+        self.sizes = bucket_sizes(max_seqs)
+        n = self.sizes[-1]
+        pin = device.type == "cuda"
+        # ids, positions, slots, context lengths ([4, n]) and block tables ([n, width])
+        self.host_vec = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
+        self.host_tab = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        self.vec = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.tab = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.capture = capture
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = None
+        self.logits: Tensor | None = None
+        self.captured_with: tuple[int, ...] | None = None
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        self.replays = 0
+        self._pad(0, n)
+        self.vec.copy_(self.host_vec)
+        self.tab.copy_(self.host_tab)
+
+    def size_for(self, batch: int) -> int | None:
+        """The bucket a batch of `batch` sequences runs in (None: more than the largest)."""
+        for s in self.sizes:
+            if s >= batch:
+                return s
+        return None
+
+    def _pad(self, start: int, end: int) -> None:
+        pad_slot = self.pad_block * self.block_size
+        self.host_vec[:, start:end] = torch.tensor([[0], [0], [pad_slot], [1]])
+        self.host_tab[start:end, 0] = self.pad_block
+
+    def _static_plan(self, size: int):
+        return self.plan_of(
+            input_ids=self.vec[0, :size],
+            positions=self.vec[1, :size],
+            slots=self.vec[2, :size],
+            lens=self.vec[3, :size],
+            tables=self.tab[:size],
+        )
+
+    def fill(self, seqs: list[Sequence], size: int) -> None:
+        """Write the step's inputs for `seqs` (each computing one token) and padding up to `size`
+        into the static buffers."""
+        b, bs = len(seqs), self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        tables = [seq.block_table for seq in seqs]
+        for seq, table in zip(seqs, tables, strict=True):
+            n = seq.num_tokens
+            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
+            pos.append(n - 1)
+            slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
+            lens.append(n)
+        self.host_vec[:, :b] = torch.tensor([ids, pos, slots, lens])
+        self._pad(b, size)
+        # the tables' entries in one assignment: row i, columns 0 .. len(table i) - 1
+        counts = torch.tensor([len(t) for t in tables])
+        width = int(counts.max())
+        flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
+        rows = torch.repeat_interleave(torch.arange(b), counts)
+        cols = torch.arange(len(flat)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        self.host_tab[rows, cols] = flat
+        self.vec[:, :size].copy_(self.host_vec[:, :size], non_blocking=True)
+        self.tab[:size, :width].copy_(self.host_tab[:size, :width], non_blocking=True)
+
+    def run(self, seqs: list[Sequence]) -> Tensor:
+        """Logits [len(seqs), V] of a pure decode step over `seqs`."""
+        size = self.size_for(len(seqs))
+        if not self.capture:
+            self.fill(seqs, size)
+            return self.forward(self._static_plan(size))[: len(seqs)]
+        self.check()
+        if size not in self.graphs:  # before the inputs are written: capturing writes padding
+            self._capture([size])
+        self.fill(seqs, size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        self.replays += 1
+        return logits[: len(seqs)]
+
+    def check(self) -> None:
+        """Drop the graphs if anything they read has moved since they were captured."""
+        if self.graphs and self.bindings() != self.captured_with:
+            log.info("CUDA graphs: the weights or the KV cache moved; capturing again")
+            self.graphs.clear()
+
+    def capture_all(self) -> None:
+        """Capture every bucket (largest first, so the smaller ones reuse its memory)."""
+        self._capture(sorted(self.sizes, reverse=True))
+        log.info(
+            "CUDA graphs: %d batch sizes (1 .. %d) captured in %.1f s, %.0f MiB",
+            len(self.sizes),
+            self.sizes[-1],
+            self.capture_s,
+            self.graph_bytes / 2**20,
+        )
+
+    def _capture(self, sizes: list[int]) -> None:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # the padding rows' inputs: every static row reads and writes only the padding slot
+        self._pad(0, self.sizes[-1])
+        self.vec.copy_(self.host_vec)
+        self.tab.copy_(self.host_tab)
+        self.captured_with = self.bindings()
+        for size in sizes:
+            plan = self._static_plan(size)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: kernels compiled, library handles made
+                warm = self.forward(plan)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.logits is None:  # one output for every graph: [largest bucket, vocabulary]
+                self.logits = warm.new_empty(self.sizes[-1], warm.shape[1])
+            del warm
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[:size].copy_(self.forward(plan))
+            self.graphs[size] = (graph, self.logits[:size])
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+        self.capture_s += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        """Drop every graph and their memory (the engine sleeps); the next use captures again."""
+        self.graphs.clear()
+        self.pool = self.logits = None
+        self.graph_bytes = 0
+
+    def stats(self) -> dict:
+        return {
+            "cuda_graphs": len(self.graphs),
+            "cuda_graph_replays": self.replays,
+            "cuda_graph_capture_s": round(self.capture_s, 3),
+            "cuda_graph_mib": round(self.graph_bytes / 2**20, 1),
+        }

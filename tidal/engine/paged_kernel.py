@@ -1,0 +1,224 @@
+"""Decode attention read from the paged KV cache through each sequence's block table, on the device.
+
+One query token per sequence attends over its whole cached context: for sequence b, key/value
+head h and the G query heads that share it (grouped-query attention: query head h·G + g),
+
+    o[b, h·G + g] = Σ_j softmax_j(cap(q[b, h·G + g] · k[slot(b, j), h] · scale)) v[slot(b, j), h]
+
+over the positions j of the context that the query sees (j < len[b]; with a sliding window w,
+also len[b] - 1 - j < w, transformers' convention), where slot(b, j) = table[b, j // bs]·bs +
+j mod bs and cap(x) = c·tanh(x / c) with soft-capping c (Gemma 2), else x.
+
+`decode_attention` runs it as one Triton kernel per layer (one program per sequence and KV head,
+an online softmax over tiles of the context, float32 accumulation): the block table and lengths
+are read on the device, so nothing is planned per step on the host and a CUDA graph replays it
+for any lengths. `reference_decode_attention` is the same formula in PyTorch ops (gather the
+context, then `tidal.attend.attend`): the kernel's test reference, and the path on a device
+without Triton (a CPU, which has its own C kernel for the common case: `tidal.engine.native`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from tidal.attend import attend
+
+try:  # Triton installs with CUDA torch; on a CPU only the interpreter (TRITON_INTERPRET=1) runs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (on CPU tensors: the tests' mode)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether `decode_attention`'s kernel runs for tensors on `device`."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or interpreting()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh(x) = sign(x)·(1 - e^-2|x|) / (1 + e^-2|x|): no overflow for large |x|
+        t = tl.exp(-2.0 * tl.abs(x))
+        y = (1.0 - t) / (1.0 + t)
+        return tl.where(x < 0, -y, y)
+
+    @triton.jit
+    def _tile(
+        q, K, V, Tables, b, h, first, length, m, total, acc, scale, softcap,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+        D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, BS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of BLOCK_N context positions from `first`: the online softmax's update of the
+        running max `m`, normaliser `total` and weighted sum `acc`."""
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        pos = first + tl.arange(0, BLOCK_N)
+        seen = pos < length
+        block = tl.load(Tables + b * stride_tb + pos // BS, mask=seen, other=0)
+        slot = block.to(tl.int64) * BS + pos % BS
+        k = tl.load(
+            K + slot[:, None] * stride_kn + h * stride_kh + d[None, :],
+            mask=seen[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        if INTERPRET:  # its dot reads 16-bit floats as integers: the same products in float32
+            q, k = q.to(tl.float32), k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, BLOCK_N]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            V + slot[:, None] * stride_vn + h * stride_vh + dv[None, :],
+            mask=seen[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        p = p.to(v.dtype)  # the weights rounded to the values' dtype, as the tensor cores take them
+        if INTERPRET:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return m_new, total, acc
+
+    @triton.jit
+    def _decode_kernel(
+        Q, K, V, Out, Tables, Lens,
+        scale, softcap, window,
+        stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ob, stride_oh, stride_tb,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)  # KV head; its G query heads are h*G .. h*G + G - 1
+        length = tl.load(Lens + b)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        heads = h * G + g
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=(g[:, None] < G) & (d[None, :] < D),
+            other=0.0,
+        )
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+        start = 0
+        if WINDOW:  # keys before the window are never read
+            start = tl.maximum(length - window, 0)
+        if INTERPRET:  # the interpreter cannot take a loaded length as a range's bound
+            first = start
+            while first < length:
+                m, total, acc = _tile(
+                    q, K, V, Tables, b, h, first, length, m, total, acc, scale, softcap,
+                    stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+                    D, D_PAD, DV, DV_PAD, BS, BLOCK_N, SOFTCAP, PRECISION, INTERPRET,
+                )  # fmt: skip
+                first += BLOCK_N
+        else:
+            for first in range(start, length, BLOCK_N):
+                m, total, acc = _tile(
+                    q, K, V, Tables, b, h, first, length, m, total, acc, scale, softcap,
+                    stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+                    D, D_PAD, DV, DV_PAD, BS, BLOCK_N, SOFTCAP, PRECISION, INTERPRET,
+                )  # fmt: skip
+        out = acc / total[:, None]
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=(g[:, None] < G) & (dv[None, :] < DV),
+        )
+
+
+@functools.cache
+def _pad(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """The module docstring's formula: q [B, H, D] (one token per sequence), caches [slots, Hkv,
+    D] and [slots, Hkv, Dv], tables [B, W] int32 block ids, lens [B] context lengths (the query
+    at position lens - 1, its own key included) → [B, H, Dv] in q's dtype. One Triton kernel."""
+    b, heads, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    out = q.new_empty(b, heads, dv)
+    if b == 0:
+        return out
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("decode_attention: the head dimension of q and the caches must be contiguous")
+    group = heads // hkv
+    # fp32 caches: exact float32 products (Triton's default for a float32 dot is tf32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_kernel[(b, hkv)](
+        q, k_cache, v_cache, out, tables, lens,
+        float(scale), float(softcap or 0.0), int(window or 0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), tables.stride(0),
+        G=group, G_PAD=_pad(group), D=d, D_PAD=_pad(d), DV=dv, DV_PAD=_pad(dv), BS=block_size,
+        BLOCK_N=64 if d <= 128 else 32, SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=precision,
+        INTERPRET=interpreting(),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def context_slots(tables: Tensor, lens: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Each sequence's cache slots [B, C] (C = the longest context; slot 0 past a sequence's end)
+    and the mask [B, C] of the positions it has."""
+    width = int(lens.max()) if lens.numel() else 1
+    pos = torch.arange(width, device=tables.device)
+    blocks = tables.long().gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(tables.shape[0], -1))
+    seen = pos[None, :] < lens[:, None]
+    return torch.where(seen, blocks * block_size + pos % block_size, 0), seen
+
+
+def reference_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """`decode_attention` in PyTorch ops: gather each context, mask, `tidal.attend.attend`."""
+    b, heads, d = q.shape
+    hkv = k_cache.shape[1]
+    slots, seen = context_slots(tables, lens, block_size)
+    if window:
+        pos = torch.arange(slots.shape[1], device=q.device)
+        seen = seen & (pos[None, :] >= (lens[:, None] - window))
+    k = k_cache[slots].transpose(1, 2)  # [B, Hkv, C, D]
+    v = v_cache[slots].transpose(1, 2)
+    qd = q.reshape(b, hkv, heads // hkv, d)  # the G query heads of each KV head as G query rows
+    o = attend(qd, k, v, seen[:, None, None, :], scale, softcap)
+    return o.reshape(b, heads, -1)
