@@ -277,6 +277,16 @@ def on_host(fn):
     return wrapper
 
 
+def host_values(values, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A tensor of Python `values` on `device`. To a GPU through pinned memory, without waiting:
+    a copy from ordinary host memory waits for everything queued on the stream first, which
+    would stall the host behind the step the GPU is computing."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def to_device(value, device: str | torch.device):
     """`value` on `device`: a tensor, a dict or list of them, or an object with a `to(device)`
     method (a packed layout); anything else unchanged. Host-to-GPU copies do not block."""

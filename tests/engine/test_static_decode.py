@@ -44,11 +44,15 @@ def test_static_buffers_give_the_usual_tokens(family):
     want = plain.generate_batch(PROMPTS, params)
     calls = []
     fill = static.runner.graphs.fill
-    static.runner.graphs.fill = lambda seqs, size: calls.append((len(seqs), size)) or fill(seqs, size)
+    static.runner.graphs.fill = lambda seqs, size, ids=None: (
+        calls.append((len(seqs), size, ids is not None)) or fill(seqs, size, ids)
+    )
     got = static.generate_batch(PROMPTS, params)
     # the first decode step is the decode path's check (transformers' forward beside it); the
-    # other ten ran over the static buffers, 6 sequences padded to 8
-    assert calls == [(6, 8)] * 10 and static.runner.decode_path_checked
+    # other ten ran over the static buffers, 6 sequences padded to 8: the first fed the tokens
+    # the host had read, the next nine overlapped, fed the tokens of the step before on the device
+    assert calls == [(6, 8, False)] + [(6, 8, True)] * 9 and static.runner.decode_path_checked
+    assert static.stats()["overlapped_steps"] == 9
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids  # the same sums in another order
         assert max(abs(a - b) for a, b in zip(g.log_probs, w.log_probs, strict=True)) < 1e-5
@@ -91,3 +95,96 @@ def test_graphs_are_off_where_the_decode_path_is():
         "gemma2 steps run transformers' forward (the decode path covers llama, mistral, qwen2, qwen3, without MoE)"
     )
     assert engine.runner.graphs is None and not engine.runner.device_tables
+
+
+def overlapping(family: str = "llama", max_seqs: int = 4) -> tuple[LLMEngine, LLMEngine]:
+    """Two engines over static buffers: steps overlapped (the GPU's way) and plain."""
+    kw = {"dtype": "float32", "block_size": 4, "kv_cache_tokens": 512, "max_num_seqs": max_seqs}
+    on = LLMEngine(tiny_model(family), None, **kw)
+    off = LLMEngine(tiny_model(family), None, overlap_steps=False, **kw)
+    for e in (on, off):
+        assert e.runner.use_static_decode(max_seqs, e.max_model_len, capture=False) is None
+    return on, off
+
+
+def mixed_params(stops: dict[int, int] | None = None) -> list[SamplingParams]:
+    kinds = [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 3},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 4, "top_logprobs": 2},
+        {"temperature": 1.2, "top_k": 20, "seed": 5},
+    ]
+    out = []
+    for i in range(10):
+        stop = [stops[i]] if stops and i in stops else []
+        out.append(SamplingParams(max_new_tokens=6 + i, stop_token_ids=stop, **kinds[i % 4]))
+    return out
+
+
+def run_all(engine: LLMEngine, prompts, params) -> list:
+    """Every request's `RequestOutput` (top log-probs included), in request order."""
+    rids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    return [done[r] for r in rids]
+
+
+def same(a, b) -> None:
+    """The same tokens and finish reasons; log-probs within float32 rounding (a row's products may
+    be summed in another order when the batch around it has another size)."""
+    for x, y in zip(a, b, strict=True):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert max(abs(p - q) for p, q in zip(x.log_probs, y.log_probs, strict=True)) < 1e-5
+        if x.top_logprobs is not None:
+            assert [[t for t, _ in top] for top in x.top_logprobs] == [[t for t, _ in top] for top in y.top_logprobs]
+
+
+def test_overlapped_steps_give_the_plain_steps_tokens():
+    """Ten requests through four sequence slots (admissions end the overlap, then it resumes),
+    greedy and seeded rows, top-p/top-k, top log-probs, lengths 6..15, and stop tokens met at
+    various steps: the same tokens, log-probs and finish reasons as steps read one by one."""
+    on, off = overlapping()
+    prompts = [[3 + i, 17, 40 + 2 * i] + [9] * i for i in range(10)]
+    first = off.generate_batch(prompts, mixed_params())
+    stops = {i: first[i].token_ids[2 + i % 3] for i in (1, 2, 5, 6, 9)}  # each met within its length
+    want = run_all(off, prompts, mixed_params(stops))
+    got = run_all(on, prompts, mixed_params(stops))
+    same(got, want)
+    assert all(len(top) == 2 for top in got[2].top_logprobs)
+    assert sum(o.finish_reason == "stop" for o in got) == 5
+    assert on.stats()["overlapped_steps"] > 10 and off.stats()["overlapped_steps"] == 0
+    assert on.blocks.num_used == 0 and not on.has_unfinished()
+
+
+def test_abort_while_a_step_is_in_flight():
+    on, off = overlapping()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=12, ignore_eos=True) for i in range(3)]
+    want = off.generate_batch(prompts, params)
+    rids = [on.add_request(None, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while on.stats()["overlapped_steps"] < 3:
+        on.step()
+    assert on._launched is not None  # a step is in flight
+    (aborted,) = on.abort(rids[1])
+    assert aborted.finish_reason == "abort" and want[1].token_ids[: len(aborted.token_ids)] == aborted.token_ids
+    done = {}
+    while on.has_unfinished():
+        done.update((o.request_id, o) for o in on.step())
+    assert done[rids[0]].token_ids == want[0].token_ids and done[rids[2]].token_ids == want[2].token_ids
+    assert on.blocks.num_used == 0
+
+
+def test_blocks_filled_while_overlapping_serve_the_prefix_cache():
+    """A continuation (the prompt, the answer and a new turn) finds the blocks the answer filled
+    during overlapped steps in the prefix cache, as it finds them after plain steps."""
+    on, off = overlapping()
+    prompt = [7, 8, 9, 10, 11, 12]
+    params = SamplingParams(temperature=1.0, seed=1, max_new_tokens=15, ignore_eos=True)
+    hits = []
+    for engine in (on, off):
+        (out,) = engine.generate_batch([prompt], [params])
+        turn = prompt + out.token_ids + [20, 21]
+        (again,) = engine.generate_batch([turn], [SamplingParams(temperature=0.0, max_new_tokens=3)])
+        hits.append((out.token_ids, again.token_ids, engine.blocks.hits))
+    assert hits[0] == hits[1] and hits[0][2] == 5  # (6 + 15 - 1) // 4: the full blocks fed before the end

@@ -141,11 +141,18 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the last token's K/V, and register the block before it once it is full."""
-        bs = self.block_size
-        if len(seq.block_table) * bs < seq.num_tokens:
+        self.grow(seq, seq.num_tokens)
+        self.register_full(seq)
+
+    def grow(self, seq: Sequence, length: int) -> None:
+        """Give `seq` the block for position `length - 1` if its table ends before it."""
+        if len(seq.block_table) * self.block_size < length:
             seq.block_table.append(self._take_free())
-        # the block holding tokens up to num_tokens-1 becomes full (and cacheable) when this
-        # decode writes its last slot
+
+    def register_full(self, seq: Sequence) -> None:
+        """Register the block holding the sequence's last token once that token fills it (its
+        K/V are written by the decode that feeds it): the block becomes a prefix-cache hit."""
+        bs = self.block_size
         n = seq.num_tokens
         if n % bs == 0 and seq.cache_epoch == self.epoch:
             i = n // bs - 1

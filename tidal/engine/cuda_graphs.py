@@ -107,19 +107,22 @@ class DecodeGraphs:
             tables=self.tab[:size],
         )
 
-    def fill(self, seqs: list[Sequence], size: int) -> None:
+    def fill(self, seqs: list[Sequence], size: int, ids: Tensor | None = None) -> None:
         """Write the step's inputs for `seqs` (each computing one token) and padding up to `size`
-        into the static buffers."""
+        into the static buffers. `ids`: the tokens to feed, already on the device, one past each
+        sequence's known tokens (sampled by a step whose result the host has not read yet);
+        default: each sequence's last known token."""
         b, bs = len(seqs), self.block_size
-        ids, pos, slots, lens = [], [], [], []
+        pending = 0 if ids is None else 1
+        pos, slots, lens = [], [], []
         tables = [seq.block_table for seq in seqs]
+        known = [0] * b if ids is not None else [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         for seq, table in zip(seqs, tables, strict=True):
-            n = seq.num_tokens
-            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
+            n = seq.num_tokens + pending
             pos.append(n - 1)
             slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
             lens.append(n)
-        self.host_vec[:, :b] = torch.tensor([ids, pos, slots, lens])
+        self.host_vec[:, :b] = torch.tensor([known, pos, slots, lens])
         self._pad(b, size)
         # the tables' entries in one assignment: row i, columns 0 .. len(table i) - 1
         counts = torch.tensor([len(t) for t in tables])
@@ -130,17 +133,19 @@ class DecodeGraphs:
         self.host_tab[rows, cols] = flat
         self.vec[:, :size].copy_(self.host_vec[:, :size], non_blocking=True)
         self.tab[:size, :width].copy_(self.host_tab[:size, :width], non_blocking=True)
+        if ids is not None:  # after the copy above, in stream order
+            self.vec[0, :b].copy_(ids)
 
-    def run(self, seqs: list[Sequence]) -> Tensor:
-        """Logits [len(seqs), V] of a pure decode step over `seqs`."""
+    def run(self, seqs: list[Sequence], ids: Tensor | None = None) -> Tensor:
+        """Logits [len(seqs), V] of a pure decode step over `seqs` (`ids`: as `fill` takes them)."""
         size = self.size_for(len(seqs))
         if not self.capture:
-            self.fill(seqs, size)
+            self.fill(seqs, size, ids)
             return self.forward(self._static_plan(size))[: len(seqs)]
         self.check()
         if size not in self.graphs:  # before the inputs are written: capturing writes padding
             self._capture([size])
-        self.fill(seqs, size)
+        self.fill(seqs, size, ids)
         graph, logits = self.graphs[size]
         graph.replay()
         self.replays += 1

@@ -31,14 +31,14 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
 from tidal.engine.sampling import adjust_logits, sample_tokens, top_logprobs
 from tidal.engine.scheduler import Scheduler
-from tidal.engine.sequence import Sequence
+from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.weights import (
     WeightStage,
     load_named_tensors,
     model_checksum,
     read_safetensors_dir,
 )
-from tidal.hardware import CPU, TORCH_DTYPES, release_cached, weights_dtype
+from tidal.hardware import CPU, TORCH_DTYPES, host_values, release_cached, weights_dtype
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class EngineConfig:
     # a GPU's pure decode steps replayed from CUDA graphs captured at start, one per batch-size
     # bucket up to max_num_seqs (`tidal.engine.cuda_graphs`); off: the same kernels launched one by one
     cuda_graphs: bool = True
+    # such a decode step is launched before the last one's tokens are read back, so the host's
+    # bookkeeping overlaps the GPU's work (`LLMEngine.step`)
+    overlap_steps: bool = True
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -74,6 +77,18 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"engine quantization: one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         return self
+
+
+@dataclass
+class _Launch:
+    """A step whose tokens are sampled on the device and on their way to the host."""
+
+    seqs: list[Sequence]
+    fed: list[int]  # the position each sequence fed
+    tokens: torch.Tensor  # [B] on the device: what the next step feeds when it overlaps
+    host: torch.Tensor  # [2, B] float64 on the host (ids, log-probs), valid once `event` has passed
+    tops: tuple[torch.Tensor, torch.Tensor] | None  # top log-probs [B, k] ids and values, on the host
+    event: torch.cuda.Event | None  # recorded after the copies (None on a CPU: already done)
 
 
 class LLMEngine:
@@ -138,7 +153,9 @@ class LLMEngine:
             "decode_tokens": 0,
             "forward_s": 0.0,
             "quantize_s": 0.0,
+            "overlapped_steps": 0,  # decode steps launched before the one before them was read
         }
+        self._launched: _Launch | None = None  # a decode step in flight (`step`)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
@@ -177,7 +194,7 @@ class LLMEngine:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._launched is not None or self.scheduler.has_unfinished()
 
     def progress(self, request_id: str) -> tuple[list[int], list[float], list] | None:
         """The tokens, log-probs and top alternatives a running request has so far (None once it
@@ -231,7 +248,19 @@ class LLMEngine:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass over the scheduled sequences; returns the requests finished by it."""
+        """One forward pass over the scheduled sequences; returns the requests finished by it.
+
+        Decode steps replayed from CUDA graphs overlap (`overlap_steps`): such a step is launched
+        and left running; the next call launches the step after it, feeding the tokens it
+        sampled on the device, before reading them back. So the host's bookkeeping of one step
+        (appending tokens, stop checks) runs while the GPU computes the next, and the GPU does not
+        wait for the host between steps. A sequence that finished in the step being read was fed
+        to the next one too; that row is dropped. Admissions (anything waiting), preemption and
+        logit penalties end the overlap: the step in flight is read first, then a plain step runs."""
+        if self._launched is not None:
+            prev = self._launched
+            self._launched = self._chain(prev)
+            return self._complete(prev, self._launched)
         seqs = self.scheduler.schedule()
         if not seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -244,6 +273,7 @@ class LLMEngine:
         new_tokens = sum(s.num_new for s in computed)
         # a decode feeds back the token sampled last step; anything else is (re)filling the cache
         decodes = sum(1 for s in computed if s.output_ids and s.num_new == 1 and s.num_cached)
+        overlap = not twins and decodes == len(seqs) and self._can_overlap(seqs)
         try:
             logits = self.runner.forward(computed)
             if twins:
@@ -255,33 +285,108 @@ class LLMEngine:
             for s in twins:
                 s.twin = None
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
-        # Python lists, not tensors: the sampler reads what it must decide on from them, not back from the device
-        temp = [s.params.temperature for s in seqs]
-        top_p, top_k = [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
-        min_p = [s.params.min_p for s in seqs]
-        seeds, draws = [s.params.seed for s in seqs], [len(s.output_ids) for s in seqs]
-        tok, lp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=min_p, draws=draws)
-        want_top = max(s.params.top_logprobs for s in seqs)
-        tops = top_logprobs(logits, torch.tensor(temp, device=self.device), want_top) if want_top else None
+        launch = self._sample(seqs, logits, pending=0)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += decodes
         self.counters["prefill_tokens"] += new_tokens - decodes
+        if overlap:
+            self._launched = launch
+            return []
+        return self._complete(launch, None)
+
+    def _can_overlap(self, seqs: list[Sequence]) -> bool:
+        """Whether this pure decode step runs from a CUDA graph (or, in tests, over its static
+        buffers) and may be left in flight: no logit penalties (they read the tokens so far)."""
+        graphs = self.runner.graphs
+        return (
+            self.cfg.overlap_steps
+            and graphs is not None
+            and self.runner.decode_path is not None
+            and self.runner.decode_path_checked
+            and graphs.size_for(len(seqs)) is not None
+            and not any(s.params.adjusts_logits for s in seqs)
+        )
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, pending: int) -> _Launch:
+        """Sample each sequence's next token from `logits` and start copying the result to the
+        host (`pending`: tokens each sequence has drawn that the host has not read yet)."""
+        # Python lists, not tensors: the sampler reads what it must decide on from them, not back from the device
+        temp = [s.params.temperature for s in seqs]
+        top_p, top_k = [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        seeds, draws = [s.params.seed for s in seqs], [len(s.output_ids) + pending for s in seqs]
+        tok, lp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=min_p, draws=draws)
+        want_top = max(s.params.top_logprobs for s in seqs)
+        tops = None
+        if want_top:
+            ids, vals = top_logprobs(logits, host_values(temp, torch.float32, self.device), want_top)
+            tops = (ids.to(CPU, non_blocking=True), vals.to(CPU, non_blocking=True))
+        # ids and log-probs in one float64 tensor (which holds both exactly): one copy to the host
+        host = torch.stack([tok.double(), lp.double()]).to(CPU, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        fed = [s.num_tokens - 1 + pending for s in seqs]
+        return _Launch(seqs, fed, tok, host, tops, event)
+
+    def _chain(self, prev: _Launch) -> _Launch | None:
+        """Launch the decode step after `prev` (still in flight) for its sequences that are still
+        running, feeding the tokens it sampled; None where the overlap ends (see `step`)."""
+        if self.scheduler.waiting:
+            return None
+        # not those `prev` takes to their length limit: they finish when it is read, whatever it sampled
+        keep = [
+            i
+            for i, s in enumerate(prev.seqs)
+            if s.status is SeqStatus.RUNNING
+            and len(s.output_ids) + 1 < s.params.max_new_tokens
+            and s.num_tokens + 1 < self.max_model_len
+        ]
+        seqs = [prev.seqs[i] for i in keep]
+        if not seqs or not self._can_overlap(seqs):
+            return None
+        bs = self.cfg.block_size
+        # each feeds the token `prev` sampled, at position num_tokens: its block must exist
+        short = [s for s in seqs if len(s.block_table) * bs <= s.num_tokens]
+        if len(short) > self.blocks.num_free:
+            return None  # a plain step preempts
+        for s in short:
+            self.blocks.grow(s, s.num_tokens + 1)
+        t0 = time.perf_counter()
+        ids = prev.tokens if len(keep) == len(prev.seqs) else prev.tokens[host_values(keep, torch.long, self.device)]
+        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1)
+        self.counters["forward_s"] += time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["overlapped_steps"] += 1
+        self.counters["decode_tokens"] += len(seqs)
+        return launch
+
+    def _complete(self, launch: _Launch, next_launch: _Launch | None) -> list[RequestOutput]:
+        """Read a launched step's tokens and log-probs back and append them; returns the requests
+        they finish. `next_launch` already fed these tokens: their blocks, once full, are
+        registered for the prefix cache here (a plain step does it when it feeds them)."""
+        if launch.event is not None:
+            launch.event.synchronize()  # this step's copies only: the next one may still be computing
+        ids, lps = launch.host.tolist()
+        tops = None if launch.tops is None else (launch.tops[0].tolist(), launch.tops[1].tolist())
+        fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
         finished = []
-        # one read-back of the step (on a GPU, the step's only wait): ids and log-probs as float64,
-        # which holds both exactly
-        host = torch.stack([tok.double(), lp.double()]).tolist()
-        for i, (seq, t, logp) in enumerate(zip(seqs, host[0], host[1], strict=True)):
-            t = int(t)
-            seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
-            seq.output_ids.append(t)
-            seq.log_probs.append(logp)
+        for i, seq in enumerate(launch.seqs):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished while this step was in flight (aborted, or its extra row)
+            seq.num_cached = launch.fed[i] + 1  # everything fed this step is now in the cache
+            seq.output_ids.append(int(ids[i]))
+            seq.log_probs.append(lps[i])
             if tops is not None and seq.params.top_logprobs:
                 k = seq.params.top_logprobs
-                seq.top_logprobs.append(list(zip(tops[0][i, :k].tolist(), tops[1][i, :k].tolist(), strict=True)))
+                seq.top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k], strict=True)))
             reason = self._stop_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason))
+            elif id(seq) in fed_next:
+                self.blocks.register_full(seq)
         return finished
 
     def abort(self, request_id: str | None = None) -> list[RequestOutput]:

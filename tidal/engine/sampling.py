@@ -18,7 +18,7 @@ from torch import Tensor
 
 from tidal.contracts import SamplingParams  # the request record of the engine contract
 from tidal.engine import native
-from tidal.hardware import CPU
+from tidal.hardware import CPU, host_values
 
 __all__ = ["SamplingParams", "row_uniforms", "sample_tokens"]
 
@@ -84,17 +84,17 @@ def _uniforms(seeds: Sequence[int | None] | None, draws: Tensor | Sequence[int] 
     seeded = [s is not None for s in seeds]
     if not any(seeded):
         return u
-    seed_t = torch.tensor([s if s is not None else 0 for s in seeds], dtype=torch.long, device=device)
+    seed_t = host_values([s if s is not None else 0 for s in seeds], torch.long, device)
     if draws is None:
         draw_t = torch.zeros(batch, dtype=torch.long, device=device)
     else:
-        draw_t = torch.as_tensor(draws, dtype=torch.long, device=device)
+        draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
         if draw_t.shape != (batch,):
             raise ValueError(f"draws must have one entry per row ({batch}), got shape {tuple(draw_t.shape)}")
     mine = row_uniforms(seed_t[rows], draw_t[rows])
     if all(seeded):
         return mine
-    return torch.where(torch.tensor(seeded, device=device)[rows], mine, u)
+    return torch.where(host_values(seeded, torch.bool, device)[rows], mine, u)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
@@ -151,11 +151,11 @@ class _RowPlan:
             raise ValueError("need 0 <= min_p <= 1 in every row")
         greedy = [i for i in range(batch) if t[i] == 0]
         sampled = [i for i in range(batch) if t[i] != 0]
-        tensors = [torch.tensor(v, dtype=dt, device=device) for v, dt in zip(host, _DTYPES, strict=True)]
+        tensors = [host_values(v, dt, device) for v, dt in zip(host, _DTYPES, strict=True)]
         return _RowPlan(
             *tensors,
-            greedy_rows=torch.tensor(greedy, dtype=torch.long, device=device),
-            sampled_rows=torch.tensor(sampled, dtype=torch.long, device=device),
+            greedy_rows=host_values(greedy, torch.long, device),
+            sampled_rows=host_values(sampled, torch.long, device),
             n_greedy=len(greedy),
             tempered=any(t[i] != 1 for i in sampled),
             filtered=any(0 < k[i] < vocab or p[i] < 1 or mp[i] > 0 for i in sampled),
