@@ -26,7 +26,6 @@ and on a GPU where capture failed (the reason is logged once).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -72,6 +71,8 @@ class DecodeGraphs:
         # ids, positions, slots, context lengths ([4, n]) and block tables ([n, width])
         self.host_vec = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
         self.host_tab = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        # per staged table row: (the sequence's block table list, how many of its entries)
+        self.staged: list[tuple[list[int], int] | None] = [None] * n
         self.vec = torch.zeros(4, n, dtype=torch.long, device=device)
         self.tab = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.capture = capture
@@ -97,6 +98,7 @@ class DecodeGraphs:
         pad_slot = self.pad_block * self.block_size
         self.host_vec[:, start:end] = torch.tensor([[0], [0], [pad_slot], [1]])
         self.host_tab[start:end, 0] = self.pad_block
+        self.staged[start:end] = [None] * (end - start)
 
     def _static_plan(self, size: int):
         return self.plan_of(
@@ -112,29 +114,44 @@ class DecodeGraphs:
         into the static buffers. `ids`: the tokens to feed, already on the device, one past each
         sequence's known tokens (sampled by a step whose result the host has not read yet);
         default: each sequence's last known token."""
+        # Per sequence only list arithmetic: at 512 sequences this loop is most of the host's
+        # part of a step, which the GPU would otherwise wait for.
         b, bs = len(seqs), self.block_size
         pending = 0 if ids is None else 1
-        pos, slots, lens = [], [], []
-        tables = [seq.block_table for seq in seqs]
-        known = [0] * b if ids is not None else [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        for seq, table in zip(seqs, tables, strict=True):
-            n = seq.num_tokens + pending
-            pos.append(n - 1)
-            slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
-            lens.append(n)
+        lens = [len(s.prompt_ids) + len(s.output_ids) + pending for s in seqs]
+        tables = [s.block_table for s in seqs]
+        pos = [n - 1 for n in lens]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
+        if ids is None:
+            known = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+        else:
+            known = pos  # overwritten on the device below
         self.host_vec[:, :b] = torch.tensor([known, pos, slots, lens])
         self._pad(b, size)
-        # the tables' entries in one assignment: row i, columns 0 .. len(table i) - 1
-        counts = torch.tensor([len(t) for t in tables])
-        width = int(counts.max())
-        flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
-        rows = torch.repeat_interleave(torch.arange(b), counts)
-        cols = torch.arange(len(flat)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        self.host_tab[rows, cols] = flat
+        width = self._write_tables(tables)
         self.vec[:, :size].copy_(self.host_vec[:, :size], non_blocking=True)
         self.tab[:size, :width].copy_(self.host_tab[:size, :width], non_blocking=True)
         if ids is not None:  # after the copy above, in stream order
             self.vec[0, :b].copy_(ids)
+
+    def _write_tables(self, tables: list[list[int]]) -> int:
+        """Bring the staged block tables' first rows up to `tables`; returns the widest. A row
+        that holds the same sequence's table as last time only gets the blocks added since
+        (tables only grow while a sequence runs; a freed sequence gets a new list)."""
+        staged, host = self.staged, self.host_tab.numpy()
+        width = 1
+        for i, table in enumerate(tables):
+            n = len(table)
+            width = max(width, n)
+            had = staged[i]
+            if had is not None and had[0] is table:
+                if had[1] != n:
+                    host[i, had[1] : n] = table[had[1] :]
+                    staged[i] = (table, n)
+            else:
+                host[i, :n] = table
+                staged[i] = (table, n)
+        return width
 
     def run(self, seqs: list[Sequence], ids: Tensor | None = None) -> Tensor:
         """Logits [len(seqs), V] of a pure decode step over `seqs` (`ids`: as `fill` takes them)."""

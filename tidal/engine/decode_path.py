@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import Tensor, nn
 
-from tidal.engine import native
+from tidal.engine import fused_kernels, native
 from tidal.engine.quant import project
 from tidal.hardware import CPU
 
@@ -72,9 +73,37 @@ class DecodePath:
             and all(d % 16 == 0 for d in head_dims)
             and native.load() is not None
         )
+        # on a GPU: q's and k's rotary embedding in one Triton kernel, where it computes what the
+        # family's function computes (checked here on a sample)
+        self.fused_rope = not self.native_rope and fused_kernels.available(w.device) and self._rope_agrees(w)
         window = WINDOWS[model.config.model_type]
         self.windows = [window(layer.self_attn) for layer in inner.layers]
         self.qk_norm = model.config.model_type in QK_NORM
+
+    def _rope_agrees(self, w: Tensor) -> bool:
+        """Whether `fused_kernels.rotary` gives the family's rotary embedding on a sample (within
+        one rounding of the dtype: a GPU may fuse a float32 product into the sum)."""
+        inner = self.model.model
+        attn = inner.layers[0].self_attn
+        heads, d = attn.config.num_attention_heads, attn.head_dim
+        kv = attn.config.num_key_value_heads
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(5, heads, d, generator=gen).to(w.device, w.dtype)
+        k = torch.randn(5, kv, d, generator=gen).to(w.device, w.dtype)
+        positions = torch.tensor([[0, 1, 7, 100, 3000]], device=w.device)
+        try:
+            with torch.no_grad():
+                cos, sin = inner.rotary_emb(q.transpose(0, 1)[None], positions)
+                got = fused_kernels.rotary(q, k, cos[0], sin[0])
+                want = self.rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
+        except Exception:  # a kernel that does not compile here
+            return False
+        want = (want[0][0].transpose(0, 1), want[1][0].transpose(0, 1))
+        tol = torch.finfo(w.dtype).eps * 2
+        return all(
+            g.shape == x.shape and bool(((g.float() - x.float()).abs() <= tol * x.float().abs().amax()).all())
+            for g, x in zip(got, want, strict=True)
+        )
 
     def __call__(self, plan) -> Tensor:
         # Modules are looked up at each call, and so are their `forward`s: the engine replaces
@@ -90,7 +119,9 @@ class DecodePath:
             q, k, v = (y.view(b, -1, d) for y in project((attn.q_proj, attn.k_proj, attn.v_proj), h))  # [B, heads, D]
             if self.qk_norm:
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            if self.native_rope:
+            if self.fused_rope:
+                q, k = fused_kernels.rotary(q, k, cos_b, sin_b)
+            elif self.native_rope:
                 q, k = native.rotary(q, cos_b, sin_b), native.rotary(k, cos_b, sin_b)
             else:  # as the attention module calls it, on [1, heads, B, D] views
                 q, k = self.rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)

@@ -9,7 +9,8 @@ Two pieces are replaced on the engine's model (never on a trainer's: the model i
   input's dtype, then the weight's product): `native.rms_norm` in one pass per row on a CPU where
   the native kernels are built (float32 or bfloat16, rounding where the module rounds, so bf16
   outputs are the module's bits); else `F.rms_norm` (float32: it rounds once where the module
-  rounds twice, so a bf16 norm keeps its own forward there).
+  rounds twice, so a bf16 norm keeps its own forward there); on a GPU `fused_kernels.rms_norm`,
+  one Triton kernel that rounds where the module rounds.
 - **SwiGLU MLPs**, `down(silu(gate(x)) · up(x))`, on a CPU: gate and up as one packed product
   where the engine joined them (`quant.project`; else the module's own projections, packed or
   quantized by the engine), then in float32 `native.silu_mul` for the activation and the
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tidal.engine import native
+from tidal.engine import fused_kernels, native
 from tidal.engine.quant import project
 from tidal.hardware import CPU
 
@@ -68,7 +69,7 @@ def _same(mod: nn.Module, fused: Callable[[Tensor], Tensor], x: Tensor) -> bool:
     try:
         with torch.no_grad():
             want, got = mod(x), fused(x)
-    except (ValueError, RuntimeError):  # a shape or dtype the fused op does not take
+    except Exception:  # a shape or dtype the fused op does not take, a kernel that does not compile here
         return False
     tol = TOLERANCE.get(want.dtype, 1e-5)
     return (
@@ -88,6 +89,8 @@ def _fuse_norm(mod: nn.Module, gen: torch.Generator, use_native: bool) -> bool:
     candidates = []
     if use_native and w.device.type == CPU and w.dtype in native.CACHE_DTYPES:
         candidates.append(lambda x: native.rms_norm(x, mod.weight, eps))
+    if fused_kernels.available(w.device):  # a GPU: one Triton kernel that rounds where the module rounds
+        candidates.append(lambda x: fused_kernels.rms_norm(x, mod.weight, eps))
     if w.dtype == torch.float32:
         candidates.append(lambda x: F.rms_norm(x, mod.weight.shape, mod.weight, eps))
     for fused in candidates:
