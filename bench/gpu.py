@@ -64,6 +64,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 # before tidal is imported: `trl_runner.START_ENV` keeps the environment the bench started with
 from bench import trl_runner
@@ -142,6 +143,25 @@ def free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+def reset_peak(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_gib(device) -> dict:
+    """What torch's allocator holds now and at its peak since `reset_peak` (empty on a CPU)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {}
+    return {
+        "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+        "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def parse_opts(pairs: list[str]) -> dict:
@@ -334,6 +354,7 @@ def rollout_tidal(wl: Workload, engine, prompts, args) -> dict:
     warm = sampling_params(1, k, min(max_new, 16), args.seed + 1, wl.ignore_eos)
     drive(engine, batch[:k], warm)
     before = engine.stats()
+    reset_peak(args.device)
     sync(args.device)
     t0 = time.perf_counter()
     outs, cut = drive(engine, batch, params, t0 + args.time_limit)
@@ -353,6 +374,7 @@ def rollout_tidal(wl: Workload, engine, prompts, args) -> dict:
         "preemptions": st["preemptions"] - before["preemptions"],
         "kv_peak_gib": st["kv_blocks_peak"] * st["kv_bytes_per_block"] / 2**30,
         "kv_total_gib": st["kv_blocks_total"] * st["kv_bytes_per_block"] / 2**30,
+        **memory_gib(args.device),
     }
 
 
@@ -375,6 +397,7 @@ def rollout_hf(wl: Workload, prompts, args) -> dict:
         k = min(len(prompts), 2)
         model.generate(input_ids=ids[:k], attention_mask=mask[:k], max_new_tokens=min(max_new, 8), **common)
         torch.manual_seed(args.seed)
+        reset_peak(device)
         sync(device)
         t0 = time.perf_counter()
         out = model.generate(
@@ -395,6 +418,7 @@ def rollout_hf(wl: Workload, prompts, args) -> dict:
     else:
         useful = sum(r.index(wl.eos) + 1 if wl.eos in r else len(r) for r in gen)
         cut = len(gen[0]) < max_new and any(wl.eos not in r for r in gen)
+    mem = memory_gib(device)
     del model, out
     free(device)
     return {
@@ -406,6 +430,7 @@ def rollout_hf(wl: Workload, prompts, args) -> dict:
         "tokens_per_s": useful / seconds,
         "cut": cut,
         "steps": len(gen[0]),
+        **mem,
     }
 
 
@@ -435,7 +460,7 @@ def trace_steps(trace: dict, n_steps: int) -> list[dict]:
             own_syncs.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     device_ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    out = []
+    out, by_name = [], {}
     for i in range(n_steps):
         lo, hi = ranges.get(i, (math.nan, math.nan))
         mine = [
@@ -448,6 +473,9 @@ def trace_steps(trace: dict, n_steps: int) -> list[dict]:
         launches = sum(1 for x in names if x in LAUNCHES)
         graphs = names.count("cudaGraphLaunch")
         spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+        for e in kernels:
+            count, us = by_name.get(e["name"], (0, 0.0))
+            by_name[e["name"]] = (count + 1, us + float(e["dur"]))
         busy_us = _union(spans)
         out.append(
             {
@@ -464,7 +492,9 @@ def trace_steps(trace: dict, n_steps: int) -> list[dict]:
                 "cuda_calls": len(mine),
             }
         )
-    return out
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    kernels = [{"name": k[:160], "per_step": c / n_steps, "ms_per_step": us / 1e3 / n_steps} for k, (c, us) in top]
+    return out, kernels
 
 
 def profile_decode(wl: Workload, engine, args) -> dict:
@@ -503,6 +533,7 @@ def profile_decode(wl: Workload, engine, args) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     walls = []
     sync(dev)
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
     with profile(activities=activities) as prof:
         for i in range(n_steps):
             t = time.perf_counter()
@@ -518,10 +549,13 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            steps = trace_steps(json.load(f), n_steps)
+            steps, top_kernels = trace_steps(json.load(f), n_steps)
+    plain_median = statistics.median(plain)
     for s, wall in zip(steps, walls, strict=True):
         s["wall_ms"] = wall
         s["busy_share"] = s["gpu_busy_ms"] / wall if dev.type == "cuda" else None
+        # the profiler slows the host down: the same busy time against an unprofiled step's wall
+        s["busy_share_unprofiled"] = s["gpu_busy_ms"] / plain_median if dev.type == "cuda" else None
     return {
         "workload": wl.name,
         "sequences": seqs,
@@ -531,8 +565,9 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         "fill_s": fill_s,
         "preemptions": preempted,
         "plain_step_ms": plain,
-        "plain_step_ms_median": statistics.median(plain),
+        "plain_step_ms_median": plain_median,
         "profiled": steps,
+        "top_kernels": top_kernels,
         "busy_is": "union of the step's kernel intervals (kernel_sum_ms: their plain sum)",
     }
 
@@ -697,29 +732,41 @@ def ratios(rows: list[dict]) -> dict:
 
 def print_summary(res: dict) -> None:
     print(f"\n== bench gpu: {res['machine'].get('gpu_name') or 'cpu'} ({res['settings']['device']})")
-    print(f"\nrollout  {'workload':<12}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}")
+    print(
+        f"\nrollout  {'workload':<12}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}"
+        f"{'peak GiB':>10}"
+    )
     for r in res["rollout"]:
+        peak = f"{r['gpu_peak_allocated_gib']:.1f}" if "gpu_peak_allocated_gib" in r else "-"
         print(
             f"         {r['workload']:<12}{r['impl']:<13}{r['sequences']:>6}{r['useful_tokens']:>9}"
-            f"{r['seconds']:>9.2f}{r['tokens_per_s']:>9.0f}{'yes' if r['cut'] else '':>5}"
+            f"{r['seconds']:>9.2f}{r['tokens_per_s']:>9.0f}{'yes' if r['cut'] else '':>5}{peak:>10}"
         )
     for wl, x in res["ratios"].items():
         print(f"         {wl}: tidal/hf_generate x{x:.2f}")
     if res["decode"]:
         print(
-            f"\ndecode   {'workload':<12}{'seqs':>5}{'step':>5}{'wall ms':>9}{'busy ms':>9}{'busy':>6}"
+            f"\ndecode   {'workload':<12}{'seqs':>5}{'step':>5}{'wall ms':>9}{'busy ms':>9}{'busy':>6}{'/plain':>7}"
             f"{'launch':>7}{'graphs':>7}{'kernels':>8}{'H2D':>5}{'syncs':>6}"
         )
         for wl, d in res["decode"].items():
             for i, s in enumerate(d["profiled"]):
                 share = f"{s['busy_share']:.0%}" if s["busy_share"] is not None else "-"
+                plain = f"{s['busy_share_unprofiled']:.0%}" if s["busy_share_unprofiled"] is not None else "-"
                 print(
                     f"         {wl:<12}{d['running_when_profiled']:>5}{i:>5}{s['wall_ms']:>9.1f}"
-                    f"{s['gpu_busy_ms']:>9.1f}{share:>6}{s['launches']:>7}{s['graph_launches']:>7}"
+                    f"{s['gpu_busy_ms']:>9.1f}{share:>6}{plain:>7}{s['launches']:>7}{s['graph_launches']:>7}"
                     f"{s['kernels']:>8}{s['h2d_copies']:>5}{sum(s['syncs'].values()):>6}"
                 )
-            print(f"         {wl}: unprofiled step median {d['plain_step_ms_median']:.1f} ms")
-        print("         busy = union of the step's kernel intervals; syncs = stream + device synchronizes")
+            longest = "; the longest kernels:" if d["top_kernels"] else ""
+            print(f"         {wl}: unprofiled step median {d['plain_step_ms_median']:.1f} ms{longest}")
+            for k in d["top_kernels"][:5]:
+                print(f"           {k['ms_per_step']:7.2f} ms/step {k['per_step']:6.0f}x  {k['name'][:90]}")
+        print(
+            "         busy = union of the step's kernel intervals; busy = busy / the profiled step's wall, "
+            "/plain = busy / the unprofiled median; launches count a graph launch as one, kernels count "
+            "what ran; syncs = stream + device synchronizes"
+        )
     for dt, g in res["logprob"].items():
         verdict = "ok" if g["meets_target"] else "ABOVE TARGET"
         print(
@@ -811,8 +858,8 @@ def main() -> None:
         print(f"[{budget.elapsed():5.0f} s] grpo beside TRL", flush=True)
         res["grpo"] = attempt(res["errors"], "grpo", grpo, args, budget)
     res["total_s"] = budget.elapsed()
+    path = write_result("gpu", res, kind=result_kind(args.device, args.smoke))  # first: nothing is lost
     print_summary(res)
-    path = write_result("gpu", res, kind=result_kind(args.device, args.smoke))
     print(f"wrote {path}")
 
 
