@@ -32,12 +32,15 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
    graph launch counts as one) and the kernels that ran (graph-launched ones included),
    host-to-device copies, and cudaStreamSynchronize / cudaDeviceSynchronize calls (the bench's
    own synchronize after each step is left out). A kernel belongs to the step whose launch call
-   it correlates with. On a CPU only the wall times are measured.
-3. The trainer-engine log-prob gap: `--logprob-samples` (32) samples of the smollm2 workload from
-   the engine, their tokens' log-probs recomputed by a separate transformers forward over prompt +
-   completion (log_softmax of the float32 logits: the sampling distribution at temperature 1),
-   in bf16 against the bf16 engine and in fp32 against an fp32 engine. Reported: mean and max
-   |engine - transformers| over the sampled tokens (targets: 2e-3 in bf16, 1e-5 in fp32).
+   it correlates with. The profiler slows the host, so the busy time is also given as a share of
+   the unprofiled steps' median wall; the 15 longest kernels (per step) come with it. On a CPU
+   only the wall times are measured.
+3. The trainer-engine log-prob gap: `--logprob-samples` (32) samples of the smollm2 workload
+   (`--logprob-workload`) from the engine, their tokens' log-probs recomputed by a separate
+   transformers forward over prompt + completion (log_softmax of the float32 logits: the sampling
+   distribution at temperature 1), in bf16 against the bf16 engine and in fp32 against an fp32
+   engine. Reported: mean and max |engine - transformers| over the sampled tokens (targets: 2e-3
+   in bf16, 1e-5 in fp32).
 4. GRPO beside TRL (`bench.trl_runner`, `device: cuda`): SmolLM2, `env:arithmetic` level 1,
    `--grpo-prompts` x `--grpo-samples` (16 x 8) of at most 128 tokens, lr 2e-5, `--grpo-steps`
    (8) steps; tidal then TRL (`GRPOTrainer`, `bf16=True`, `use_cpu=False`, generation by
@@ -682,7 +685,8 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
     prompts = wl.prompts(args.prompts)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens
     seqs = max(len(prompts) * args.samples, 4 if args.smoke else DECODE_SEQS)
-    need_engine = "tidal" in args.impls or "decode" in args.parts or (name == "smollm2" and "logprob" in args.parts)
+    gap = name == args.logprob_workload and "logprob" in args.parts
+    need_engine = "tidal" in args.impls or "decode" in args.parts or gap
     print(f"[{budget.elapsed():5.0f} s] {name}: {len(prompts)} prompts x {args.samples}", flush=True)
     if need_engine:
         max_len = max(max_len, (8 if args.smoke else DECODE_PROMPT_LEN) + 64)
@@ -698,7 +702,7 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
                 if d:
                     res["decode"][name] = d
                     print(f"  decode step  {d['plain_step_ms_median']:9.1f} ms (unprofiled median)", flush=True)
-            if name == "smollm2" and "logprob" in args.parts:
+            if gap:
                 g = attempt(errors, "log-prob gap bf16", logprob_gap, wl, engine, "bfloat16", args)
                 if g:
                     res["logprob"]["bfloat16"] = g
@@ -710,7 +714,7 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
         if row:
             res["rollout"].append(row)
             print(f"  hf_generate  {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.1f} s)", flush=True)
-    if name == "smollm2" and "logprob" in args.parts:
+    if gap:
         n_lp = math.ceil(args.logprob_samples / args.samples) * args.samples
         engine = attempt(errors, "fp32 engine", wl.engine, "float32", n_lp, max_len, args.engine_opts)
         if engine is not None:
@@ -732,10 +736,11 @@ def ratios(rows: list[dict]) -> dict:
 
 def print_summary(res: dict) -> None:
     print(f"\n== bench gpu: {res['machine'].get('gpu_name') or 'cpu'} ({res['settings']['device']})")
-    print(
-        f"\nrollout  {'workload':<12}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}"
-        f"{'peak GiB':>10}"
-    )
+    if res["rollout"]:
+        print(
+            f"\nrollout  {'workload':<12}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}"
+            f"{'peak GiB':>10}"
+        )
     for r in res["rollout"]:
         peak = f"{r['gpu_peak_allocated_gib']:.1f}" if "gpu_peak_allocated_gib" in r else "-"
         print(
@@ -817,6 +822,7 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=45.0, help="seconds a timed rollout may run before it is cut")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--logprob-samples", type=int, default=32)
+    p.add_argument("--logprob-workload", default="smollm2", choices=WORKLOADS, help="whose samples part 3 compares")
     p.add_argument("--grpo-prompts", type=int, default=16)
     p.add_argument("--grpo-samples", type=int, default=8)
     p.add_argument("--grpo-max-new-tokens", type=int, default=128)
