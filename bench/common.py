@@ -47,22 +47,28 @@ def machine_kind() -> str:
     return kind + ("-emulated" if os.environ.get("ATEN_CPU_CAPABILITY") else "")
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """`bench/results/<name>-<machine kind>.json`, written atomically: each kind of CPU keeps its own."""
+def write_result(name: str, payload: dict, kind: str | None = None) -> Path:
+    """`bench/results/<name>-<machine kind>.json`, written atomically: each kind of CPU keeps its own
+    (`kind` names another machine, such as a GPU, in its place)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{machine_kind()}.json"
+    path = RESULTS / f"{name}-{kind or machine_kind()}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)
     return path
 
 
-def run_measurement(cmd: list[str], what: str, env: dict[str, str] | None = None) -> dict:
+def run_measurement(cmd: list[str], what: str, env: dict[str, str] | None = None, timeout: float | None = None) -> dict:
     """Run one measurement `cmd` in a fresh process (with `env`, default this one's) and return the
     JSON of its `RESULT {json}` stdout line, with `process_seconds` (its wall time) added; exit
-    naming `what` and showing the end of its stderr when it prints none."""
+    naming `what` and showing the end of its stderr when it prints none, or when it runs past
+    `timeout` seconds (None: no limit)."""
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        sys.exit(f"{what} ran past its {timeout:.0f} s limit and was stopped:\n{err[-4000:]}")
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")

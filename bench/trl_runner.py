@@ -67,10 +67,16 @@ class Workload:
     trl_dtype: str = "auto"  # bfloat16 = TRL's bf16=True (autocast over fp32 weights) | float32
     tidal_dtype: str = "auto"  # train.dtype; autocast is TRL's bf16=True precision recipe
     rollout_dtype: str = "auto"  # tidal's engine.dtype
+    # where both frameworks compute: cpu (the quickstart's way) | cuda (tidal's cluster.device, TRL's
+    # use_cpu=False); `auto` dtypes then resolve for that device (bf16 on a GPU that computes it)
+    device: str = "cpu"
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
+        # the CPU runs keep the quickstart's cluster.device as it is
+        device = {} if self.device == "cpu" else {"cluster.device": self.device}
         return {
+            **device,
             "rollout.rollout_batch_size": self.prompts,
             "rollout.n_samples_per_prompt": self.samples,
             "rollout.max_new_tokens": self.max_new_tokens,
@@ -176,10 +182,11 @@ def math_reward(completions, label, **kwargs) -> list[float]:
 
 
 def trl_dtype(w: Workload) -> str:
-    """TRL's precision: `auto` is bf16 autocast where the CPU computes bf16 natively, else fp32."""
+    """TRL's precision: `auto` is bf16 autocast where the device (the CPU, or the GPU with
+    `device: cuda`) computes bf16 natively, else fp32."""
     from tidal.hardware import resolve_dtype
 
-    return resolve_dtype(w.trl_dtype, "trl dtype").dtype
+    return resolve_dtype(w.trl_dtype, "trl dtype", w.device).dtype
 
 
 def trl_config(w: Workload, steps: int, out_dir: str):
@@ -191,7 +198,7 @@ def trl_config(w: Workload, steps: int, out_dir: str):
         raise ValueError(f"prompts x samples ({per_step}) must be a multiple of micro_batch ({w.micro_batch})")
     return GRPOConfig(
         output_dir=out_dir,
-        use_cpu=True,
+        use_cpu=w.device == "cpu",
         bf16=trl_dtype(w) == "bfloat16",
         model_init_kwargs={"dtype": "float32"},  # fp32 master weights, like tidal
         per_device_train_batch_size=w.micro_batch,
@@ -351,8 +358,9 @@ def child_main() -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
-    """Run one framework in a fresh process and return its RESULT (exits with its stderr on failure)."""
+def run_child(framework: str, w: Workload, steps: int, warmup: int, timeout: float | None = None) -> dict:
+    """Run one framework in a fresh process and return its RESULT (exits with its stderr on failure,
+    or when it runs past `timeout` seconds)."""
     cmd = [sys.executable, "-m", "bench.trl_runner", "--framework", framework]
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
     for k, v in asdict(w).items():
@@ -362,7 +370,7 @@ def run_child(framework: str, w: Workload, steps: int, warmup: int) -> dict:
         from tidal import ALLOCATOR_ENV
 
         env = {**ALLOCATOR_ENV, **env}
-    res = run_measurement(cmd, f"{framework} run", env)
+    res = run_measurement(cmd, f"{framework} run", env, timeout)
     res["wall_s"] = res["process_seconds"]  # the name grpo_step/learning JSON has always used
     return res
 
