@@ -364,12 +364,19 @@ def sampling_params(n_prompts: int, n: int, max_new: int, seed: int, ignore_eos:
     ]
 
 
-def drive(engine, prompts: list[list[int]], params: list, deadline: float | None = None) -> tuple[list, bool]:
+def drive(
+    engine, prompts: list[list[int]], params: list, deadline: float | None = None, times: list | None = None
+) -> tuple[list, bool]:
     """Run the requests to completion, or until `deadline` (perf_counter) and abort the rest:
-    (outputs in request order, whether the deadline cut it)."""
+    (outputs in request order, whether the deadline cut it). `times` gets each step's seconds."""
     rids = [engine.add_request(f"b{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     done, cut = {}, False
+    last = time.perf_counter()
     while engine.has_unfinished():
+        if times is not None:
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
         if deadline is not None and time.perf_counter() > deadline:
             cut = True
             for out in engine.abort():
@@ -395,9 +402,11 @@ def rollout_tidal(wl: Workload, engine, prompts, args) -> dict:
     reset_peak(args.device)
     sync(args.device)
     t0 = time.perf_counter()
-    outs, cut = drive(engine, batch, params, t0 + args.time_limit)
+    step_s = []
+    outs, cut = drive(engine, batch, params, t0 + args.time_limit, step_s)
     sync(args.device)
     seconds = time.perf_counter() - t0
+    step_ms = sorted(x * 1e3 for x in step_s[2:])  # step_s[0]: before the first step; [1]: the prefill
     st = engine.stats()
     useful = sum(len(o.token_ids) for o in outs)
     return {
@@ -409,6 +418,10 @@ def rollout_tidal(wl: Workload, engine, prompts, args) -> dict:
         "tokens_per_s": useful / seconds,
         "cut": cut,
         "steps": st["steps"] - before["steps"],
+        "overlapped_steps": st.get("overlapped_steps", 0) - before.get("overlapped_steps", 0),
+        "prefill_step_ms": step_s[1] * 1e3 if len(step_s) > 1 else None,
+        "step_ms_median": statistics.median(step_ms) if step_ms else None,
+        "step_ms_p90": step_ms[int(0.9 * (len(step_ms) - 1))] if step_ms else None,
         "preemptions": st["preemptions"] - before["preemptions"],
         "kv_peak_gib": st["kv_blocks_peak"] * st["kv_bytes_per_block"] / 2**30,
         "kv_total_gib": st["kv_blocks_total"] * st["kv_bytes_per_block"] / 2**30,
@@ -568,6 +581,29 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         engine.step()
         sync(dev)
         plain.append((time.perf_counter() - t) * 1e3)
+    # the same steps back to back, as a rollout runs them: an overlapped step (the engine launches
+    # the next before reading the last) shows its length only here, and the host's profile says
+    # where the host's part of it goes
+    import cProfile
+    import pstats
+
+    sync(dev)
+    t = time.perf_counter()
+    host_prof = cProfile.Profile()
+    host_prof.enable()
+    for _ in range(n_steps):
+        engine.step()
+    host_prof.disable()
+    sync(dev)
+    back_to_back = (time.perf_counter() - t) * 1e3 / n_steps
+    stats = pstats.Stats(host_prof)
+    host_top = sorted(
+        (
+            {"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "ms_per_step": tt * 1e3 / n_steps, "calls": nc}
+            for (path, line, name), (_, nc, tt, _, _) in stats.stats.items()
+        ),
+        key=lambda r: -r["ms_per_step"],
+    )[:15]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     walls = []
     sync(dev)
@@ -604,6 +640,8 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         "preemptions": preempted,
         "plain_step_ms": plain,
         "plain_step_ms_median": plain_median,
+        "back_to_back_step_ms": back_to_back,  # under cProfile: the host's part is slowed a little
+        "host_top": host_top,
         "profiled": steps,
         "top_kernels": top_kernels,
         "busy_is": "union of the step's kernel intervals (kernel_sum_ms: their plain sum)",
@@ -738,7 +776,13 @@ def run_workload(name: str, args, budget: Budget, res: dict) -> None:
                 row = attempt(errors, f"{name}: rollout tidal", rollout_tidal, wl, engine, prompts, args)
                 if row:
                     res["rollout"].append(row)
-                    print(f"  tidal        {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.1f} s)", flush=True)
+                    print(
+                        f"  tidal        {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.1f} s; prefill step "
+                        f"{row['prefill_step_ms'] or 0:.0f} ms, decode steps "
+                        f"{row['step_ms_median'] or 0:.1f} ms median, "
+                        f"{row['step_ms_p90'] or 0:.1f} p90, {row['overlapped_steps']} overlapped)",
+                        flush=True,
+                    )
             if "decode" in args.parts:
                 d = attempt(errors, f"{name}: decode profile", profile_decode, wl, engine, args)
                 if d:
@@ -806,9 +850,16 @@ def print_summary(res: dict) -> None:
                     f"{s['kernels']:>8}{s['h2d_copies']:>5}{sum(s['syncs'].values()):>6}"
                 )
             longest = "; the longest kernels:" if d["top_kernels"] else ""
-            print(f"         {wl}: unprofiled step median {d['plain_step_ms_median']:.1f} ms{longest}")
+            print(
+                f"         {wl}: unprofiled step median {d['plain_step_ms_median']:.1f} ms (synchronized after each), "
+                f"{d['back_to_back_step_ms']:.1f} ms back to back{longest}"
+            )
             for k in d["top_kernels"][:5]:
                 print(f"           {k['ms_per_step']:7.2f} ms/step {k['per_step']:6.0f}x  {k['name'][:90]}")
+            print("         the host's part (cProfile, own time):")
+            for h in d["host_top"][:8]:
+                per = h["calls"] / res["settings"]["profile_steps"]
+                print(f"           {h['ms_per_step']:7.2f} ms/step {per:7.0f}x  {h['function']}")
         print(
             "         busy = union of the step's kernel intervals; busy = busy / the profiled step's wall, "
             "/plain = busy / the unprofiled median; launches count a graph launch as one, kernels count "

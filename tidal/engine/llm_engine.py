@@ -243,7 +243,8 @@ class LLMEngine:
             tail = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=True)
             if any(s in tail for s in p.stop):
                 return "stop"
-        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        out = len(seq.output_ids)
+        if out >= p.max_new_tokens or len(seq.prompt_ids) + out >= self.max_model_len:
             return "length"
         return None
 
@@ -285,7 +286,7 @@ class LLMEngine:
             for s in twins:
                 s.twin = None
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
-        launch = self._sample(seqs, logits, pending=0)
+        launch = self._sample(seqs, logits, pending=0, fed=[s.num_tokens - 1 for s in seqs])
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += decodes
@@ -295,9 +296,10 @@ class LLMEngine:
             return []
         return self._complete(launch, None)
 
-    def _can_overlap(self, seqs: list[Sequence]) -> bool:
+    def _can_overlap(self, seqs: list[Sequence], params_checked: bool = False) -> bool:
         """Whether this pure decode step runs from a CUDA graph (or, in tests, over its static
-        buffers) and may be left in flight: no logit penalties (they read the tokens so far)."""
+        buffers) and may be left in flight: no logit penalties (they read the tokens so far;
+        `params_checked`: these sequences' parameters passed already, in the step before)."""
         graphs = self.runner.graphs
         return (
             self.cfg.overlap_steps
@@ -305,12 +307,13 @@ class LLMEngine:
             and self.runner.decode_path is not None
             and self.runner.decode_path_checked
             and graphs.size_for(len(seqs)) is not None
-            and not any(s.params.adjusts_logits for s in seqs)
+            and (params_checked or not any(s.params.adjusts_logits for s in seqs))
         )
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, pending: int) -> _Launch:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, pending: int, fed: list[int]) -> _Launch:
         """Sample each sequence's next token from `logits` and start copying the result to the
-        host (`pending`: tokens each sequence has drawn that the host has not read yet)."""
+        host (`pending`: tokens each sequence has drawn that the host has not read yet; `fed`:
+        the position each fed this step)."""
         # Python lists, not tensors: the sampler reads what it must decide on from them, not back from the device
         temp = [s.params.temperature for s in seqs]
         top_p, top_k = [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
@@ -328,7 +331,6 @@ class LLMEngine:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        fed = [s.num_tokens - 1 + pending for s in seqs]
         return _Launch(seqs, fed, tok, host, tops, event)
 
     def _chain(self, prev: _Launch) -> _Launch | None:
@@ -336,27 +338,28 @@ class LLMEngine:
         running, feeding the tokens it sampled; None where the overlap ends (see `step`)."""
         if self.scheduler.waiting:
             return None
-        # not those `prev` takes to their length limit: they finish when it is read, whatever it sampled
-        keep = [
-            i
-            for i, s in enumerate(prev.seqs)
-            if s.status is SeqStatus.RUNNING
-            and len(s.output_ids) + 1 < s.params.max_new_tokens
-            and s.num_tokens + 1 < self.max_model_len
-        ]
-        seqs = [prev.seqs[i] for i in keep]
-        if not seqs or not self._can_overlap(seqs):
+        # not those `prev` takes to their length limit: they finish when it is read, whatever it
+        # sampled (per sequence only list arithmetic: this runs for every sequence every step)
+        keep, seqs, lens, limit = [], [], [], self.max_model_len
+        for i, s in enumerate(prev.seqs):
+            out = len(s.output_ids)
+            n = len(s.prompt_ids) + out
+            if s.status is SeqStatus.RUNNING and out + 1 < s.params.max_new_tokens and n + 1 < limit:
+                keep.append(i)
+                seqs.append(s)
+                lens.append(n)
+        if not seqs or not self._can_overlap(seqs, params_checked=True):
             return None
         bs = self.cfg.block_size
-        # each feeds the token `prev` sampled, at position num_tokens: its block must exist
-        short = [s for s in seqs if len(s.block_table) * bs <= s.num_tokens]
+        # each feeds the token `prev` sampled, at position n (its known tokens): its block must exist
+        short = [(s, n) for s, n in zip(seqs, lens, strict=True) if len(s.block_table) * bs <= n]
         if len(short) > self.blocks.num_free:
             return None  # a plain step preempts
-        for s in short:
-            self.blocks.grow(s, s.num_tokens + 1)
+        for s, n in short:
+            self.blocks.grow(s, n + 1)
         t0 = time.perf_counter()
         ids = prev.tokens if len(keep) == len(prev.seqs) else prev.tokens[host_values(keep, torch.long, self.device)]
-        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1)
+        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1, fed=lens)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["overlapped_steps"] += 1
@@ -372,6 +375,7 @@ class LLMEngine:
         ids, lps = launch.host.tolist()
         tops = None if launch.tops is None else (launch.tops[0].tolist(), launch.tops[1].tolist())
         fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
+        bs = self.cfg.block_size
         finished = []
         for i, seq in enumerate(launch.seqs):
             if seq.status is not SeqStatus.RUNNING:
@@ -385,7 +389,7 @@ class LLMEngine:
             reason = self._stop_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason))
-            elif id(seq) in fed_next:
+            elif (launch.fed[i] + 2) % bs == 0 and id(seq) in fed_next:  # the token fills its block
                 self.blocks.register_full(seq)
         return finished
 
