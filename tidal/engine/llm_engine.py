@@ -29,7 +29,7 @@ from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, 
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
-from tidal.engine.sampling import adjust_logits, sample_tokens, top_logprobs
+from tidal.engine.sampling import SamplingPlan, adjust_logits, sample_planned, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.weights import (
@@ -89,6 +89,9 @@ class _Launch:
     host: torch.Tensor  # [2, B] float64 on the host (ids, log-probs), valid once `event` has passed
     tops: tuple[torch.Tensor, torch.Tensor] | None  # top log-probs [B, k] ids and values, on the host
     event: torch.cuda.Event | None  # recorded after the copies (None on a CPU: already done)
+    sampling: SamplingPlan  # the rows' sampling parameters on the device
+    draws: torch.Tensor  # [B] on the device: tokens each row had drawn before this step
+    want_top: int  # the most top log-probs a row asks for
 
 
 class LLMEngine:
@@ -310,20 +313,33 @@ class LLMEngine:
             and (params_checked or not any(s.params.adjusts_logits for s in seqs))
         )
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, pending: int, fed: list[int]) -> _Launch:
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, pending: int, fed: list[int], same_as: _Launch | None = None
+    ) -> _Launch:
         """Sample each sequence's next token from `logits` and start copying the result to the
         host (`pending`: tokens each sequence has drawn that the host has not read yet; `fed`:
-        the position each fed this step)."""
-        # Python lists, not tensors: the sampler reads what it must decide on from them, not back from the device
-        temp = [s.params.temperature for s in seqs]
-        top_p, top_k = [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
-        min_p = [s.params.min_p for s in seqs]
-        seeds, draws = [s.params.seed for s in seqs], [len(s.output_ids) + pending for s in seqs]
-        tok, lp = sample_tokens(logits, temp, top_p, top_k, seeds, min_p=min_p, draws=draws)
-        want_top = max(s.params.top_logprobs for s in seqs)
+        the position each fed this step; `same_as`: the step before, over the same sequences in
+        the same order, whose sampling parameters on the device this one reuses)."""
+        if same_as is not None:
+            sampling, want_top = same_as.sampling, same_as.want_top
+            draws = same_as.draws + 1  # each row drew one more token since, on the device
+        else:
+            # Python lists, not tensors: the plan reads what the draw must decide on from them,
+            # not back from the device
+            sampling = SamplingPlan.of(
+                logits,
+                [s.params.temperature for s in seqs],
+                [s.params.top_p for s in seqs],
+                [s.params.top_k for s in seqs],
+                [s.params.seed for s in seqs],
+                [s.params.min_p for s in seqs],
+            )
+            want_top = max(s.params.top_logprobs for s in seqs)
+            draws = host_values([len(s.output_ids) + pending for s in seqs], torch.long, self.device)
+        tok, lp = sample_planned(logits, sampling, draws)
         tops = None
         if want_top:
-            ids, vals = top_logprobs(logits, host_values(temp, torch.float32, self.device), want_top)
+            ids, vals = top_logprobs(logits, sampling.rows.temp, want_top)
             tops = (ids.to(CPU, non_blocking=True), vals.to(CPU, non_blocking=True))
         # ids and log-probs in one float64 tensor (which holds both exactly): one copy to the host
         host = torch.stack([tok.double(), lp.double()]).to(CPU, non_blocking=True)
@@ -331,7 +347,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return _Launch(seqs, fed, tok, host, tops, event)
+        return _Launch(seqs, fed, tok, host, tops, event, sampling, draws, want_top)
 
     def _chain(self, prev: _Launch) -> _Launch | None:
         """Launch the decode step after `prev` (still in flight) for its sequences that are still
@@ -359,7 +375,8 @@ class LLMEngine:
             self.blocks.grow(s, n + 1)
         t0 = time.perf_counter()
         ids = prev.tokens if len(keep) == len(prev.seqs) else prev.tokens[host_values(keep, torch.long, self.device)]
-        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1, fed=lens)
+        same = prev if len(keep) == len(prev.seqs) else None
+        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1, fed=lens, same_as=same)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["overlapped_steps"] += 1

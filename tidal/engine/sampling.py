@@ -20,7 +20,7 @@ from tidal.contracts import SamplingParams  # the request record of the engine c
 from tidal.engine import native
 from tidal.hardware import CPU, host_values
 
-__all__ = ["SamplingParams", "row_uniforms", "sample_tokens"]
+__all__ = ["SamplingParams", "SamplingPlan", "row_uniforms", "sample_planned", "sample_tokens"]
 
 
 def _per_row(value: Tensor | float | int, batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -68,33 +68,26 @@ def row_uniforms(seeds: Tensor, draws: Tensor) -> Tensor:
     return _shr(_mix(state), 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def _uniforms(seeds: Sequence[int | None] | None, draws: Tensor | Sequence[int] | None, rows: Tensor, batch: int,
-              device: torch.device) -> Tensor:  # fmt: skip
+def _uniforms(plan: SamplingPlan, draws: Tensor | Sequence[int] | None, rows: Tensor) -> Tensor:
     """One Uniform[0, 1) number per sampled row ([len(rows)]).
 
     A seeded row's number is `row_uniforms(seed, draws)`: its samples depend only on its own seed
     and how many tokens it has drawn so far (`draws`, default 0), never on the other rows of the
     batch. Unseeded rows draw from torch's global generator."""
-    n = rows.numel()
-    u = torch.rand(n, device=device)
-    if seeds is None:
+    batch, device = plan.rows.temp.shape[0], plan.rows.temp.device
+    u = torch.rand(rows.numel(), device=device)
+    if plan.seeds is None:
         return u
-    if len(seeds) != batch:
-        raise ValueError(f"seeds must have one entry per row ({batch}), got {len(seeds)}")
-    seeded = [s is not None for s in seeds]
-    if not any(seeded):
-        return u
-    seed_t = host_values([s if s is not None else 0 for s in seeds], torch.long, device)
     if draws is None:
         draw_t = torch.zeros(batch, dtype=torch.long, device=device)
     else:
         draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
         if draw_t.shape != (batch,):
             raise ValueError(f"draws must have one entry per row ({batch}), got shape {tuple(draw_t.shape)}")
-    mine = row_uniforms(seed_t[rows], draw_t[rows])
-    if all(seeded):
+    mine = row_uniforms(plan.seeds[rows], draw_t[rows])
+    if plan.seeded is None:
         return mine
-    return torch.where(host_values(seeded, torch.bool, device)[rows], mine, u)
+    return torch.where(plan.seeded[rows], mine, u)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
@@ -165,6 +158,42 @@ class _RowPlan:
 _DTYPES = (torch.float32, torch.float32, torch.long, torch.float32)  # temperature, top_p, top_k, min_p
 
 
+@dataclass
+class SamplingPlan:
+    """A batch's sampling parameters on the device (`rows`) and its rows' seeds: made once per
+    batch, and reused while the batch's rows and their parameters stay the same (the engine's
+    overlapped decode steps), so a step copies nothing of them to the device again."""
+
+    rows: _RowPlan
+    seeds: Tensor | None  # [B] long on the device, 0 for an unseeded row; None: no row is seeded
+    seeded: Tensor | None  # [B] bool on the device; None: every row is seeded, or none
+
+    @staticmethod
+    def of(
+        logits: Tensor,
+        temperature: Tensor | float | Sequence[float],
+        top_p: Tensor | float | Sequence[float],
+        top_k: Tensor | int | Sequence[int],
+        seeds: Sequence[int | None] | None = None,
+        min_p: Tensor | float | Sequence[float] = 0.0,
+    ) -> SamplingPlan:
+        """The plan for `logits` [B, V] (`sample_tokens` says what each parameter means)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
+        batch, vocab = logits.shape
+        device = logits.device
+        rows = _RowPlan.of(temperature, top_p, top_k, min_p, batch, vocab, device)
+        if seeds is None:
+            return SamplingPlan(rows, None, None)
+        if len(seeds) != batch:
+            raise ValueError(f"seeds must have one entry per row ({batch}), got {len(seeds)}")
+        seeded = [s is not None for s in seeds]
+        if not any(seeded):
+            return SamplingPlan(rows, None, None)
+        seed_t = host_values([s if s is not None else 0 for s in seeds], torch.long, device)
+        return SamplingPlan(rows, seed_t, None if all(seeded) else host_values(seeded, torch.bool, device))
+
+
 def _host_row(value: float | int | Sequence, batch: int) -> list:
     """A scalar or per-row parameter given as Python values, as a list of `batch` values."""
     if isinstance(value, int | float):
@@ -205,14 +234,22 @@ def sample_tokens(
     Every row sampled at a temperature > 0 without filtering (the RL rollout's case), on a CPU:
     the same draw by `tidal.engine.native.sample`, which reads float32 or bfloat16 logits in place.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
+    return sample_planned(logits, SamplingPlan.of(logits, temperature, top_p, top_k, seeds, min_p), draws)
+
+
+@torch.no_grad()
+def sample_planned(
+    logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequence[int] | None = None
+) -> tuple[Tensor, Tensor]:
+    """`sample_tokens` with its parameters as a `SamplingPlan` made before (for these rows)."""
     batch, vocab = logits.shape
     device = logits.device
-    plan = _RowPlan.of(temperature, top_p, top_k, min_p, batch, vocab, device)
+    plan = sampling.rows
+    if plan.temp.shape[0] != batch:
+        raise ValueError(f"the sampling plan has {plan.temp.shape[0]} rows; the logits have {batch}")
     temp, p, k, mp = plan.temp, plan.top_p, plan.top_k, plan.min_p
     if not plan.filtered and plan.n_greedy == 0 and native.can_sample(logits):
-        return native.sample(logits, temp, _uniforms(seeds, draws, torch.arange(batch, device=device), batch, device))
+        return native.sample(logits, temp, _uniforms(sampling, draws, torch.arange(batch, device=device)))
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
 
@@ -261,7 +298,7 @@ def sample_tokens(
     # Inverse-CDF sampling: the first token whose cumulative probability exceeds u. One uniform
     # per row instead of a vocabulary's worth of noise (Gumbel-max costs two logs per entry).
     probs = torch.softmax(scaled, dim=-1)
-    s_tok = _inverse_cdf(probs, _uniforms(seeds, draws, rows, batch, device))
+    s_tok = _inverse_cdf(probs, _uniforms(sampling, draws, rows))
     tokens[rows] = s_tok
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])
