@@ -114,6 +114,9 @@ class BatchPlan:
     # on a GPU: the single tokens' block tables [Bd, W] int32 (read on the device by
     # `paged_kernel`; single_len their context lengths) instead of their slot lists
     tables: Tensor | None = None
+    # on a GPU, the prefilled sequences for `paged_kernel.prefill_attention`: block tables [P, W]
+    # int32, flat start, new tokens and cached tokens of each [P], and the most new tokens
+    prefill: tuple[Tensor, Tensor, Tensor, Tensor, int] | None = None
 
     @staticmethod
     def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
@@ -136,11 +139,12 @@ class BatchPlan:
         )
 
     def to(self, device: torch.device) -> BatchPlan:
-        skip = ("multi", "multi_union", "windowed", "only_single")
+        skip = ("multi", "multi_union", "windowed", "only_single", "prefill")
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
         multi_union = [ctx.to(device, non_blocking=True) for ctx in self.multi_union]
-        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single)
+        prefill = None if self.prefill is None else (*to_device(self.prefill[:4], device), self.prefill[4])
+        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single, prefill=prefill)
 
     def decode_mask(self, window: int | None) -> Tensor:
         """The single tokens' context mask, less the keys a sliding window of `window` hides (a
@@ -249,7 +253,7 @@ class ModelRunner:
         # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
         # block past the last is the padding rows' (`DecodeGraphs`)
         self.device_tables = device.type == "cuda" and not self.latent
-        self.kernel = self.device_tables and paged_kernel.runs_on(device)
+        self.kernel = self.device_tables and paged_kernel.runs_on(device)  # else their PyTorch references
         self.pad_block = num_blocks
         self.graphs: DecodeGraphs | None = None
         self.extra_bindings = tuple  # what else a captured graph reads (the engine's quantized copies)
@@ -302,6 +306,7 @@ class ModelRunner:
         if self.latent:
             return "latent attention (MLA) reads its cache through transformers' forward"
         self.device_tables = True
+        self.kernel = paged_kernel.runs_on(self.device)  # a GPU (or, in tests, Triton's interpreter)
         width = min(-(-max_len // self.block_size), self.num_blocks)
         self.graphs = DecodeGraphs(
             self.decode_path,
@@ -344,7 +349,7 @@ class ModelRunner:
         # step, and per-sequence tensor ops cost more than the whole plan's arithmetic.
         bs = self.block_size
         ids, pos, slots, last = [], [], [], []
-        single_tok, single_len, single_tables, multi = [], [], [], []
+        single_tok, single_len, single_tables, multi, multi_tables = [], [], [], [], []
         flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
@@ -362,6 +367,7 @@ class ModelRunner:
                 pos.extend(range(start, end))
                 slots.extend(ctx[start:].tolist())
                 multi.append((flat, flat + end - start, ctx, start))
+                multi_tables.append(table)
             flat += end - start
             last.append(flat - 1)
         tables = None
@@ -388,6 +394,17 @@ class ModelRunner:
             single_slots = single_pos = torch.zeros(0, 1, dtype=torch.long)
             single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
             single_qpos = torch.zeros(0, dtype=torch.long)
+        prefill = None
+        if multi and self.device_tables:
+            width = max(len(t) for t in multi_tables)
+            news = [end - start for start, end, _, _ in multi]
+            prefill = (
+                torch.tensor([t + [0] * (width - len(t)) for t in multi_tables], dtype=torch.int32),
+                torch.tensor([start for start, _, _, _ in multi]),
+                torch.tensor(news),
+                torch.tensor([cached for _, _, _, cached in multi]),
+                max(news),
+            )
         latent = {}
         if self.latent:  # every slot read this step, once; contexts as rows of it
             union = torch.unique(torch.cat([self._context_slots(s, s.num_tokens) for s in seqs]))
@@ -410,6 +427,7 @@ class ModelRunner:
             multi=multi,
             only_single=not multi,
             tables=tables,
+            prefill=prefill,
             **latent,
         )
 
@@ -459,6 +477,9 @@ class ModelRunner:
         out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
         if plan.single_tok.numel():
             out[plan.single_tok] = o
+        if plan.prefill is not None and self.kernel:  # every prefilled sequence in one kernel
+            paged_kernel.prefill_attention(q, out, kc, vc, *plan.prefill, self.block_size, scale, window, softcap)
+            return out
         for (start, end, _, cached), ctx in zip(plan.multi, multi_src, strict=True):
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]

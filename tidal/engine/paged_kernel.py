@@ -25,7 +25,7 @@ import os
 import torch
 from torch import Tensor
 
-from tidal.attend import attend
+from tidal.attend import attend, causal_mask
 
 try:  # Triton installs with CUDA torch; on a CPU only the interpreter (TRITON_INTERPRET=1) runs it
     import triton
@@ -146,6 +146,110 @@ if triton is not None:
             mask=(g[:, None] < G) & (dv[None, :] < DV),
         )
 
+    @triton.jit
+    def _prefill_kernel(
+        Q, K, V, Out, Tables, Starts, News, Cached,
+        scale, softcap, window,
+        stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tb,
+        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+        BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        s = tl.program_id(0)  # the sequence
+        mt = tl.program_id(1)  # its tile of BLOCK_M new tokens
+        h = tl.program_id(2)  # the query head (KV head h // G)
+        new = tl.load(News + s)
+        if mt * BLOCK_M < new:
+            cached = tl.load(Cached + s)
+            start = tl.load(Starts + s)
+            i = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # new tokens i, at positions cached + i
+            rows = i < new
+            qpos = cached + i
+            d = tl.arange(0, D_PAD)
+            dv = tl.arange(0, DV_PAD)
+            q = tl.load(
+                Q + (start + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=rows[:, None] & (d[None, :] < D),
+                other=0.0,
+            )
+            hk = h // G
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+            hi = cached + tl.minimum(new, (mt + 1) * BLOCK_M)  # keys past the tile's last query are unseen
+            lo = 0
+            if WINDOW:  # keys before the first query's window are never read
+                lo = tl.maximum(cached + mt * BLOCK_M - window + 1, 0)
+            if INTERPRET:  # the interpreter cannot take loaded bounds in a range
+                first = lo
+                while first < hi:
+                    m, total, acc = _prefill_tile(
+                        q, K, V, Tables, s, hk, first, hi, qpos, m, total, acc, scale, softcap, window,
+                        stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+                        D, D_PAD, DV, DV_PAD, BS, BLOCK_N, SOFTCAP, WINDOW, PRECISION, INTERPRET,
+                    )  # fmt: skip
+                    first += BLOCK_N
+            else:
+                for first in range(lo, hi, BLOCK_N):
+                    m, total, acc = _prefill_tile(
+                        q, K, V, Tables, s, hk, first, hi, qpos, m, total, acc, scale, softcap, window,
+                        stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+                        D, D_PAD, DV, DV_PAD, BS, BLOCK_N, SOFTCAP, WINDOW, PRECISION, INTERPRET,
+                    )  # fmt: skip
+            out = acc / tl.where(rows, total, 1.0)[:, None]
+            tl.store(
+                Out + (start + i)[:, None] * stride_ot + h * stride_oh + dv[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=rows[:, None] & (dv[None, :] < DV),
+            )
+
+    @triton.jit
+    def _prefill_tile(
+        q, K, V, Tables, s, hk, first, hi, qpos, m, total, acc, scale, softcap, window,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tb,
+        D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, BS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """`_tile` for BLOCK_M queries at positions `qpos`: causal (and windowed) per query."""
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        pos = first + tl.arange(0, BLOCK_N)
+        inside = pos < hi
+        block = tl.load(Tables + s * stride_tb + pos // BS, mask=inside, other=0)
+        slot = block.to(tl.int64) * BS + pos % BS
+        k = tl.load(
+            K + slot[:, None] * stride_kn + hk * stride_kh + d[None, :],
+            mask=inside[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        qq = q
+        if INTERPRET:  # its dot reads 16-bit floats as integers: the same products in float32
+            qq, k = q.to(tl.float32), k.to(tl.float32)
+        sc = tl.dot(qq, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            sc = softcap * _tanh(sc / softcap)
+        seen = inside[None, :] & (pos[None, :] <= qpos[:, None])
+        if WINDOW:
+            seen = seen & (qpos[:, None] - pos[None, :] < window)
+        sc = tl.where(seen, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        # a row that has seen nothing yet (padding rows, or all keys of the tile unseen) keeps 0s
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - safe[:, None])
+        alpha = tl.exp(m - safe)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            V + slot[:, None] * stride_vn + hk * stride_vh + dv[None, :],
+            mask=inside[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        p = p.to(v.dtype)
+        if INTERPRET:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return m_new, total, acc
+
 
 @functools.cache
 def _pad(n: int, least: int = 16) -> int:
@@ -222,3 +326,70 @@ def reference_decode_attention(
     qd = q.reshape(b, hkv, heads // hkv, d)  # the G query heads of each KV head as G query rows
     o = attend(qd, k, v, seen[:, None, None, :], scale, softcap)
     return o.reshape(b, heads, -1)
+
+
+def prefill_attention(
+    q: Tensor,
+    out: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    starts: Tensor,
+    news: Tensor,
+    cached: Tensor,
+    longest: int,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Causal attention of several sequences' new tokens over their cached context and themselves,
+    into `out`: sequence s's new tokens are rows starts[s] .. starts[s] + news[s] - 1 of the flat
+    q [T, H, D] and out [T, H, Dv], new token i at position cached[s] + i sees keys j <= cached[s]
+    + i (within the window), read through tables [S, W] from caches that already hold the new
+    tokens' keys and values. `longest`: the most new tokens of a sequence (sizes the grid). One
+    Triton kernel; rows of `out` not listed are left as they are."""
+    heads, d = q.shape[1], q.shape[2]
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    n = tables.shape[0]
+    if n == 0 or longest == 0:
+        return
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("prefill_attention: the head dimension of q, out and the caches must be contiguous")
+    block_m = 32 if d > 128 else 64
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _prefill_kernel[(n, triton.cdiv(longest, block_m), heads)](
+        q, k_cache, v_cache, out, tables, starts, news, cached,
+        float(scale), float(softcap or 0.0), int(window or 0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), tables.stride(0),
+        G=heads // hkv, D=d, D_PAD=_pad(d), DV=dv, DV_PAD=_pad(dv), BS=block_size, BLOCK_M=block_m,
+        BLOCK_N=64 if d <= 128 else 32, SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=precision,
+        INTERPRET=interpreting(), num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def reference_prefill_attention(
+    q: Tensor,
+    out: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    starts: Tensor,
+    news: Tensor,
+    cached: Tensor,
+    longest: int,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """`prefill_attention` in PyTorch ops, one sequence at a time (gather, mask, `attend`)."""
+    for s, (start, new, past) in enumerate(zip(starts.tolist(), news.tolist(), cached.tolist(), strict=True)):
+        lens = torch.tensor([past + new], device=q.device)
+        slots, _ = context_slots(tables[s : s + 1], lens, block_size)
+        ks = k_cache[slots[0]].transpose(0, 1)[None]  # [1, Hkv, C, D]
+        vs = v_cache[slots[0]].transpose(0, 1)[None]
+        qs = q[start : start + new].transpose(0, 1)[None]  # [1, H, L, D]
+        mask = causal_mask(new, past + new, past, window, q.device)
+        out[start : start + new] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
