@@ -188,3 +188,24 @@ def test_blocks_filled_while_overlapping_serve_the_prefix_cache():
         (again,) = engine.generate_batch([turn], [SamplingParams(temperature=0.0, max_new_tokens=3)])
         hits.append((out.token_ids, again.token_ids, engine.blocks.hits))
     assert hits[0] == hits[1] and hits[0][2] == 5  # (6 + 15 - 1) // 4: the full blocks fed before the end
+
+
+def test_kernels_that_fail_their_check_stay_off(monkeypatch, caplog):
+    """A kernel that does not compile on this GPU (here: raises) leaves the PyTorch references on,
+    saying why; the engine still generates."""
+    import logging
+
+    from tidal.engine import paged_kernel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(paged_kernel, "runs_on", lambda device: True)
+    monkeypatch.setattr(paged_kernel, "decode_attention", broken)
+    engine = LLMEngine(tiny_model("llama"), None, dtype="float32", block_size=4, kv_cache_tokens=256)
+    with caplog.at_level(logging.WARNING, logger="tidal.engine.model_runner"):
+        assert engine.runner.use_static_decode(4, engine.max_model_len, capture=False) is None
+    assert not engine.runner.kernel
+    assert "paged attention kernels off (their PyTorch references run): RuntimeError: no such instruction" in caplog.text
+    (out,) = engine.generate_batch([[3, 4, 5]], [SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)])
+    assert len(out.token_ids) == 4

@@ -253,7 +253,7 @@ class ModelRunner:
         # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
         # block past the last is the padding rows' (`DecodeGraphs`)
         self.device_tables = device.type == "cuda" and not self.latent
-        self.kernel = self.device_tables and paged_kernel.runs_on(device)  # else their PyTorch references
+        self.kernel = self.device_tables and self._kernels_work()  # else their PyTorch references
         self.pad_block = num_blocks
         self.graphs: DecodeGraphs | None = None
         self.extra_bindings = tuple  # what else a captured graph reads (the engine's quantized copies)
@@ -306,7 +306,7 @@ class ModelRunner:
         if self.latent:
             return "latent attention (MLA) reads its cache through transformers' forward"
         self.device_tables = True
-        self.kernel = paged_kernel.runs_on(self.device)  # a GPU (or, in tests, Triton's interpreter)
+        self.kernel = self._kernels_work()  # a GPU (or, in tests, Triton's interpreter)
         width = min(-(-max_len // self.block_size), self.num_blocks)
         self.graphs = DecodeGraphs(
             self.decode_path,
@@ -322,6 +322,16 @@ class ModelRunner:
         if capture:
             self.graphs.capture_all()
         return None
+
+    def _kernels_work(self) -> bool:
+        """Whether the paged attention kernels run here and agree with their references on a
+        sample (checked once; the reason is logged where they do not)."""
+        if not paged_kernel.runs_on(self.device):
+            return False
+        why = paged_kernel.self_check(self.device, self.cache_dtype)
+        if why:
+            log.warning("paged attention kernels off (their PyTorch references run): %s", why)
+        return why is None
 
     def bindings(self) -> tuple[int, ...]:
         """The storage a captured graph reads: parameters, caches and the engine's extras."""

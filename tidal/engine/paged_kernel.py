@@ -393,3 +393,29 @@ def reference_prefill_attention(
         qs = q[start : start + new].transpose(0, 1)[None]  # [1, H, L, D]
         mask = causal_mask(new, past + new, past, window, q.device)
         out[start : start + new] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run both kernels once on a small random case against their references on `device`: None
+    when they agree (within bf16's rounding), else why not (the engine then keeps the references)."""
+    gen = torch.Generator().manual_seed(0)
+    bs, hkv, group, d = 4, 2, 2, 64
+    k = torch.randn(16 * bs, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(16 * bs, hkv, d, generator=gen).to(device, dtype)
+    tables = torch.randperm(16, generator=gen)[:12].view(2, 6).to(device, torch.int32)
+    q = torch.randn(11, hkv * group, d, generator=gen).to(device, dtype)
+    on = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    try:
+        got = decode_attention(q[:2], k, v, tables, on([5, 21]), bs, 0.125)
+        want = reference_decode_attention(q[:2], k, v, tables, on([5, 21]), bs, 0.125)
+        args = (tables, on([0, 4]), on([4, 7]), on([3, 9]), 7, bs, 0.125)
+        out, ref = torch.zeros_like(q), torch.zeros_like(q)
+        prefill_attention(q, out, k, v, *args)
+        reference_prefill_attention(q, ref, k, v, *args)
+    except Exception as e:  # a kernel that does not compile or launch here
+        return f"{type(e).__name__}: {e}"
+    for name, a, b in (("decode", got, want), ("prefill", out, ref)):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        if not err < 2e-2:
+            return f"the {name} kernel differs from its reference by {err:.3g} (relative)"
+    return None
