@@ -206,6 +206,7 @@ def test_kernels_that_fail_their_check_stay_off(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.engine.model_runner"):
         assert engine.runner.use_static_decode(4, engine.max_model_len, capture=False) is None
     assert not engine.runner.kernel
-    assert "paged attention kernels off (their PyTorch references run): RuntimeError: no such instruction" in caplog.text
+    why = "paged attention kernels off (their PyTorch references run): RuntimeError: no such instruction"
+    assert why in caplog.text
     (out,) = engine.generate_batch([[3, 4, 5]], [SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)])
     assert len(out.token_ids) == 4
