@@ -305,8 +305,9 @@ class ModelRunner:
             return f"{kind} steps run transformers' forward (the decode path covers {families}, without MoE)"
         if self.latent:
             return "latent attention (MLA) reads its cache through transformers' forward"
-        self.device_tables = True
-        self.kernel = self._kernels_work()  # a GPU (or, in tests, Triton's interpreter)
+        if not self.device_tables:  # a CPU in tests (a GPU has them from the start)
+            self.device_tables = True
+            self.kernel = self._kernels_work()  # with Triton's interpreter
         width = min(-(-max_len // self.block_size), self.num_blocks)
         self.graphs = DecodeGraphs(
             self.decode_path,
