@@ -6,6 +6,7 @@ padding block. Same tokens as the runner's usual path."""
 from __future__ import annotations
 
 import pytest
+import torch
 from families import tiny_model
 
 from tidal.contracts import SamplingParams
@@ -210,3 +211,27 @@ def test_kernels_that_fail_their_check_stay_off(monkeypatch, caplog):
     assert why in caplog.text
     (out,) = engine.generate_batch([[3, 4, 5]], [SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)])
     assert len(out.token_ids) == 4
+
+
+def test_graphs_are_dropped_when_what_they_read_moves():
+    """A captured graph replays the addresses it was captured with: after a weight update that
+    gives a parameter new storage (an aliased trainer tensor), or a KV cache made again after
+    sleep, the engine's check drops the graphs (captured again on their next use); an in-place
+    weight update (the RL loop's) keeps them."""
+    _, static = engines("llama", "float32", max_seqs=4)
+    runner, graphs = static.runner, static.runner.graphs
+    graphs.graphs[4] = ("a graph", None)  # as if captured (capturing needs a GPU)
+    graphs.captured_with = runner.bindings()
+    w = static.model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w.mul_(0.5)  # in place: same storage
+    graphs.check()
+    assert 4 in graphs.graphs
+    w.data = w.data.clone()  # new storage
+    graphs.check()
+    assert graphs.graphs == {}
+    graphs.graphs[4] = ("a graph", None)
+    graphs.captured_with = runner.bindings()
+    runner.allocate()  # the caches made again (as wake() does)
+    graphs.check()
+    assert graphs.graphs == {}

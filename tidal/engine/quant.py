@@ -272,7 +272,8 @@ class Quantizer:
         """Addresses of the quantized copies (a captured CUDA graph reads them: re-quantizing
         makes new ones)."""
         packed = [lay.packed for lay in (*self.layers.values(), *self.joined) if lay.packed is not None]
-        return tuple(t.data_ptr() for p in packed if isinstance(p, tuple) for t in p if isinstance(t, Tensor))
+        tensors = [t for p in packed if isinstance(p, tuple) for t in p if isinstance(t, Tensor)]
+        return tuple(id(t) if t.is_mkldnn else t.data_ptr() for t in tensors)  # oneDNN's have no data pointer
 
     def release(self) -> None:
         """Drop the quantized copies (the engine sleeps); the next forward or refresh rebuilds them."""
