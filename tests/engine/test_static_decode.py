@@ -235,3 +235,19 @@ def test_graphs_are_dropped_when_what_they_read_moves():
     runner.allocate()  # the caches made again (as wake() does)
     graphs.check()
     assert graphs.graphs == {}
+
+
+def test_a_decode_step_that_cannot_be_captured_runs_eagerly(caplog):
+    """Capture fails (here: no CUDA at all; on a GPU, an op that syncs with the host): the engine
+    says why once and runs the same static-buffer steps eagerly, with the usual tokens."""
+    import logging
+
+    plain, static = engines("llama", "float32")
+    with caplog.at_level(logging.WARNING, logger="tidal.engine.cuda_graphs"):
+        static.runner.use_static_decode(8, static.max_model_len, capture=True)
+    assert "CUDA graphs off: capturing the decode step failed (" in caplog.text
+    assert not static.runner.graphs.capture and static.runner.graphs.graphs == {}
+    params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=6, ignore_eos=True) for i in range(3)]
+    got, want = static.generate_batch(PROMPTS[:3], params), plain.generate_batch(PROMPTS[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert caplog.text.count("CUDA graphs off") == 1

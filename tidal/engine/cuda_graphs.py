@@ -160,9 +160,9 @@ class DecodeGraphs:
             self.fill(seqs, size, ids)
             return self.forward(self._static_plan(size))[: len(seqs)]
         self.check()
-        if size not in self.graphs:  # before the inputs are written: capturing writes padding
-            self._capture([size])
-        self.fill(seqs, size, ids)
+        if size not in self.graphs and not self._capture_or_give_up([size]):
+            return self.run(seqs, ids)  # eagerly from now on
+        self.fill(seqs, size, ids)  # after capturing: capturing writes padding
         graph, logits = self.graphs[size]
         graph.replay()
         self.replays += 1
@@ -176,7 +176,8 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket (largest first, so the smaller ones reuse its memory)."""
-        self._capture(sorted(self.sizes, reverse=True))
+        if not self._capture_or_give_up(sorted(self.sizes, reverse=True)):
+            return
         log.info(
             "CUDA graphs: %d batch sizes (1 .. %d) captured in %.1f s, %.0f MiB",
             len(self.sizes),
@@ -184,6 +185,19 @@ class DecodeGraphs:
             self.capture_s,
             self.graph_bytes / 2**20,
         )
+
+    def _capture_or_give_up(self, sizes: list[int]) -> bool:
+        """Capture `sizes`; where the forward cannot be captured (an op that syncs or allocates
+        on the host: a layer given to the engine later, say), say why once and run eagerly."""
+        try:
+            self._capture(sizes)
+            return True
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graphs off: capturing the decode step failed (%s); it runs eagerly", why)
+            self.capture = False
+            self.reset()
+            return False
 
     def _capture(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
