@@ -17,6 +17,7 @@ BENCHES = (
     "decode",
     "reward_model",
     "sampling",
+    "memory",
 )
 
 

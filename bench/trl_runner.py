@@ -67,6 +67,7 @@ class Workload:
     trl_dtype: str = "auto"  # bfloat16 = TRL's bf16=True (autocast over fp32 weights) | float32
     tidal_dtype: str = "auto"  # train.dtype; autocast is TRL's bf16=True precision recipe
     rollout_dtype: str = "auto"  # tidal's engine.dtype
+    pack_weights: int = 1  # tidal's engine.pack_weights: 1 on (the default), 0 off (`bench.memory`)
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -81,6 +82,7 @@ class Workload:
             "train.lr": self.lr,
             "train.dtype": self.tidal_dtype,
             "engine.dtype": self.rollout_dtype,
+            "engine.pack_weights": bool(self.pack_weights),
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,
