@@ -45,8 +45,9 @@ beside its 540 MB of parameters, which an in-process engine shares with its trai
 joined into one product keep no copy of their own (a part called alone takes its columns of the
 product, `JoinedLinear.part`); a refresh drops each layer's old copy before packing its new one;
 and the synchronous loop has the engine drop its copies while the trainer trains
-(`InProcessSync.before_train`): the push after the step packs the new weights anyway. Measured
-with `python -m bench memory` (docs/performance.md).
+(`InProcessSync.before_train`): the push after the step packs the new weights anyway; with one
+malloc arena for the process (`import tidal` sets it) the new copies fill blocks the step freed.
+Measured with `python -m bench memory` (docs/performance.md).
 
 The sampled tokens come from the quantized policy, whose log-probs the engine returns: the
 trainer scores them in full precision, and `algo.is_correction` re-weights the gap.
