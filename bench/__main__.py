@@ -18,6 +18,7 @@ BENCHES = (
     "reward_model",
     "sampling",
     "gpu",
+    "memory",
 )
 
 

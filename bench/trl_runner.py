@@ -70,6 +70,7 @@ class Workload:
     # where both frameworks compute: cpu (the quickstart's way) | cuda (tidal's cluster.device, TRL's
     # use_cpu=False); `auto` dtypes then resolve for that device (bf16 on a GPU that computes it)
     device: str = "cpu"
+    pack_weights: int = 1  # tidal's engine.pack_weights: 1 on (the default), 0 off (`bench.memory`)
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -87,6 +88,7 @@ class Workload:
             "train.lr": self.lr,
             "train.dtype": self.tidal_dtype,
             "engine.dtype": self.rollout_dtype,
+            "engine.pack_weights": bool(self.pack_weights),
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,

@@ -152,6 +152,31 @@ def test_a_cpu_trainer_keeps_the_large_blocks_it_frees_and_each_opt_out_leaves_g
         assert _rss_kept_after_freeing_64mb(env, "hardware.keep_freed_memory('cpu')") == ("False", 0), env
 
 
+def _mb_a_thread_left_unused(env: dict[str, str]) -> int:
+    """MB a fresh process's main thread adds after another thread allocated, touched and freed a
+    24 MB tensor and the main thread allocates one of the same size (a CPU trainer's settings)."""
+    code = (
+        "import tidal, threading, torch; from tidal import hardware; hardware.keep_freed_memory('cpu'); "
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 >> 20; "
+        "t = threading.Thread(target=lambda: torch.ones(24 << 20, dtype=torch.uint8).sum()); t.start(); t.join(); "
+        "held = rss(); y = torch.ones(24 << 20, dtype=torch.uint8); print(rss() - held)"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != hardware.KEEP_FREED_MEMORY}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(
+    hardware.libc_function("mallopt") is None or not Path("/proc/self/statm").exists(), reason="no glibc malloc"
+)
+def test_every_thread_reuses_the_blocks_another_freed():
+    """One malloc arena for the process: a block another thread freed serves the main thread (the
+    engine's packed weights fill what the trainer's step freed); each opt-out leaves glibc's
+    arena per thread, where the main thread takes new memory."""
+    assert _mb_a_thread_left_unused({}) <= 2
+    assert _mb_a_thread_left_unused({"MALLOC_ARENA_MAX": "8"}) >= 20
+
+
 def test_a_trained_model_on_the_cpu_asks_to_keep_freed_memory(monkeypatch):
     from tidal.train import model as trained_model
 

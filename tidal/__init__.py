@@ -30,6 +30,27 @@ ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 for _name, _value in ALLOCATOR_ENV.items():
     os.environ.setdefault(_name, _value)
 
+
+def _one_malloc_arena() -> None:
+    """Every thread of this process allocates from one glibc heap (`mallopt(M_ARENA_MAX, 1)`),
+    set here, before threads make arenas of their own. A CPU trainer keeps the blocks it frees
+    (`hardware.keep_freed_memory`); with an arena per thread, the in-process engine's packed
+    weights, re-made after each training step by its packing threads, went to heaps the trainer
+    never reuses: a GRPO run of SmolLM2 in fp32 peaked at 4.5-4.8 GB, and at 3.9 GB with one
+    arena (`python -m bench memory`, docs/performance.md). Left alone where `MALLOC_ARENA_MAX` is
+    set, with `TIDAL_KEEP_FREED_MEMORY=0`, and where the C library has no `mallopt`."""
+    if "MALLOC_ARENA_MAX" in os.environ or os.environ.get("TIDAL_KEEP_FREED_MEMORY") == "0":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
+    except (AttributeError, OSError):
+        pass
+
+
+_one_malloc_arena()
+
 # public name -> the module defining it, imported when the name is first read (PEP 562)
 _LAZY: dict[str, str] = {
     "make_config": "tidal.api",

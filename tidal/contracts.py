@@ -334,6 +334,11 @@ class WeightSync(Protocol):
         (`sync/bytes`, `sync/tensors`). Raises `tidal.sync.base.SyncError` naming the engine."""
         ...
 
+    def before_train(self) -> None:
+        """The trainer trains now and the engines stay idle until the next `push` (the synchronous
+        loop): an engine may drop what that push makes again (an in-process engine's packed weights)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -113,5 +113,8 @@ class NoSync:
     def push(self, version: int) -> dict[str, float]:
         return {}
 
+    def before_train(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

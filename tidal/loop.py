@@ -236,6 +236,8 @@ def rl_step(
         return {**metrics, **rollout_metrics(samples, rewards, group_size(samples)), "time/rollout": t_rollout}
     if roles.colocate:  # the engines give their memory to the trainers until the next push
         roles.engines.sleep()
+    elif overlapped is None:  # the engines are idle until the push
+        roles.sync.before_train()
 
     t1 = time.perf_counter()
     rewards = shaped_rewards(samples, a_cfg, cfg.reward.key, r_cfg.response_budget)

@@ -173,24 +173,79 @@ def test_joined_layers_step_aside_for_a_replaced_part_and_for_many_rows():
         assert torch.equal(v, attn.v_proj(x[:4])) and torch.equal(k, attn.k_proj.forward(x[:4]))
 
 
-def test_joined_parts_pack_a_copy_of_their_own_only_when_called_alone():
-    """gate/up always run joined (the MLP's fused forward): no copy of their own; q/k/v are called
-    one by one in transformers' prefill, which packs theirs, kept up to date from then on."""
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every nn.Linear weight of `model` (a tied output projection once per module)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+def test_the_packed_copy_is_the_engines_only_extra_copy():
+    """After packing, generating (transformers' prefill calls q, k and v one by one) and a weight
+    load, the engine holds one packed copy of its linear weights: no joined part keeps one of its
+    own, and what it computes is the unpacked engine's tokens."""
     engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512)
-    layers = engine.quant.layers
-    own = {n for n, lay in layers.items() if lay.packed is not None}
-    assert not any(n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) for n in own)
-    assert engine.quant.weight_bytes()[0] == engine.quant.weight_bytes()[1]
-    engine.generate_batch(PROMPTS, [SamplingParams(max_new_tokens=3) for _ in PROMPTS])
-    own = {n for n, lay in layers.items() if lay.packed is not None}
-    assert {n for n in layers if n.endswith(("q_proj", "k_proj", "v_proj"))} <= own
-    assert not any(n.endswith(("gate_proj", "up_proj")) for n in own)
-    qkv = sum(lay.mod.weight.numel() * 4 for n, lay in layers.items() if n.endswith(("q_proj", "k_proj", "v_proj")))
-    assert engine.quant.weight_bytes()[0] == engine.quant.weight_bytes()[1] + qkv
+    plain = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512, pack_weights=False)
+    layers, one_copy = engine.quant.layers, linear_bytes(engine.model)
+    assert engine.quant.packed_bytes() == one_copy == engine.quant.weight_bytes()[0]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True) for _ in PROMPTS]
+    outs = engine.generate_batch(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate_batch(PROMPTS, params)]
+    assert not any(lay.packed is not None for lay in layers.values() if lay.joined is not None)
+    assert engine.quant.packed_bytes() == one_copy == engine.quant.weight_bytes()[0]
     engine.update_weights_from_tensors(make_model(seed=2).named_parameters())
-    for name in own:
-        lay = layers[name]
-        assert lay.packed is not None and lay.key == (lay.mod.weight.data_ptr(), lay.mod.weight._version)
+    assert engine.quant.packed_bytes() == one_copy
+    for lay in (*engine.quant.joined, *(lay for lay in layers.values() if lay.joined is None)):
+        assert lay.packed is not None and lay.key is not None
+
+
+def test_parts_called_alone_give_their_own_packed_bits():
+    """q, k and v called one by one on one input take their columns of the joined product: each
+    layer's own packed bits; an input changed in place (or another input) computes it again."""
+    model = make_model(seed=1)
+    Quantizer(model, PACKED)
+    attn = model.model.layers[0].self_attn
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    own = [QuantizedLinear(m, PACKED) for m in mods]
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, attn.q_proj.in_features)
+    with torch.no_grad():
+        for m, ref in zip(mods, own, strict=True):
+            assert torch.equal(m(x), ref(x))
+        joined = mods[0].forward.joined
+        assert joined.stash is None  # every part took its output
+        attn.q_proj(x)
+        assert set(joined.stash[2]) == {1, 2}
+        held_k = joined.stash[2][1]
+        x.mul_(2)  # k on the changed input: not the output computed before the change
+        k = attn.k_proj(x)
+        assert torch.equal(k, own[1](x)) and not torch.equal(k, held_k)
+        y = x.clone()
+        assert torch.equal(attn.v_proj(y), own[2](y))
+
+
+def test_a_reload_frees_each_old_copy_before_packing_the_new(monkeypatch):
+    """`refresh` drops a layer's old packed copy before it makes the new one, so a weight load
+    never holds two copies of a layer at once; the new copies compute with the new weights."""
+    import tidal.engine.quant as quant
+
+    engine = LLMEngine(make_model(seed=1), dtype="float32", kv_cache_tokens=512)
+    owners = {id(lay.mod.weight): lay for lay in engine.quant.layers.values() if lay.joined is None}
+    owners.update({id(j.parts[0].mod.weight): j for j in engine.quant.joined})
+    seen: list[bool] = []
+    real = quant.pack
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        held = [lay for lay in owners.values() if lay.packed is not None]
+        seen.append(len(held) == len(owners) - 1)  # the one packing now has let go of its copy
+        return real(w)
+
+    monkeypatch.setattr(quant, "pack", pack)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one layer at a time: the count is exact
+    fresh = LLMEngine(make_model(seed=2), dtype="float32", kv_cache_tokens=512, pack_weights=False)
+    engine.update_weights_from_tensors(make_model(seed=2).named_parameters())
+    assert len(seen) == len(owners) and all(seen)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True) for _ in PROMPTS]
+    got, want = engine.generate_batch(PROMPTS, params), fresh.generate_batch(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_bfloat16_is_packed_where_the_cpu_computes_it(monkeypatch):
@@ -294,6 +349,45 @@ def test_the_loop_trains_on_quantized_samples_with_the_correction(tiny_model_dir
     gaps = [h["actor/rollout_logprob_abs_diff"] for h in history]
     assert all(1e-5 < g < 0.2 for g in gaps), gaps
     assert all(any(k.startswith("is/") for k in h) for h in history)
+
+
+def test_the_synchronous_loop_trains_without_the_engines_packed_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine in the loop's process (fp32 on a CPU: packed) drops its packed copy while the
+    trainer trains, and each push packs the trained weights again: one copy, made from the
+    parameters the engine holds then (the trainer's, shared)."""
+    from tidal.sync.local import InProcessSync
+    from tidal.train.actor import Actor
+
+    cores, during, after = [], [], []
+    real_before, real_train, real_push = InProcessSync.before_train, Actor.train_step, InProcessSync.push
+
+    def before_train(self):
+        cores.append(self.engine.core)
+        real_before(self)
+
+    def train_step(self, *args, **kw):
+        during.append(cores[-1].quant.packed_bytes())
+        return real_train(self, *args, **kw)
+
+    def push(self, version):
+        out = real_push(self, version)
+        quant = self.engine.core.quant
+        current = all(
+            lay.key == (lay.mod.weight.data_ptr(), lay.mod.weight._version)
+            for lay in quant.layers.values()
+            if lay.joined is None
+        )
+        after.append((quant.packed_bytes(), current))
+        return out
+
+    monkeypatch.setattr(InProcessSync, "before_train", before_train)
+    monkeypatch.setattr(Actor, "train_step", train_step)
+    monkeypatch.setattr(InProcessSync, "push", push)
+    history = tidal.loop.train(loop_config(tiny_model_dir, tmp_path, **{"train.num_steps": 2, "cluster.device": "cpu"}))
+    assert len(history) == 2
+    one_copy = linear_bytes(cores[0].model)
+    assert during == [0, 0]
+    assert after == [(one_copy, True)] * 3  # the first push, then one after each step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 runs on a CUDA GPU")

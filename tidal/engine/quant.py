@@ -40,6 +40,15 @@ was changed in place or given new storage since re-quantizes itself at its next 
 in-place step on a tensor the engine shares reaches the engine through the sync's load, as the
 synchronous loop does every step.)
 
+Memory: a packed model holds one packed copy of its linear weights (SmolLM2 in fp32: 513 MB
+beside its 540 MB of parameters, which an in-process engine shares with its trainer). Layers
+joined into one product keep no copy of their own (a part called alone takes its columns of the
+product, `JoinedLinear.part`); a refresh drops each layer's old copy before packing its new one;
+and the synchronous loop has the engine drop its copies while the trainer trains
+(`InProcessSync.before_train`): the push after the step packs the new weights anyway; with one
+malloc arena for the process (`import tidal` sets it) the new copies fill blocks the step freed.
+Measured with `python -m bench memory` (docs/performance.md).
+
 The sampled tokens come from the quantized policy, whose log-probs the engine returns: the
 trainer scores them in full precision, and `algo.is_correction` re-weights the gap.
 """
@@ -91,6 +100,11 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_native(CPU)[0])
 
 
+def pack(w: Tensor) -> Tensor:
+    """`w` [N, K] copied into oneDNN's blocked layout for its GEMM at `PACKED_ROWS_HINT` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACKED_ROWS_HINT)
+
+
 def _version(w: Tensor) -> tuple[int, int]:
     try:
         return w.data_ptr(), w._version
@@ -108,10 +122,11 @@ class QuantizedLinear:
         self.joined: JoinedLinear | None = None  # the packed product it shares with its siblings
 
     def refresh(self) -> None:
+        self.packed = None  # the old copy goes before the new one is made: never two at once
         w, b = self.mod.weight.detach(), self.mod.bias
         b = None if b is None else b.detach()
         if self.kind == PACKED:
-            self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACKED_ROWS_HINT), b)
+            self.packed = (pack(w), b)
         elif self.kind == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(w.float(), None if b is None else b.float())
         elif self.kind == "int8":
@@ -121,12 +136,15 @@ class QuantizedLinear:
         self.key = _version(self.mod.weight)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.key != _version(self.mod.weight):
-            self.refresh()
         flat = x.reshape(-1, x.shape[-1])
         if self.kind == PACKED:
             if flat.shape[0] > PACKED_MAX_ROWS:
                 return nn.functional.linear(x, self.mod.weight, self.mod.bias)
+            if self.joined is not None:  # its columns of its siblings' product: no packed copy of its own
+                return self.joined.part(self, x)
+        if self.key != _version(self.mod.weight):
+            self.refresh()
+        if self.kind == PACKED:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed[0], self.packed[1], "none", [], "")
         elif self.kind == "fp16":
             y = torch.ops.quantized.linear_dynamic_fp16(flat.float(), self.packed)
@@ -150,6 +168,9 @@ class JoinedLinear:
         self.widths = [p.mod.out_features for p in parts]
         self.key: tuple | None = None
         self.packed: tuple[Tensor, Tensor | None] | None = None
+        # (input, its version, {part index: output}): the outputs of the last product that a part
+        # called alone asked for, kept for its siblings called next on the same input
+        self.stash: tuple[Tensor, tuple[int, int], dict[int, Tensor]] | None = None
         for p in parts:
             p.joined = self
 
@@ -171,10 +192,11 @@ class JoinedLinear:
         return tuple(_version(t) for p in self.parts for t in (p.mod.weight, p.mod.bias) if t is not None)
 
     def refresh(self) -> None:
+        self.packed, self.stash = None, None  # the old copy goes first (see `QuantizedLinear.refresh`)
         mods = [p.mod for p in self.parts]
         w = torch.cat([m.weight.detach() for m in mods])
         b = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACKED_ROWS_HINT), b)
+        self.packed = (pack(w), b)
         self.key = self._current()
 
     def __call__(self, x: Tensor) -> list[Tensor]:
@@ -183,6 +205,24 @@ class JoinedLinear:
         flat = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed[0], self.packed[1], "none", [], "")
         return [part.view(*x.shape[:-1], part.shape[-1]) for part in y.split(self.widths, dim=-1)]
+
+    def part(self, layer: QuantizedLinear, x: Tensor) -> Tensor:
+        """`layer`'s output on `x` (at most `PACKED_MAX_ROWS` rows) from the joined product, so no
+        part keeps a packed copy of its own: transformers' attention calls q, k and v one by one
+        on one input (a prefill, the decode path's first-step check), and the first call's product
+        holds the next ones' outputs, the same bits as each layer's own packed product. Another
+        input (or the same one changed in place) computes the product again."""
+        i = self.parts.index(layer)
+        held = self.stash
+        if held is not None and held[0] is x and held[1] == _version(x) and i in held[2]:
+            y = held[2].pop(i)
+            if not held[2]:
+                self.stash = None
+            return y
+        outs = self(x)
+        rest = {j: y for j, y in enumerate(outs) if j != i}
+        self.stash = (x, _version(x), rest) if rest else None
+        return outs[i]
 
 
 def project(mods: tuple[nn.Module, ...], x: Tensor) -> list[Tensor]:
@@ -258,10 +298,8 @@ class Quantizer:
     def refresh(self) -> float:
         """Quantize every layer from its current weights; returns (and keeps) the seconds it took."""
         t0 = time.perf_counter()
-        # A joined layer packs its own copy only once something called it alone (transformers'
-        # attention calls q, k and v one by one in a prefill; an MLP's gate and up always run
-        # joined where `fuse` gave it its forward).
-        todo = [*self.joined, *(lay for lay in self.layers.values() if lay.joined is None or lay.packed is not None)]
+        # a joined layer has no copy of its own (`JoinedLinear.part`): its product is the copy
+        todo = [*self.joined, *(lay for lay in self.layers.values() if lay.joined is None)]
         # fbgemm packs a matrix on one thread: pack torch's thread count of them at once
         with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
             list(pool.map(lambda layer: layer.refresh(), todo))
@@ -279,6 +317,14 @@ class Quantizer:
         """Drop the quantized copies (the engine sleeps); the next forward or refresh rebuilds them."""
         for layer in (*self.layers.values(), *self.joined):
             layer.packed, layer.key = None, None
+        for joined in self.joined:
+            joined.stash = None
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed (oneDNN) copies the layers hold now: after a refresh of a packed
+        model, one copy of every packed weight, each joined group's once."""
+        held = [lay.packed for lay in (*self.layers.values(), *self.joined) if isinstance(lay.packed, tuple)]
+        return sum(p[0].numel() * p[0].element_size() for p in held if p[0].is_mkldnn)
 
     def weight_bytes(self) -> tuple[int, int]:
         """(bytes of the quantized weights, bytes of their full-precision originals)."""

@@ -207,5 +207,8 @@ class BroadcastSync:
             **self.engines.confirmed(version),
         }
 
+    def before_train(self) -> None:
+        pass  # the engine actors keep what they hold: they are other processes
+
     def close(self) -> None:
         pass

@@ -7,6 +7,7 @@ from typing import Any
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.contracts import Trainer
+from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import weights_checksum
 from tidal.sync.base import SyncError, SyncSetup, check_engine
 
@@ -90,6 +91,16 @@ class InProcessSync:
             "sync/bytes": float(sum(t.numel() for _, t in fresh) * self.dtype.itemsize),
             "sync/tensors": float(len(named)),
         }
+
+    def before_train(self) -> None:
+        """The synchronous loop trains now, and its push re-makes the engine's packed (or quantized)
+        copies of the weights from the new ones (`Quantizer.refresh` at every load): until then they
+        only hold memory, which the trainer's step needs (the engine's oneDNN copy of SmolLM2 is
+        513 MB in float32). The engine drops them (`Quantizer.release`); one asked to generate
+        before the push packs each layer again at its first call."""
+        core = self.engine.core
+        if isinstance(core, LLMEngine) and core.quant is not None:
+            self.engine.call(core.quant.release, self.timeout, "dropping the engine's packed weights")
 
     def close(self) -> None:
         pass

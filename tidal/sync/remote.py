@@ -181,6 +181,9 @@ class _RemoteSync:
             return {"engines/restarts": 0.0, "engines/resent_requests": 0.0}
         return self.engines.confirmed(version)
 
+    def before_train(self) -> None:
+        pass  # the servers' engines keep what they hold: they are other processes
+
     def close(self) -> None:
         if self._own_loop:
             self.loop.close()
