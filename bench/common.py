@@ -75,3 +75,24 @@ def run_measurement(cmd: list[str], what: str, env: dict[str, str] | None = None
     res = json.loads(line[len("RESULT ") :])
     res["process_seconds"] = time.perf_counter() - t0
     return res
+
+
+# SmolLM2-135M-Instruct's shape (a Llama): random weights of it stand in where the bundled GGUF is
+# not needed (`bench decode`) or not there (`bench gpu`'s `smollm2-random`)
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}

@@ -38,22 +38,8 @@ import time
 
 import torch
 
-from bench.common import machine, write_result
+from bench.common import SMOLLM2_SHAPE, machine, write_result
 from tidal.engine.quant import PACKED, packs
-
-SMOLLM2_SHAPE = {
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-    "eos_token_id": 2,
-}
 
 
 def load_model(name: str, dtype: torch.dtype):

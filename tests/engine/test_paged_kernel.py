@@ -198,7 +198,8 @@ def prefill_errors(cases: list[dict], device: str) -> list[float]:
         out = torch.full((at, hkv * group, dv), float("nan"), dtype=dtype, device=device)
         ref = torch.full((at, hkv * group, dv), float("nan"), dtype=torch.float64, device=device)
         t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
-        args = (tables, t(starts), t(news), t(cached), max(news), bs, c["scale"], c["window"], c["softcap"])
+        batch = pa.PrefillBatch(tables, t(starts), t(news), t(cached), max(news))
+        args = (batch, bs, c["scale"], c["window"], c["softcap"])
         pa.prefill_attention(q, out, k, v, *args)
         pa.reference_prefill_attention(q.double(), ref, k.double(), v.double(), *args)
         listed = torch.zeros(at, dtype=torch.bool)

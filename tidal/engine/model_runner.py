@@ -114,9 +114,8 @@ class BatchPlan:
     # on a GPU: the single tokens' block tables [Bd, W] int32 (read on the device by
     # `paged_kernel`; single_len their context lengths) instead of their slot lists
     tables: Tensor | None = None
-    # on a GPU, the prefilled sequences for `paged_kernel.prefill_attention`: block tables [P, W]
-    # int32, flat start, new tokens and cached tokens of each [P], and the most new tokens
-    prefill: tuple[Tensor, Tensor, Tensor, Tensor, int] | None = None
+    # on a GPU, the prefilled sequences for `paged_kernel.prefill_attention`
+    prefill: paged_kernel.PrefillBatch | None = None
 
     @staticmethod
     def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
@@ -139,12 +138,11 @@ class BatchPlan:
         )
 
     def to(self, device: torch.device) -> BatchPlan:
-        skip = ("multi", "multi_union", "windowed", "only_single", "prefill")
+        skip = ("multi", "multi_union", "windowed", "only_single")
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
         multi_union = [ctx.to(device, non_blocking=True) for ctx in self.multi_union]
-        prefill = None if self.prefill is None else (*to_device(self.prefill[:4], device), self.prefill[4])
-        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single, prefill=prefill)
+        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single)
 
     def decode_mask(self, window: int | None) -> Tensor:
         """The single tokens' context mask, less the keys a sliding window of `window` hides (a
@@ -409,7 +407,7 @@ class ModelRunner:
         if multi and self.device_tables:
             width = max(len(t) for t in multi_tables)
             news = [end - start for start, end, _, _ in multi]
-            prefill = (
+            prefill = paged_kernel.PrefillBatch(
                 torch.tensor([t + [0] * (width - len(t)) for t in multi_tables], dtype=torch.int32),
                 torch.tensor([start for start, _, _, _ in multi]),
                 torch.tensor(news),
@@ -489,7 +487,7 @@ class ModelRunner:
         if plan.single_tok.numel():
             out[plan.single_tok] = o
         if plan.prefill is not None and self.kernel:  # every prefilled sequence in one kernel
-            paged_kernel.prefill_attention(q, out, kc, vc, *plan.prefill, self.block_size, scale, window, softcap)
+            paged_kernel.prefill_attention(q, out, kc, vc, plan.prefill, self.block_size, scale, window, softcap)
             return out
         for (start, end, _, cached), ctx in zip(plan.multi, multi_src, strict=True):
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -332,41 +333,53 @@ def reference_decode_attention(
     return o.reshape(b, heads, -1)
 
 
+@dataclass
+class PrefillBatch:
+    """The sequences a step prefills, for `prefill_attention`: sequence s's new tokens are rows
+    starts[s] .. starts[s] + news[s] - 1 of the step's flat tokens, after cached[s] tokens in the
+    cache; its blocks are tables[s] (int32)."""
+
+    tables: Tensor  # [S, W]
+    starts: Tensor  # [S]
+    news: Tensor  # [S]
+    cached: Tensor  # [S]
+    longest: int  # the most new tokens of a sequence (sizes the kernel's grid)
+
+    def to(self, device: torch.device) -> PrefillBatch:
+        moved = (t.to(device, non_blocking=True) for t in (self.tables, self.starts, self.news, self.cached))
+        return PrefillBatch(*moved, self.longest)
+
+
 def prefill_attention(
     q: Tensor,
     out: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    tables: Tensor,
-    starts: Tensor,
-    news: Tensor,
-    cached: Tensor,
-    longest: int,
+    batch: PrefillBatch,
     block_size: int,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> None:
-    """Causal attention of several sequences' new tokens over their cached context and themselves,
-    into `out`: sequence s's new tokens are rows starts[s] .. starts[s] + news[s] - 1 of the flat
-    q [T, H, D] and out [T, H, Dv], new token i at position cached[s] + i sees keys j <= cached[s]
-    + i (within the window), read through tables [S, W] from caches that already hold the new
-    tokens' keys and values. `longest`: the most new tokens of a sequence (sizes the grid). One
-    Triton kernel; rows of `out` not listed are left as they are."""
+    """Causal attention of `batch`'s new tokens over their cached context and themselves, into
+    `out`: q [T, H, D] and out [T, H, Dv] hold the step's flat tokens; new token i of sequence s
+    (at position cached[s] + i) sees keys j <= cached[s] + i (within the window), read through its
+    block table from caches that already hold the new tokens' keys and values. One Triton kernel;
+    rows of `out` that are no sequence's new tokens are left as they are."""
     heads, d = q.shape[1], q.shape[2]
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    n = tables.shape[0]
-    if n == 0 or longest == 0:
+    n = batch.tables.shape[0]
+    if n == 0 or batch.longest == 0:
         return
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("prefill_attention: the head dimension of q, out and the caches must be contiguous")
     block_m = 32 if d > 128 else 64
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _prefill_kernel[(n, triton.cdiv(longest, block_m), heads)](
-        q, k_cache, v_cache, out, tables, starts, news, cached,
+    _prefill_kernel[(n, triton.cdiv(batch.longest, block_m), heads)](
+        q, k_cache, v_cache, out, batch.tables, batch.starts, batch.news, batch.cached,
         float(scale), float(softcap or 0.0), int(window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), tables.stride(0),
+        out.stride(0), out.stride(1), batch.tables.stride(0),
         G=heads // hkv, D=d, D_PAD=_pad(d), DV=dv, DV_PAD=_pad(dv), BS=block_size, BLOCK_M=block_m,
         BLOCK_N=64 if d <= 128 else 32, SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=precision,
         INTERPRET=interpreting(), num_warps=4, num_stages=2,
@@ -378,20 +391,17 @@ def reference_prefill_attention(
     out: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    tables: Tensor,
-    starts: Tensor,
-    news: Tensor,
-    cached: Tensor,
-    longest: int,
+    batch: PrefillBatch,
     block_size: int,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> None:
     """`prefill_attention` in PyTorch ops, one sequence at a time (gather, mask, `attend`)."""
-    for s, (start, new, past) in enumerate(zip(starts.tolist(), news.tolist(), cached.tolist(), strict=True)):
+    rows = zip(batch.starts.tolist(), batch.news.tolist(), batch.cached.tolist(), strict=True)
+    for s, (start, new, past) in enumerate(rows):
         lens = torch.tensor([past + new], device=q.device)
-        slots, _ = context_slots(tables[s : s + 1], lens, block_size)
+        slots, _ = context_slots(batch.tables[s : s + 1], lens, block_size)
         ks = k_cache[slots[0]].transpose(0, 1)[None]  # [1, Hkv, C, D]
         vs = v_cache[slots[0]].transpose(0, 1)[None]
         qs = q[start : start + new].transpose(0, 1)[None]  # [1, H, L, D]
@@ -412,7 +422,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     try:
         got = decode_attention(q[:2], k, v, tables, on([5, 21]), bs, 0.125)
         want = reference_decode_attention(q[:2], k, v, tables, on([5, 21]), bs, 0.125)
-        args = (tables, on([0, 4]), on([4, 7]), on([3, 9]), 7, bs, 0.125)
+        args = (PrefillBatch(tables, on([0, 4]), on([4, 7]), on([3, 9]), 7), bs, 0.125)
         out, ref = torch.zeros_like(q), torch.zeros_like(q)
         prefill_attention(q, out, k, v, *args)
         reference_prefill_attention(q, ref, k, v, *args)
