@@ -281,10 +281,9 @@ def host_values(values, dtype: torch.dtype, device: str | torch.device) -> torch
     """A tensor of Python `values` on `device`. To a GPU through pinned memory, without waiting:
     a copy from ordinary host memory waits for everything queued on the stream first, which
     would stall the host behind the step the GPU is computing."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+    if is_cuda(device):
+        return torch.tensor(values, dtype=dtype, device=CPU).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def to_device(value, device: str | torch.device):

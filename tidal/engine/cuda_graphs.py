@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from tidal.engine.sequence import Sequence
+from tidal.hardware import CPU, is_cuda
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,10 @@ class DecodeGraphs:
         self.device, self.block_size, self.pad_block = device, block_size, pad_block
         self.sizes = bucket_sizes(max_seqs)
         n = self.sizes[-1]
-        pin = device.type == "cuda"
+        pin = is_cuda(device)
         # ids, positions, slots, context lengths ([4, n]) and block tables ([n, width])
-        self.host_vec = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
-        self.host_tab = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        self.host_vec = torch.zeros(4, n, dtype=torch.long, device=CPU, pin_memory=pin)
+        self.host_tab = torch.zeros(n, width, dtype=torch.int32, device=CPU, pin_memory=pin)
         # per staged table row: (the sequence's block table list, how many of its entries)
         self.staged: list[tuple[list[int], int] | None] = [None] * n
         self.vec = torch.zeros(4, n, dtype=torch.long, device=device)
@@ -96,7 +97,7 @@ class DecodeGraphs:
 
     def _pad(self, start: int, end: int) -> None:
         pad_slot = self.pad_block * self.block_size
-        self.host_vec[:, start:end] = torch.tensor([[0], [0], [pad_slot], [1]])
+        self.host_vec[:, start:end] = torch.tensor([[0], [0], [pad_slot], [1]], device=CPU)
         self.host_tab[start:end, 0] = self.pad_block
         self.staged[start:end] = [None] * (end - start)
 
@@ -126,7 +127,7 @@ class DecodeGraphs:
             known = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         else:
             known = pos  # overwritten on the device below
-        self.host_vec[:, :b] = torch.tensor([known, pos, slots, lens])
+        self.host_vec[:, :b] = torch.tensor([known, pos, slots, lens], device=CPU)
         self._pad(b, size)
         width = self._write_tables(tables)
         self.vec[:, :size].copy_(self.host_vec[:, :size], non_blocking=True)

@@ -87,9 +87,9 @@ class DecodePath:
         attn = inner.layers[0].self_attn
         heads, d = attn.config.num_attention_heads, attn.head_dim
         kv = attn.config.num_key_value_heads
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(5, heads, d, generator=gen).to(w.device, w.dtype)
-        k = torch.randn(5, kv, d, generator=gen).to(w.device, w.dtype)
+        gen = torch.Generator(device=CPU).manual_seed(0)
+        q = torch.randn(5, heads, d, generator=gen, device=CPU).to(w.device, w.dtype)
+        k = torch.randn(5, kv, d, generator=gen, device=CPU).to(w.device, w.dtype)
         positions = torch.tensor([[0, 1, 7, 100, 3000]], device=w.device)
         try:
             with torch.no_grad():

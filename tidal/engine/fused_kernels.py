@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tidal.engine.paged_kernel import interpreting, triton
+from tidal.hardware import is_cuda
 
 if triton is not None:
     import triton.language as tl
@@ -77,7 +78,7 @@ if triton is not None:
 
 def available(device: torch.device) -> bool:
     """Whether these kernels run for tensors on `device` (a GPU with Triton, or its interpreter)."""
-    return triton is not None and (device.type == "cuda" or interpreting())
+    return triton is not None and (is_cuda(device) or interpreting())
 
 
 def _pow2(n: int) -> int:

@@ -38,7 +38,7 @@ from tidal.engine.weights import (
     model_checksum,
     read_safetensors_dir,
 )
-from tidal.hardware import CPU, TORCH_DTYPES, host_values, release_cached, weights_dtype
+from tidal.hardware import CPU, TORCH_DTYPES, host_values, is_cuda, release_cached, weights_dtype
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class LLMEngine:
         if self.quant is not None:
             self.runner.extra_bindings = self.quant.storage
         self.graphs_off: str | None = None  # why decode steps are not replayed from CUDA graphs
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             self.graphs_off = self.runner.use_static_decode(cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
             if not cfg.cuda_graphs:
                 self.graphs_off = "engine cuda_graphs: false"
@@ -344,7 +344,7 @@ class LLMEngine:
         # ids and log-probs in one float64 tensor (which holds both exactly): one copy to the host
         host = torch.stack([tok.double(), lp.double()]).to(CPU, non_blocking=True)
         event = None
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             event = torch.cuda.Event()
             event.record()
         return _Launch(seqs, fed, tok, host, tops, event, sampling, draws, want_top)

@@ -49,7 +49,7 @@ from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native, paged_kernel
 from tidal.engine.cuda_graphs import DecodeGraphs
 from tidal.engine.sequence import Sequence
-from tidal.hardware import CPU, on_host, to_device
+from tidal.hardware import CPU, is_cuda, on_host, to_device
 from tidal.utils import cache_argument
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class ModelRunner:
         # on a GPU, decode attention reads block tables on the device (`paged_kernel`, one
         # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
         # block past the last is the padding rows' (`DecodeGraphs`)
-        self.device_tables = device.type == "cuda" and not self.latent
+        self.device_tables = is_cuda(device) and not self.latent
         self.kernel = self.device_tables and self._kernels_work()  # else their PyTorch references
         self.pad_block = num_blocks
         self.graphs: DecodeGraphs | None = None
@@ -537,7 +537,7 @@ class ModelRunner:
         largest logit."""
         if torch.equal(fast, logits):
             return True
-        if self.device.type != "cuda":
+        if not is_cuda(self.device):
             return False
         diff = (fast.float() - logits.float()).abs().max()
         scale = logits.float().abs().max()
@@ -553,7 +553,7 @@ class ModelRunner:
             "tidal_step": (self, plan),
             **self._cache(plan),
         }
-        if self.device.type == "cuda":  # not cuDNN's attention: it is re-planned for every new set of lengths
+        if is_cuda(self.device):  # not cuDNN's attention: it is re-planned for every new set of lengths
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
                 return self._call_model(plan, kw)
         return self._call_model(plan, kw)

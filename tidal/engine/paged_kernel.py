@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from tidal.attend import attend, causal_mask
+from tidal.hardware import CPU, is_cuda
 
 triton = None
 # Triton installs with CUDA torch; on a CPU only its interpreter (TRITON_INTERPRET=1, the tests)
@@ -48,7 +49,7 @@ def runs_on(device: torch.device) -> bool:
     """Whether `decode_attention`'s kernel runs for tensors on `device`."""
     if triton is None:
         return False
-    return device.type == "cuda" or interpreting()
+    return is_cuda(device) or interpreting()
 
 
 if triton is not None:
@@ -412,12 +413,12 @@ def reference_prefill_attention(
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run both kernels once on a small random case against their references on `device`: None
     when they agree (within bf16's rounding), else why not (the engine then keeps the references)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=CPU).manual_seed(0)
     bs, hkv, group, d = 4, 2, 2, 64
-    k = torch.randn(16 * bs, hkv, d, generator=gen).to(device, dtype)
-    v = torch.randn(16 * bs, hkv, d, generator=gen).to(device, dtype)
-    tables = torch.randperm(16, generator=gen)[:12].view(2, 6).to(device, torch.int32)
-    q = torch.randn(11, hkv * group, d, generator=gen).to(device, dtype)
+    k = torch.randn(16 * bs, hkv, d, generator=gen, device=CPU).to(device, dtype)
+    v = torch.randn(16 * bs, hkv, d, generator=gen, device=CPU).to(device, dtype)
+    tables = torch.randperm(16, generator=gen, device=CPU)[:12].view(2, 6).to(device, torch.int32)
+    q = torch.randn(11, hkv * group, d, generator=gen, device=CPU).to(device, dtype)
     on = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
     try:
         got = decode_attention(q[:2], k, v, tables, on([5, 21]), bs, 0.125)
