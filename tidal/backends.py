@@ -114,6 +114,7 @@ _TIDAL_CORE_OPTIONS = (
     "max_num_seqs",
     "quantization",
     "pack_weights",
+    "cuda_graphs",
     "device",
 )
 

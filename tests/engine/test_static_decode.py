@@ -251,3 +251,17 @@ def test_a_decode_step_that_cannot_be_captured_runs_eagerly(caplog):
     got, want = static.generate_batch(PROMPTS[:3], params), plain.generate_batch(PROMPTS[:3], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert caplog.text.count("CUDA graphs off") == 1
+
+
+def test_the_run_config_turns_graphs_off():
+    from tidal.adapters.factory import core_options
+    from tidal.backends import ENGINES
+    from tidal.config import build_config
+
+    assert core_options(build_config(None, {}).engine, 512)["cuda_graphs"] is True
+    assert core_options(build_config(None, {"engine.cuda_graphs": False}).engine, 512)["cuda_graphs"] is False
+    assert "cuda_graphs" in ENGINES["tidal"].core_options and "cuda_graphs" not in ENGINES["vllm"].core_options
+    assert (
+        LLMEngine(tiny_model("llama"), None, dtype="float32", kv_cache_tokens=256, cuda_graphs=False).cfg.cuda_graphs
+        is False
+    )

@@ -25,6 +25,7 @@ def core_options(engine: EngineConfig, kv_cache_tokens: int) -> dict:
         "max_num_seqs": engine.max_num_seqs,
         "quantization": engine.quantization,
         "pack_weights": engine.pack_weights,
+        "cuda_graphs": engine.cuda_graphs,
     }
 
 

@@ -49,6 +49,11 @@ class EngineConfig:
         "tidal engine, float32 on a CPU: run decode's linear layers from copies packed for oneDNN (faster; "
         "re-packed at every weight load; a second copy of the linear weights in memory)",
     )
+    cuda_graphs: bool = opt(
+        True,
+        "tidal engine on a GPU: replay pure decode steps from CUDA graphs captured at start, one per batch-size "
+        "bucket up to max_num_seqs (off: the same kernels launched one by one)",
+    )
     kv_cache_tokens: int = opt(
         0,
         "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "
