@@ -216,6 +216,15 @@ def make_samples(n=8, seed=0, group=2):
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls run much faster on one thread than on two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -28,6 +28,20 @@ _BASE = dict(
 )
 WINDOW = 6  # sliding window of the families that have one: prompts of 10-20 tokens outgrow it
 
+# the Gated DeltaNet families' layers: linear, attention, linear
+_GDN = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+# the Mamba-2 families' mixers: 4 heads of 16, one group, state 8, conv kernel 4, chunks of 8
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8)
+
 # model_type -> its config on top of _BASE
 _CONFIGS: dict[str, dict] = {
     "llama": {},
@@ -123,7 +137,42 @@ _CONFIGS: dict[str, dict] = {
         norm_topk_prob=True,
         num_mtp_layers=0,
     ),
+    # hybrid families: recurrent token mixers between (or beside) attention layers
+    # Qwen3-Next: Gated DeltaNet layers around a gated attention layer (partial rotary), grouped
+    # value heads (4 v over 2 k), conv kernel 4; MoE layers with a sigmoid-gated shared expert
+    "qwen3_next": dict(
+        **_GDN,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+    ),
+    # Qwen3.5's language model: Gated DeltaNet as Qwen3-Next, dense MLPs
+    "qwen3_5_text": _GDN,
+    # LFM2: gated short convolutions (kernel 3) around an attention layer with q/k norms
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    # Falcon-H1: Mamba-2 (4 heads of 16, state 8, chunks of 8) beside attention in every layer
+    "falcon_h1": dict(
+        head_dim=16,
+        mamba_d_ssm=64,
+        **_MAMBA2,
+    ),
+    # Granite 4 hybrid: Mamba-2 layers around an attention layer, MoE (4 experts, top-2) with a
+    # shared MLP
+    "granitemoehybrid": dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        **_MAMBA2,
+        mamba_expand=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+    ),
 }
+HYBRID = ("qwen3_next", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid")
 # sdpa has no soft-capping: transformers itself refuses sdpa for Gemma2 (its default is eager)
 _EAGER = {"gemma2"}
 

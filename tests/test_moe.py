@@ -253,6 +253,7 @@ REFERENCES = {
     "Dots1TopkRouter": "dots1",
     "ExaoneMoeTopkRouter": "exaone_moe",
     "SolarOpenTopkRouter": "solar_open",
+    "GraniteMoeHybridTopKRouter": "granitemoehybrid",
 }
 
 
@@ -267,9 +268,9 @@ def test_every_listed_router_class_runs_the_forward_of_its_formula():
     by_formula: dict = {}
     for cls_name, fn in moe.ROUTE_WEIGHTS.items():
         by_formula.setdefault(fn, set()).add(sources[cls_name])
-    assert len(by_formula) == 4 and all(len(s) == 1 for s in by_formula.values())
-    # and the four formulas are four different forwards
-    assert len({next(iter(s)) for s in by_formula.values()}) == 4
+    assert len(by_formula) == 5 and all(len(s) == 1 for s in by_formula.values())
+    # and the five formulas are five different forwards
+    assert len({next(iter(s)) for s in by_formula.values()}) == 5
 
 
 # ------------------------------------------------------------------ the record a sample carries

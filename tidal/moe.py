@@ -57,6 +57,13 @@ def sigmoid_group_weights(logits: Tensor, indices: Tensor, normalize: bool, scal
     return w * scale
 
 
+def topk_softmax_weights(logits: Tensor, indices: Tensor, dtype: torch.dtype) -> Tensor:
+    """Weights of a router that normalises over its chosen experts' logits only (Granite MoE):
+
+    w = softmax([l_{e_1}, ..., l_{e_k}]) in fp32, cast to `dtype`."""
+    return torch.softmax(logits.float().gather(-1, indices), dim=-1).to(dtype)
+
+
 RouteWeights = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
@@ -70,6 +77,10 @@ def _softmax_renorm_cast(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
 
 def _softmax_renorm_fp32(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
     return softmax_topk_weights(logits, idx, True, torch.float32)
+
+
+def _topk_softmax(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
+    return topk_softmax_weights(logits, idx, r.weight.dtype)
 
 
 def _sigmoid_group(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
@@ -105,6 +116,7 @@ ROUTE_WEIGHTS: dict[str, RouteWeights] = {
         ),
         _sigmoid_group,
     ),
+    "GraniteMoeHybridTopKRouter": _topk_softmax,
 }
 
 

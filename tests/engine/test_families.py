@@ -32,13 +32,7 @@ N_NEW = 12
 assert max(len(p) for p in PROMPTS) > WINDOW + 10
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls run much faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
@@ -157,7 +151,7 @@ def test_an_unsupported_architecture_is_refused_by_name():
     )
 
 
-MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "granitemoehybrid")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

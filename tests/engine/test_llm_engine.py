@@ -26,13 +26,7 @@ PROMPTS = [
 LONG = [list(range(10 + 13 * i, 20 + 13 * i)) for i in range(4)]  # 10 tokens each
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls run ~20x faster on one thread than on two contended ones (a loaded CI box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(seed=0, **kw):

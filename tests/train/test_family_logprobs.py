@@ -23,12 +23,7 @@ PROMPTS = [[1, 5, 9, 33, 70, 8, 100, 11, 12], [7, 300, 17, 250, 99, 3, 64, 128, 
 GROUP = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def engine_samples(family: str, routing: bool = False) -> list[Sample]:
@@ -76,7 +71,10 @@ def test_the_trainer_scores_engine_samples_as_the_engine_did(family, packing):
     assert gap(actor, samples) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "granitemoehybrid")
+
+
+@pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_with_routing_replay_too(family, packing):
     """The engine's recorded experts, replayed by the trainer (`algo.routing_replay`)."""

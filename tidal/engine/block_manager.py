@@ -6,6 +6,11 @@ token before and in it, so two sequences whose first k blocks of tokens agree sh
 the n samples of a GRPO group prefill their prompt once, and a multi-turn continuation reuses the
 blocks of the turn before. A block whose last user leaves goes back to the free list but keeps its
 hash, so a later request with the same prefix can still hit it until the block is reused.
+
+A hybrid model's sequences also hold a slot of recurrent states (`state_slots`,
+`tidal.engine.states`) while they hold blocks. A cached block is only of use to them together
+with the states at its end, which no slot keeps, so they share blocks only where the caller says
+the states come with them (`share`: a twin, whose states are copied from its lead).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ def block_hash(prev: int, tokens: list[int] | tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.state_slots = state_slots
+        self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = [0] * num_blocks
@@ -58,9 +65,12 @@ class BlockManager:
             out.append(h)
         return out
 
-    def _lookup(self, tokens: list[int]) -> list[int]:
+    def _lookup(self, tokens: list[int], share: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of `tokens`, in whole blocks, always leaving at
-        least one token to compute (the forward pass needs it to produce the next logits)."""
+        least one token to compute (the forward pass needs it to produce the next logits). None
+        for a hybrid model's sequence unless `share` (see the module docstring)."""
+        if self.state_slots and not share:
+            return []
         bs = self.block_size
         found = []
         for i, h in enumerate(self._chain(tokens)):
@@ -73,19 +83,21 @@ class BlockManager:
             found.pop()
         return found
 
-    def cached_tokens(self, seq: Sequence) -> int:
+    def cached_tokens(self, seq: Sequence, share: bool = True) -> int:
         """Tokens of `seq` that `allocate` would find in the prefix cache now."""
-        return len(self._lookup(seq.tokens)) * self.block_size
+        return len(self._lookup(seq.tokens, share)) * self.block_size
 
-    def blocks_needed(self, seq: Sequence) -> int:
+    def blocks_needed(self, seq: Sequence, share: bool = True) -> int:
         """Free blocks `allocate(seq)` would take now."""
-        hits = self._lookup(seq.tokens)
+        hits = self._lookup(seq.tokens, share)
         total = -(-seq.num_tokens // self.block_size)
         # a hit on a free (unreferenced) block takes it off the free list too
         return total - len(hits) + sum(1 for b in hits if self.ref[b] == 0)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(seq) <= self.num_free
+    def can_allocate(self, seq: Sequence, share: bool = True) -> bool:
+        if self.state_slots and not self.free_states:
+            return False
+        return self.blocks_needed(seq, share) <= self.num_free
 
     # ---------------------------------------------------------------- allocation
     def _take_free(self) -> int:
@@ -104,7 +116,7 @@ class BlockManager:
         self.tokens[b] = tuple(tokens)
         self.cached[h] = b
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, share: bool = True) -> None:
         """Give `seq` a block table covering all its tokens, reusing cached prefix blocks. Sets
         `seq.num_cached` to the tokens found in the cache; the rest must be computed this step.
 
@@ -113,10 +125,10 @@ class BlockManager:
         same step may already share them."""
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id} already has blocks")
-        if not self.can_allocate(seq):
+        if not self.can_allocate(seq, share):
             raise RuntimeError(f"request {seq.request_id}: not enough free KV blocks")
         tokens, bs = seq.tokens, self.block_size
-        hits = self._lookup(tokens)
+        hits = self._lookup(tokens, share)
         for b in hits:
             if self.ref[b] == 0:
                 del self.free[b]
@@ -133,6 +145,8 @@ class BlockManager:
         seq.block_table = table
         seq.num_cached = len(hits) * bs
         seq.cache_epoch = self.epoch
+        if self.state_slots:
+            seq.state_slot = self.free_states.pop()
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for the sequence's last token (written by the next decode) exists or
@@ -173,6 +187,9 @@ class BlockManager:
                 self.free[b] = None
         seq.block_table = []
         seq.num_cached = 0
+        if seq.state_slot >= 0:
+            self.free_states.append(seq.state_slot)
+            seq.state_slot = -1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash: after a weight update the cached K/V are stale, so no new

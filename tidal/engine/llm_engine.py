@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from tidal import recurrent
 from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, SamplingParams, require_weights
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
@@ -122,9 +123,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        # a hybrid model's running sequences each hold a slot of recurrent states
+        state_slots = cfg.max_num_seqs if recurrent.mixers(self.model) else 0
+        self.blocks = BlockManager(num_blocks, cfg.block_size, state_slots)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention)
+        self.runner = ModelRunner(
+            self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention, state_slots
+        )
         kind = cfg.quantization
         if kind == "none":
             kind = PACKED if cfg.pack_weights and packs(self.device, dtype) else None

@@ -44,11 +44,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tidal import moe
+from tidal import moe, recurrent
 from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native, paged_kernel
 from tidal.engine.cuda_graphs import DecodeGraphs
 from tidal.engine.sequence import Sequence
+from tidal.engine.states import StatePlan, StatePool
 from tidal.hardware import CPU, is_cuda, on_host, to_device
 from tidal.utils import cache_argument
 
@@ -70,6 +71,12 @@ FAMILIES = {
     "mixtral": "MoE: softmax top-k, renormalised",
     "glm4_moe": "MoE: sigmoid group-limited top-k, shared experts, dense-first layers, scaled",
     "deepseek_v3": "MLA (low-rank q and kv, wider keys than values), MoE as glm4_moe",
+    # hybrid: recurrent layers beside attention, their states in `tidal.engine.states`
+    "qwen3_next": "Gated DeltaNet layers, gated attention with partial rotary, MoE with a gated shared expert",
+    "qwen3_5_text": "Gated DeltaNet layers, gated attention with partial rotary",
+    "lfm2": "gated short-convolution layers",
+    "falcon_h1": "Mamba-2 beside attention in every layer, muP multipliers",
+    "granitemoehybrid": "Mamba-2 layers between attention layers, MoE (softmax over the top-k logits)",
 }
 
 
@@ -116,6 +123,8 @@ class BatchPlan:
     tables: Tensor | None = None
     # on a GPU, the prefilled sequences for `paged_kernel.prefill_attention`
     prefill: paged_kernel.PrefillBatch | None = None
+    # a hybrid model's recurrent layers: which tokens continue which state (`tidal.engine.states`)
+    states: StatePlan | None = None
 
     @staticmethod
     def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
@@ -196,7 +205,7 @@ class LatentCache:
         if plan is None:
             r.latent[layer_idx] = (1, kv.shape[-1], k_rot.shape[-1])
             return kv, k_rot
-        kc, vc = r.k_cache[layer_idx], r.v_cache[layer_idx]
+        kc, vc = r.k_cache[r.kv_index[layer_idx]], r.v_cache[r.kv_index[layer_idx]]
         kc.index_copy_(0, plan.slots, kv[0, 0, :, None].to(kc.dtype))
         vc.index_copy_(0, plan.slots, k_rot[0, 0, :, None].to(vc.dtype))
         return (
@@ -219,9 +228,17 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         native_attention: bool = True,
+        state_slots: int = 0,
     ) -> None:
+        """`state_slots`: for a hybrid model, how many sequences may hold recurrent states at once
+        (the block manager's `state_slots`, the engine's `max_num_seqs`)."""
         check_supported(model.config)
         self.model = model
+        self.states: StatePool | None = None
+        if recurrent.wrap(model):
+            if state_slots < 1:
+                raise ValueError(f"{model.config.model_type} has recurrent layers: the runner needs state_slots >= 1")
+            self.states = StatePool(state_slots, device)
         self.cache_kw = cache_argument(model)  # the forward's name for the KV cache in this transformers
         self.device = device
         self.block_size = block_size
@@ -279,6 +296,8 @@ class ModelRunner:
         the experts chosen at each slot."""
         slots = (self.num_blocks + 1) * self.block_size  # + the padding block
         layers = sorted(self.kv_shapes)
+        # list position of each attention layer's cache (a hybrid model's other layers have none)
+        self.kv_index = {layer: n for n, layer in enumerate(layers)}
         opts = {"dtype": self.cache_dtype, "device": self.device}
         self.k_cache = [torch.zeros(slots, self.kv_shapes[i][0], self.kv_shapes[i][1], **opts) for i in layers]
         self.v_cache = [torch.zeros(slots, self.kv_shapes[i][0], self.kv_shapes[i][2], **opts) for i in layers]
@@ -286,9 +305,13 @@ class ModelRunner:
         if self.routers:
             shape = moe.routing_shape(self.model)
             self.routes = torch.zeros(slots, *shape, dtype=torch.int16, device=self.device)
+        if self.states is not None:
+            self.states.allocate()
 
     def release(self) -> None:
         self.k_cache, self.v_cache, self.routes = [], [], None
+        if self.states is not None:
+            self.states.release()
         self._buffers = [None, None]
         if self.graphs is not None:
             self.graphs.reset()
@@ -340,7 +363,7 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         slots = self.num_blocks * self.block_size
         per_slot = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes.values())
-        return slots * per_slot * self.cache_dtype.itemsize
+        return slots * per_slot * self.cache_dtype.itemsize + (self.states.nbytes() if self.states else 0)
 
     @on_host
     def _context_slots(self, seq: Sequence, end: int) -> Tensor:
@@ -422,7 +445,9 @@ class ModelRunner:
                 "single_union": torch.searchsorted(union, single_slots),
                 "multi_union": [torch.searchsorted(union, ctx) for _, _, ctx, _ in multi],
             }
+        states = self._state_plan(seqs) if self.states is not None else None
         return BatchPlan(
+            states=states,
             input_ids=torch.tensor(ids),
             positions=torch.tensor(pos),
             slots=torch.tensor(slots),
@@ -439,6 +464,25 @@ class ModelRunner:
             prefill=prefill,
             **latent,
         )
+
+    @staticmethod
+    def _state_plan(seqs: list[Sequence]) -> StatePlan:
+        """Which flat tokens continue which sequence's states: single tokens after a first one
+        decode together; the rest (several tokens, or a sequence's first) go one by one."""
+        decode_tok, decode_slots, prefill = [], [], []
+        flat = 0
+        for seq in seqs:
+            start, end = seq.num_cached, seq.num_tokens
+            if seq.state_slot < 0:
+                raise RuntimeError(f"request {seq.request_id}: no state slot (hybrid model)")
+            if end - start == 1 and start > 0:
+                decode_tok.append(flat)
+                decode_slots.append(seq.state_slot)
+            else:
+                prefill.append((flat, flat + end - start, seq.state_slot, start > 0))
+            flat += end - start
+        long = torch.long
+        return StatePlan(torch.tensor(decode_tok, dtype=long), torch.tensor(decode_slots, dtype=long), prefill)
 
     def attention(
         self,
@@ -460,7 +504,7 @@ class ModelRunner:
             kc, vc = k, v
             single_src, multi_src = plan.single_union, plan.multi_union
         else:
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc, vc = self.k_cache[self.kv_index[layer]], self.v_cache[self.kv_index[layer]]
             kc.index_copy_(0, plan.slots, k.to(kc.dtype))
             vc.index_copy_(0, plan.slots, v.to(vc.dtype))
             single_src, multi_src = plan.single_slots, [ctx for _, _, ctx, _ in plan.multi]
@@ -582,6 +626,8 @@ class ModelRunner:
         src, dst = torch.cat(src).to(self.device), torch.cat(dst).to(self.device)
         for cache in (*self.k_cache, *self.v_cache, *([self.routes] if self.routes is not None else [])):
             cache.index_copy_(0, dst, cache.index_select(0, src))
+        if self.states is not None:  # the lead's states after the prompt (the twin's tokens)
+            self.states.copy([s.twin.state_slot for s in twins], [s.state_slot for s in twins])
 
     def routing(self, seq: Sequence) -> Tensor | None:
         """The experts chosen at positions 0 .. n - 2 of `seq` (every position whose forward

@@ -72,14 +72,15 @@ class Scheduler:
         computed: dict[tuple[int, ...], Sequence] = {}  # this step's computed admissions by tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
-                break  # wait for blocks to free up; order is kept (no starvation)
             key = tuple(seq.tokens)
             twin = computed.get(key)
-            new_tokens = 0 if twin else seq.num_tokens - self.blocks.cached_tokens(seq)
+            share = twin is not None  # a hybrid model's sequence shares blocks only as a twin
+            if not self.blocks.can_allocate(seq, share):
+                break  # wait for blocks to free up; order is kept (no starvation)
+            new_tokens = 0 if twin else seq.num_tokens - self.blocks.cached_tokens(seq, share)
             if new_tokens > budget and (decode or prefill):
                 break  # over this step's token budget: next step (a lone prompt always runs)
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, share)
             if seq.preemptions == 0:
                 seq.prefix_hits = seq.num_cached
             # its twin's full blocks were registered at allocation, so this one found at least

@@ -37,6 +37,8 @@ class Sequence:
     # a sequence with the same tokens admitted earlier in this step (a GRPO group's sample): this
     # one's uncached K/V and its next-token logits are copied from it, not computed (one step only)
     twin: Sequence | None = None
+    # a hybrid model's recurrent states of this sequence (`tidal.engine.states`), while it has blocks
+    state_slot: int = -1
 
     @property
     def tokens(self) -> list[int]:

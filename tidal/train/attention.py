@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tidal import recurrent
 from tidal.attend import attend, causal_mask
 from tidal.hardware import CPU, on_host
 
@@ -155,8 +156,10 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl == NAME:
+        recurrent.wrap(model)
         return True
     if impl not in ("sdpa", "eager"):
         return False
     model.set_attn_implementation(NAME)
+    recurrent.wrap(model)  # a hybrid model's recurrent layers read the same layout
     return model.config._attn_implementation == NAME

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tidal import recurrent
 from tidal.hardware import CPU, to_device
 from tidal.moe import replay, routing_shape
 from tidal.train.attention import use_packed_attention
@@ -41,6 +42,11 @@ class Forward:
         self.device = torch.device(device)
         self.routing = routing
         self.packing = cfg.packing and supports_packing(model)
+        if self.packing and recurrent.mixers(model):
+            # a hybrid model's recurrent layers run a packed row's samples as a padded batch from
+            # no state; they learn where samples start from the row's layout, which only the
+            # packed attention passes on (else a sample would start from the one before's state)
+            self.packing = use_packed_attention(model)
         # the row's samples attended as a padded batch: exact, and 2-3x faster on CPU; it also lets
         # a group's samples share one copy of their prompt in the row
         self.share_prompts = self.packing and use_packed_attention(model) and cfg.share_prompts

@@ -1,0 +1,149 @@
+"""Hybrid models' recurrent states in the engine (`tidal.engine.states`) and the trainer's packed
+rows (`tidal.recurrent`): a group's prompt is computed once and its state copied to every sample,
+a prefix shared without a twin is recomputed (no state for a cache hit), state slots come back
+after finishing, aborts and preemption, sleep frees the pool and wake gives it back zeroed, and a
+packed row's samples do not read each other's states. Tokens and log-probs are compared with
+transformers (tests/engine/test_families.py runs the rest of the engine's checks on these
+families too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import HYBRID, hf_greedy, hf_logprobs, tiny_model
+
+from tidal.contracts import SamplingParams
+from tidal.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def engine_for(family: str, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_tokens", 512)
+    return LLMEngine(tiny_model(family), None, dtype="float32", block_size=4, **kw)
+
+
+def states_of(engine: LLMEngine, slot: int) -> list[torch.Tensor]:
+    pool = engine.runner.states
+    return [t[slot] for t in (*pool.conv.values(), *pool.recurrent.values()) if t is not None]
+
+
+PROMPT = list(range(40, 54))  # 14 tokens: 3 full blocks and 2 more
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_group_computes_its_prompt_once_and_each_sample_gets_its_state(family):
+    engine = engine_for(family)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=i, ignore_eos=True) for i in range(4)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", PROMPT, p)
+    engine.step()  # the prompts: the first computes, the three twins copy
+    seqs = [engine.seqs[f"r{i}"] for i in range(4)]
+    assert engine.counters["prefill_tokens"] == 14
+    assert engine.counters["prefill_tokens_copied"] == 3 * 2  # the twins share 3 blocks and copy the rest
+    assert engine.stats()["prefix_hit_blocks"] == 3 * 3
+    lead = states_of(engine, seqs[0].state_slot)
+    assert any(t.abs().sum() > 0 for t in lead)
+    for s in seqs[1:]:
+        assert s.state_slot != seqs[0].state_slot
+        assert all(torch.equal(a, b) for a, b in zip(states_of(engine, s.state_slot), lead, strict=True))
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    ref = tiny_model(family)
+    tokens = [outs[f"r{i}"].token_ids for i in range(4)]
+    assert len({tuple(t) for t in tokens}) > 1  # the samples went their own ways from the shared state
+    for i in range(4):
+        o = outs[f"r{i}"]
+        assert o.log_probs == pytest.approx(hf_logprobs(ref, PROMPT + o.token_ids, len(PROMPT)), abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_a_prefix_shared_without_a_twin_is_computed_again(family):
+    """A cached block is of no use without the states at its end: the second request shares 2
+    blocks with the first but computes its whole prompt (a Llama would hit them)."""
+    engine = engine_for(family)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    second = PROMPT[:8] + [200, 201, 202, 203, 204]
+    first_out = engine.generate_batch([PROMPT], [greedy])[0]
+    second_out = engine.generate_batch([second], [greedy])[0]
+    assert engine.stats()["prefix_hit_blocks"] == 0
+    assert engine.counters["prefill_tokens"] == len(PROMPT) + len(second)
+    ref = tiny_model(family)
+    assert first_out.token_ids == hf_greedy(ref, PROMPT, 6)
+    assert second_out.token_ids == hf_greedy(ref, second, 6)
+    llama = LLMEngine(tiny_model("llama"), None, dtype="float32", block_size=4, kv_cache_tokens=512)
+    llama.generate_batch([PROMPT], [greedy])
+    llama.generate_batch([second], [greedy])
+    assert llama.stats()["prefix_hit_blocks"] == 2
+
+
+def test_state_slots_come_back_after_finishing_aborts_and_preemption():
+    engine = engine_for("qwen3_next", max_num_seqs=3)
+    assert engine.blocks.free_states == [2, 1, 0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i, 9, 11, 13], greedy)
+    engine.step()
+    assert engine.blocks.free_states == [] and sorted(engine.seqs[f"r{i}"].state_slot for i in range(3)) == [0, 1, 2]
+    assert engine.seqs["r3"].state_slot == -1  # waiting: max_num_seqs are running
+    engine.abort("r1")
+    assert engine.blocks.free_states == [1]
+    while engine.has_unfinished():
+        engine.step()
+    assert sorted(engine.blocks.free_states) == [0, 1, 2]
+
+    tight = engine_for("qwen3_next", kv_cache_tokens=48, max_num_seqs=4)  # 12 blocks: preempts
+    prompts = [[(37 * i + 11 * j) % 317 + 3 for j in range(10)] for i in range(4)]
+    outs = tight.generate_batch(prompts, [SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)] * 4)
+    assert tight.stats()["preemptions"] > 0 and sorted(tight.blocks.free_states) == [0, 1, 2, 3]
+    ref = tiny_model("qwen3_next")
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(ref, p, 20)
+
+
+def test_the_state_pool_has_each_layers_shape_and_sleep_frees_it():
+    """Qwen3-Next's GDN layers (0 and 2): a conv state of its kernel's 4 inputs over q, k and v
+    (2 x 2 key heads x 16 + 4 value heads x 16 = 128 channels) and a delta-rule state per value
+    head [4, 16, 16] in fp32; the attention layer has none."""
+    engine = engine_for("qwen3_next", max_num_seqs=5)
+    pool = engine.runner.states
+    assert set(pool.shapes) == {0, 2}
+    for layer in (0, 2):
+        assert pool.shapes[layer].conv == ((128, 4), torch.float32)
+        assert pool.shapes[layer].recurrent == ((4, 16, 16), torch.float32)
+    assert pool.nbytes() == 2 * 5 * (128 * 4 + 4 * 16 * 16) * 4
+    engine.generate_batch([PROMPT], [SamplingParams(temperature=0.0, max_new_tokens=4)])
+    assert any(t.abs().sum() > 0 for t in states_of(engine, 0))
+    engine.sleep()
+    assert pool.nbytes() == 0
+    engine.wake()
+    assert pool.nbytes() == 2 * 5 * (128 * 4 + 4 * 16 * 16) * 4
+    assert all(t.abs().sum() == 0 for t in states_of(engine, 0))
+    ref = tiny_model("qwen3_next")
+    engine.update_weights_from_tensors(ref.named_parameters())
+    out = engine.generate_batch([PROMPT], [SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)])
+    assert out[0].token_ids == hf_greedy(ref, PROMPT, 6)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_packed_row_does_not_carry_state_from_one_sample_into_the_next(family):
+    """transformers' own forward over a packed row lets the second sample start from the first's
+    states (its log-probs differ from the sample alone); the trainer's packed path does not."""
+    from tidal.train.attention import packed_layout, use_packed_attention
+
+    model = tiny_model(family)
+    a, b = [1, 5, 9, 33, 70, 8, 100], [7, 300, 17, 250, 99, 3, 64, 128, 190]
+    row = torch.tensor([a + b])
+    pos = torch.tensor([list(range(len(a))) + list(range(len(b)))])
+    with torch.no_grad():
+        alone = model(torch.tensor([b])).logits[0]
+        leaked = model(row, position_ids=pos, use_cache=False).logits[0, len(a) :]
+        assert (leaked - alone).abs().max() > 1e-2
+        assert use_packed_attention(model)
+        packed = model(row, position_ids=pos, use_cache=False, tidal_layout=packed_layout(pos)).logits[0]
+    assert torch.allclose(packed[len(a) :], alone, atol=1e-5)
+    with torch.no_grad():
+        first = model(torch.tensor([a])).logits[0]
+    assert torch.allclose(packed[: len(a)], first, atol=1e-5)
