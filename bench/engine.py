@@ -19,6 +19,11 @@ bf16 where the CPU computes it natively, else fp32). The engines:
   batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:
   this one, else `.venv-vllm` (scripts/setup_vllm.sh), else `--vllm-python`.
 
+`--model hybrid` runs it on a Qwen3-Next of random weights (`HYBRID_CONFIG`): MOE_CONFIG's model
+with three of every four layers Gated DeltaNet (3 key / 6 value heads of 64, conv kernel 4)
+instead of attention, and a shared expert beside the routed ones; tidal keeps the GDN layers'
+states in its state pool (`tidal.engine.states`), transformers in its cache.
+
 `--model moe` runs the same workload on a Qwen3-MoE of random weights built here once (no
 checkpoint to download): SmolLM2's tokenizer and vocabulary, hidden 576, 16 layers, 9 query / 3
 KV heads, 8 experts of width 768, top-2, renormalised (`MOE_CONFIG`), in the model cache beside
@@ -46,7 +51,7 @@ import torch
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 IMPLS = ("hf_generate", "tidal", "tidal_int8", "vllm")
-MODELS = ("smollm2", "moe")
+MODELS = ("smollm2", "moe", "hybrid")
 
 # a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
 MOE_CONFIG = {
@@ -67,26 +72,44 @@ MOE_CONFIG = {
     "tie_word_embeddings": True,
     "initializer_range": 0.02,
 }
+# a small Qwen3-Next (hybrid: three Gated DeltaNet layers to one gated attention layer, as in
+# Qwen3-Next-80B) with MOE_CONFIG's width, heads, vocabulary and experts, plus a shared expert
+HYBRID_CONFIG = {
+    **{k: v for k, v in MOE_CONFIG.items() if k != "rope_parameters"},
+    "model_type": "qwen3_next",
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 3,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "shared_expert_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
+}
 MOE_SEED = 0
 
 
-def moe_model() -> Path:
-    """The bench's Qwen3-MoE folder (`MOE_CONFIG`, weights drawn from `MOE_SEED` by transformers'
-    own init, SmolLM2's tokenizer), built on first use beside the converted SmolLM2."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def random_model(name: str) -> Path:
+    """The bench's random model folder (`--model moe`: `MOE_CONFIG`; `hybrid`: `HYBRID_CONFIG`;
+    weights drawn from `MOE_SEED` by transformers' own init, SmolLM2's tokenizer), built on first
+    use beside the converted SmolLM2."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tidal.convert import default_cache_dir, ensure_model
     from tidal.utils import atomic_directory
 
-    out = default_cache_dir() / f"bench-qwen3-moe-random-seed{MOE_SEED}"
+    values = dict(HYBRID_CONFIG if name == "hybrid" else {"model_type": "qwen3_moe", **MOE_CONFIG})
+    kind = values.pop("model_type")
+    out = default_cache_dir() / f"bench-{kind.replace('_', '-')}-random-seed{MOE_SEED}"
     if (out / "config.json").exists():
         return out
     smollm2 = ensure_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    config = Qwen3MoeConfig(**MOE_CONFIG, **ids)
+    config = AutoConfig.for_model(kind, **values, **ids)
     torch.manual_seed(MOE_SEED)
-    model = Qwen3MoeForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     with atomic_directory(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
@@ -97,7 +120,7 @@ def bench_model(name: str) -> Path:
     """The local folder of `--model`."""
     from tidal.convert import ensure_model
 
-    return moe_model() if name == "moe" else ensure_model("smollm2")
+    return ensure_model("smollm2") if name == "smollm2" else random_model(name)
 
 
 def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
@@ -276,7 +299,9 @@ def child(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="tidal engine vs vLLM vs transformers generate on a GRPO rollout")
-    p.add_argument("--model", default="smollm2", choices=MODELS, help="SmolLM2-135M, or the random Qwen3-MoE")
+    p.add_argument(
+        "--model", default="smollm2", choices=MODELS, help="SmolLM2-135M, the random Qwen3-MoE or Qwen3-Next"
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, nargs="+", default=[8], help="samples per prompt (several: a sweep)")
     p.add_argument("--max-new-tokens", type=int, default=128)

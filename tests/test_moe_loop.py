@@ -1,6 +1,6 @@
-"""An MoE model (tiny Qwen3-MoE) through the whole GRPO loop: the engine records the experts it
-chose, the samples carry them, and with `algo.routing_replay` the trainer routes its forward with
-them, so it computes the policy that sampled."""
+"""An MoE model (tiny Qwen3-MoE, and the hybrid tiny Qwen3-Next) through the whole GRPO loop: the
+engine records the experts it chose, the samples carry them, and with `algo.routing_replay` the
+trainer routes its forward with them, so it computes the policy that sampled."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from tidal.moe import routing_tensor
 from tidal.rollout.manager import RolloutManager
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny_moe")
-    tiny_model("qwen3_moe").save_pretrained(path)
+def saved(tmp_path_factory, tokenizer, family: str):
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
+    tiny_model(family).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -35,11 +34,19 @@ def spy_samples(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "free"])
-def test_an_moe_model_trains_through_the_loop(moe_dir, tmp_path, monkeypatch, replay):
+# family, routing replay, MoE layers: tiny Qwen3-MoE (layer 0 dense, layer 1 MoE) and tiny
+# Qwen3-Next (GDN, attention, GDN; MoE in layers 1 and 2: the engine's recurrent states and the
+# trainer's packed rows meet routing replay); 4 experts, top-2 in both
+RUNS = [("qwen3_moe", True, 1), ("qwen3_moe", False, 1), ("qwen3_next", True, 2)]
+
+
+@pytest.mark.parametrize(("family", "replay", "layers"), RUNS, ids=["moe-replay", "moe-free", "hybrid-replay"])
+def test_an_moe_model_trains_through_the_loop(
+    tmp_path_factory, tokenizer, tmp_path, monkeypatch, family, replay, layers
+):
     seen = spy_samples(monkeypatch)
     over = {"train.num_steps": 3, "train.global_batch_size": 16, "algo.routing_replay": replay}
-    history = tidal.loop.train(loop_config(moe_dir, tmp_path, **over))
+    history = tidal.loop.train(loop_config(saved(tmp_path_factory, tokenizer, family), tmp_path, **over))
     assert len(history) == 3 and all(h["actor/grad_norm"] > 0 for h in history)
     # fp32 engine and trainer, the policy at the weights that sampled: the same log-probs
     assert all(h["actor/rollout_logprob_abs_diff"] < 1e-4 for h in history)
@@ -49,6 +56,5 @@ def test_an_moe_model_trains_through_the_loop(moe_dir, tmp_path, monkeypatch, re
         return
     for s in seen:
         rec = routing_tensor(s.routed_experts)
-        # tiny Qwen3-MoE: layer 0 dense, layer 1 MoE; 4 experts, top-2; every position recorded
-        assert rec.shape == (len(s.tokens) - 1, 1, 2)
+        assert rec.shape == (len(s.tokens) - 1, layers, 2)  # every position recorded
         assert int(rec.min()) >= 0 and int(rec.max()) < 4

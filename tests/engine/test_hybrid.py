@@ -147,3 +147,29 @@ def test_a_packed_row_does_not_carry_state_from_one_sample_into_the_next(family)
     with torch.no_grad():
         first = model(torch.tensor([a])).logits[0]
     assert torch.allclose(packed[: len(a)], first, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])
+def test_the_trainer_gives_packed_rows_the_log_probs_of_padded_batches(family):
+    """A group's prompt stored once in a packed row, the recurrent layers run per sample: the
+    same log-probs as a right-padded batch."""
+    from conftest import make_samples
+
+    from tidal.algo.options import AlgoConfig
+    from tidal.train.actor import Actor
+    from tidal.train.options import TrainConfig
+
+    samples = make_samples(8, group=4)
+    actors = {
+        packing: Actor(
+            tiny_model(family),
+            TrainConfig(micro_batch_size=8, global_batch_size=8, dtype="float32", packing=packing),
+            AlgoConfig(),
+        )
+        for packing in (True, False)
+    }
+    assert actors[True].fwd.packing and actors[True].fwd.share_prompts
+    packed, padded = (actors[p].compute_log_probs(samples) for p in (True, False))
+    for i, s in enumerate(samples):
+        r = s.response_length
+        assert torch.allclose(packed[i, :r], padded[i, :r], atol=1e-5)
