@@ -39,6 +39,7 @@ _GDN = dict(
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
 )
+_LFM2 = dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3)
 # the Mamba-2 families' mixers: 4 heads of 16, one group, state 8, conv kernel 4, chunks of 8
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8)
 
@@ -152,8 +153,23 @@ _CONFIGS: dict[str, dict] = {
     ),
     # Qwen3.5's language model: Gated DeltaNet as Qwen3-Next, dense MLPs
     "qwen3_5_text": _GDN,
+    # Qwen3.5-MoE's language model: as qwen3_5_text with MoE layers and a gated shared expert
+    "qwen3_5_moe_text": dict(
+        **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
     # LFM2: gated short convolutions (kernel 3) around an attention layer with q/k norms
-    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    "lfm2": _LFM2,
+    # LFM2-MoE: layer 0 dense, then sigmoid-routed experts with an expert bias, scaled weights
+    "lfm2_moe": dict(
+        **_LFM2,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        use_expert_bias=True,
+        routed_scaling_factor=2.0,
+        norm_topk_prob=True,
+    ),
     # Falcon-H1: Mamba-2 (4 heads of 16, state 8, chunks of 8) beside attention in every layer
     "falcon_h1": dict(
         head_dim=16,
@@ -172,7 +188,10 @@ _CONFIGS: dict[str, dict] = {
         shared_intermediate_size=64,
     ),
 }
-HYBRID = ("qwen3_next", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid")
+HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "falcon_h1", "granitemoehybrid")
+# the families with MoE layers (routing recorded by the engine, replayed by the trainer)
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+MOE += ("granitemoehybrid",)
 # sdpa has no soft-capping: transformers itself refuses sdpa for Gemma2 (its default is eager)
 _EAGER = {"gemma2"}
 

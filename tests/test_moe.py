@@ -254,6 +254,7 @@ REFERENCES = {
     "ExaoneMoeTopkRouter": "exaone_moe",
     "SolarOpenTopkRouter": "solar_open",
     "GraniteMoeHybridTopKRouter": "granitemoehybrid",
+    "Lfm2MoeTopKRouter": "lfm2_moe",
 }
 
 
@@ -268,9 +269,9 @@ def test_every_listed_router_class_runs_the_forward_of_its_formula():
     by_formula: dict = {}
     for cls_name, fn in moe.ROUTE_WEIGHTS.items():
         by_formula.setdefault(fn, set()).add(sources[cls_name])
-    assert len(by_formula) == 5 and all(len(s) == 1 for s in by_formula.values())
-    # and the five formulas are five different forwards
-    assert len({next(iter(s)) for s in by_formula.values()}) == 5
+    assert len(by_formula) == 6 and all(len(s) == 1 for s in by_formula.values())
+    # and the six formulas are six different forwards
+    assert len({next(iter(s)) for s in by_formula.values()}) == 6
 
 
 # ------------------------------------------------------------------ the record a sample carries

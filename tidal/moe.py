@@ -44,16 +44,16 @@ def softmax_topk_weights(logits: Tensor, indices: Tensor, normalize: bool, dtype
     return w.to(dtype)
 
 
-def sigmoid_group_weights(logits: Tensor, indices: Tensor, normalize: bool, scale: float) -> Tensor:
-    """Weights of a sigmoid group-limited router (DeepSeek-V3, GLM-4.5 MoE, ...) for experts
-    `indices`; the score-correction bias and the group limit only decide the choice, so they do
-    not appear here:
+def sigmoid_group_weights(logits: Tensor, indices: Tensor, normalize: bool, scale: float, eps: float = 1e-20) -> Tensor:
+    """Weights of a sigmoid router (DeepSeek-V3, GLM-4.5 MoE: group-limited; LFM2-MoE: eps 1e-6)
+    for experts `indices`; the score-correction (expert) bias and the group limit only decide the
+    choice, so they do not appear here:
 
-        s = sigmoid(logits),   w_j = s[e_j],   w_j /= (sum_j w_j + 1e-20) if `normalize`,   w_j *= scale
+        s = sigmoid(logits),   w_j = s[e_j],   w_j /= (sum_j w_j + eps) if `normalize`,   w_j *= scale
     """
     w = logits.sigmoid().gather(-1, indices)
     if normalize:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w / (w.sum(dim=-1, keepdim=True) + eps)
     return w * scale
 
 
@@ -77,6 +77,10 @@ def _softmax_renorm_cast(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
 
 def _softmax_renorm_fp32(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
     return softmax_topk_weights(logits, idx, True, torch.float32)
+
+
+def _sigmoid_eps6(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
+    return sigmoid_group_weights(logits, idx, bool(r.norm_topk_prob), r.routed_scaling_factor, 1e-6)
 
 
 def _topk_softmax(r: nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
@@ -117,6 +121,7 @@ ROUTE_WEIGHTS: dict[str, RouteWeights] = {
         _sigmoid_group,
     ),
     "GraniteMoeHybridTopKRouter": _topk_softmax,
+    "Lfm2MoeTopKRouter": _sigmoid_eps6,
 }
 
 

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from families import FAMILIES, WINDOW, hf_forward_greedy_ok, hf_greedy, hf_logprobs, tiny_model
+from families import FAMILIES, MOE, WINDOW, hf_forward_greedy_ok, hf_greedy, hf_logprobs, tiny_model
 
 from tidal.contracts import SamplingParams
 from tidal.engine import model_runner
@@ -149,9 +149,6 @@ def test_an_unsupported_architecture_is_refused_by_name():
         f"the tidal engine runs {', '.join(model_runner.FAMILIES)} models; config model_type is 'gpt2' "
         "(engine.kind: hf runs any transformers model, slower)"
     )
-
-
-MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "granitemoehybrid")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

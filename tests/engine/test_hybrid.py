@@ -173,3 +173,24 @@ def test_the_trainer_gives_packed_rows_the_log_probs_of_padded_batches(family):
     for i, s in enumerate(samples):
         r = s.response_length
         assert torch.allclose(packed[i, :r], padded[i, :r], atol=1e-5)
+
+
+def test_a_qwen3_5_checkpoint_runs_as_its_language_model(tmp_path):
+    """Qwen3.5 checkpoints are vision-language models (`qwen3_5`); the engine loads one as its
+    language model (transformers' causal-LM class for the type) and gives the whole model's
+    greedy tokens for a text prompt."""
+    from families import _BASE, _GDN, _reinit
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {k: v for k, v in {**_BASE, **_GDN}.items() if k != "bos_token_id"}
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    vlm = AutoModelForImageTextToText.from_config(config).eval()
+    _reinit(vlm, 0)  # well-separated greedy choices
+    vlm.save_pretrained(tmp_path)
+    engine = LLMEngine(tmp_path, None, dtype="float32", block_size=4, kv_cache_tokens=256)
+    assert engine.model.config.model_type == "qwen3_5_text"
+    out = engine.generate_batch([PROMPT], [SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)])
+    with torch.no_grad():
+        want = vlm.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=8, eos_token_id=None)
+    assert out[0].token_ids == want[0, len(PROMPT) :].tolist()

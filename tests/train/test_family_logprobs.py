@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, tiny_model
+from families import FAMILIES, MOE, tiny_model
 
 from tidal.algo.options import AlgoConfig
 from tidal.contracts import SamplingParams
@@ -69,9 +69,6 @@ def test_the_trainer_scores_engine_samples_as_the_engine_did(family, packing):
     cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", packing=packing)
     actor = Actor(tiny_model(family), cfg, AlgoConfig(), temperature=1.0)
     assert gap(actor, samples) < 1e-4
-
-
-MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "granitemoehybrid")
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -74,7 +74,9 @@ FAMILIES = {
     # hybrid: recurrent layers beside attention, their states in `tidal.engine.states`
     "qwen3_next": "Gated DeltaNet layers, gated attention with partial rotary, MoE with a gated shared expert",
     "qwen3_5_text": "Gated DeltaNet layers, gated attention with partial rotary",
+    "qwen3_5_moe_text": "as qwen3_5_text, MoE with a gated shared expert",
     "lfm2": "gated short-convolution layers",
+    "lfm2_moe": "as lfm2, MoE (sigmoid top-k with an expert bias, scaled)",
     "falcon_h1": "Mamba-2 beside attention in every layer, muP multipliers",
     "granitemoehybrid": "Mamba-2 layers between attention layers, MoE (softmax over the top-k logits)",
 }
