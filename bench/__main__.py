@@ -19,6 +19,7 @@ BENCHES = (
     "sampling",
     "gpu",
     "memory",
+    "state_snapshots",
 )
 
 

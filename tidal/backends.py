@@ -115,6 +115,7 @@ _TIDAL_CORE_OPTIONS = (
     "quantization",
     "pack_weights",
     "cuda_graphs",
+    "state_snapshots",
     "device",
 )
 

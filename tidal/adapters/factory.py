@@ -26,6 +26,7 @@ def core_options(engine: EngineConfig, kv_cache_tokens: int) -> dict:
         "quantization": engine.quantization,
         "pack_weights": engine.pack_weights,
         "cuda_graphs": engine.cuda_graphs,
+        "state_snapshots": engine.state_snapshots,
     }
 
 

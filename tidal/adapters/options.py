@@ -54,6 +54,12 @@ class EngineConfig:
         "tidal engine on a GPU: replay pure decode steps from CUDA graphs captured at start, one per batch-size "
         "bucket up to max_num_seqs (off: the same kernels launched one by one)",
     )
+    state_snapshots: int = opt(
+        32,
+        "tidal engine, hybrid models (recurrent layers): snapshots of a sequence's recurrent states kept every 64 "
+        "tokens it computes, so a later request sharing that prefix (an agent's next turn) starts from them instead "
+        "of computing it again; 0 = always compute it again (each snapshot holds every recurrent layer's state)",
+    )
     kv_cache_tokens: int = opt(
         0,
         "tidal engine: KV cache size in tokens, the memory budget (0 = what one rollout step needs: "

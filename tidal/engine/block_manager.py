@@ -7,10 +7,11 @@ the n samples of a GRPO group prefill their prompt once, and a multi-turn contin
 blocks of the turn before. A block whose last user leaves goes back to the free list but keeps its
 hash, so a later request with the same prefix can still hit it until the block is reused.
 
-A hybrid model's sequences also hold a slot of recurrent states (`state_slots`,
-`tidal.engine.states`) while they hold blocks. A cached block is only of use to them together
-with the states at its end, which no slot keeps, so they share blocks only where the caller says
-the states come with them (`share`: a twin, whose states are copied from its lead).
+A hybrid model's sequences also hold a slot of recurrent states while they hold blocks
+(`states`, `tidal.engine.state_slots`). A cached block is of use to them only together with the
+states at its end: a hit reaches as far as the last block whose states a snapshot kept, and the
+sequence starts from that snapshot; where the caller says the states come anyway (`share`: a
+twin, whose states are copied from its lead) the hit is whole.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tidal.engine.sequence import Sequence
+from tidal.engine.state_slots import StateSlots
 
 _ROOT = 0x5EED
 
@@ -28,11 +30,14 @@ def block_hash(prev: int, tokens: list[int] | tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, states: StateSlots | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.state_slots = state_slots
-        self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        if states is not None and states.every % block_size:
+            raise ValueError(
+                f"state snapshots every {states.every} tokens: not a multiple of the block size {block_size}"
+            )
+        self.states = states
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = [0] * num_blocks
@@ -67,13 +72,12 @@ class BlockManager:
 
     def _lookup(self, tokens: list[int], share: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of `tokens`, in whole blocks, always leaving at
-        least one token to compute (the forward pass needs it to produce the next logits). None
-        for a hybrid model's sequence unless `share` (see the module docstring)."""
-        if self.state_slots and not share:
-            return []
+        least one token to compute (the forward pass needs it to produce the next logits); for a
+        hybrid model's sequence, unless `share`, only as far as a snapshot of states reaches."""
         bs = self.block_size
         found = []
-        for i, h in enumerate(self._chain(tokens)):
+        chain = self._chain(tokens)
+        for i, h in enumerate(chain):
             b = self.cached.get(h)
             # the token check guards against a hash collision silently mixing two prompts
             if b is None or self.tokens[b] != tuple(tokens[i * bs : (i + 1) * bs]):
@@ -81,6 +85,9 @@ class BlockManager:
             found.append(b)
         if found and len(found) * bs >= len(tokens):
             found.pop()
+        if self.states is not None and not share:
+            while found and not self.states.has(chain[len(found) - 1]):
+                found.pop()
         return found
 
     def cached_tokens(self, seq: Sequence, share: bool = True) -> int:
@@ -95,7 +102,7 @@ class BlockManager:
         return total - len(hits) + sum(1 for b in hits if self.ref[b] == 0)
 
     def can_allocate(self, seq: Sequence, share: bool = True) -> bool:
-        if self.state_slots and not self.free_states:
+        if self.states is not None and not self.states.free:
             return False
         return self.blocks_needed(seq, share) <= self.num_free
 
@@ -145,8 +152,10 @@ class BlockManager:
         seq.block_table = table
         seq.num_cached = len(hits) * bs
         seq.cache_epoch = self.epoch
-        if self.state_slots:
-            seq.state_slot = self.free_states.pop()
+        if self.states is not None:
+            seq.state_slot = self.states.take()
+            if hits and not share:  # its states start from the snapshot at the hit's end
+                seq.state_from = self.states.use(chain[len(hits) - 1])
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for the sequence's last token (written by the next decode) exists or
@@ -188,13 +197,48 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached = 0
         if seq.state_slot >= 0:
-            self.free_states.append(seq.state_slot)
-            seq.state_slot = -1
+            self.states.give(seq.state_slot)
+            seq.state_slot = seq.state_from = -1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash: after a weight update the cached K/V are stale, so no new
-        request may share them (running requests keep reading their own blocks)."""
+        request may share them (running requests keep reading their own blocks). State snapshots
+        go with them."""
         self.hash = [-1] * self.num_blocks
         self.tokens = [None] * self.num_blocks
         self.cached = {}
         self.epoch += 1
+        if self.states is not None:
+            self.states.clear()
+
+    # ---------------------------------------------------------------- state snapshots
+    def plan_snapshots(self, seq: Sequence) -> None:
+        """Reserve snapshot slots for the states `seq` reaches in this step at every multiple of
+        `states.every` tokens it computes (`seq.snapshots_due`), where none is kept yet."""
+        if self.states is None or not self.states.snapshots or seq.cache_epoch != self.epoch:
+            return
+        every, start, end = self.states.every, seq.num_cached, seq.num_tokens
+        points = range((start // every + 1) * every, end + 1, every)
+        if not points:
+            return
+        chain = self._chain(seq.tokens[: points[-1]])
+        for b in points:
+            h = chain[b // self.block_size - 1]
+            if self.states.has(h):
+                continue
+            slot = self.states.reserve()
+            if slot is None:
+                return
+            seq.snapshots_due.append((b, slot, h))
+
+    def end_step(self, seqs: list[Sequence], ok: bool) -> None:
+        """After a step: keep the snapshots it computed (`ok`), or let their slots go."""
+        if self.states is None:
+            return
+        for seq in seqs:
+            for _, slot, h in seq.snapshots_due:
+                if ok:
+                    self.states.commit(h, slot)
+                else:
+                    self.states.release(slot)
+            seq.snapshots_due = []

@@ -33,6 +33,7 @@ from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
 from tidal.engine.sampling import SamplingPlan, adjust_logits, sample_planned, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import SeqStatus, Sequence
+from tidal.engine.state_slots import StateSlots
 from tidal.engine.weights import (
     WeightStage,
     load_named_tensors,
@@ -66,6 +67,11 @@ class EngineConfig:
     # such a decode step is launched before the last one's tokens are read back, so the host's
     # bookkeeping overlaps the GPU's work (`LLMEngine.step`)
     overlap_steps: bool = True
+    # hybrid models: snapshots of the recurrent states kept for prefix-cache hits, taken every
+    # `state_snapshot_tokens` tokens (a multiple of block_size) that a sequence computes
+    # (`tidal.engine.state_slots`); 0: a prefix shared with an earlier request is computed again
+    state_snapshots: int = 32
+    state_snapshot_tokens: int = 64
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -75,6 +81,13 @@ class EngineConfig:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is smaller than one block")
+        if self.state_snapshots < 0:
+            raise ValueError(f"engine state_snapshots must be >= 0, got {self.state_snapshots}")
+        if self.state_snapshot_tokens < 1 or self.state_snapshot_tokens % self.block_size:
+            raise ValueError(
+                f"engine state_snapshot_tokens must be a multiple of block_size ({self.block_size}), "
+                f"got {self.state_snapshot_tokens}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"engine quantization: one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         return self
@@ -123,12 +136,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
-        # a hybrid model's running sequences each hold a slot of recurrent states
-        state_slots = cfg.max_num_seqs if recurrent.mixers(self.model) else 0
-        self.blocks = BlockManager(num_blocks, cfg.block_size, state_slots)
+        # a hybrid model's running sequences each hold a slot of recurrent states, beside snapshots
+        states = None
+        if recurrent.mixers(self.model):
+            states = StateSlots(cfg.max_num_seqs, cfg.state_snapshots, cfg.state_snapshot_tokens)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, states)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(
-            self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention, state_slots
+            self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention, states.total if states else 0
         )
         kind = cfg.quantization
         if kind == "none":
@@ -283,6 +298,7 @@ class LLMEngine:
         # a decode feeds back the token sampled last step; anything else is (re)filling the cache
         decodes = sum(1 for s in computed if s.output_ids and s.num_new == 1 and s.num_cached)
         overlap = not twins and decodes == len(seqs) and self._can_overlap(seqs)
+        done = False
         try:
             logits = self.runner.forward(computed)
             if twins:
@@ -290,9 +306,11 @@ class LLMEngine:
                 row = {id(s): i for i, s in enumerate(computed)}
                 logits = logits[torch.tensor([row[id(s.twin or s)] for s in seqs], device=logits.device)]
                 self.counters["prefill_tokens_copied"] += sum(s.num_new for s in twins)
-        finally:  # a twin is one step's: a failed step leaves none behind
+            done = True
+        finally:  # a twin is one step's: a failed step leaves none behind (nor state snapshots)
             for s in twins:
                 s.twin = None
+            self.blocks.end_step(computed, done)
         logits = adjust_logits(logits, [s.params for s in seqs], [s.output_ids for s in seqs])
         launch = self._sample(seqs, logits, pending=0, fed=[s.num_tokens - 1 for s in seqs])
         self.counters["forward_s"] += time.perf_counter() - t0

@@ -470,21 +470,27 @@ class ModelRunner:
     @staticmethod
     def _state_plan(seqs: list[Sequence]) -> StatePlan:
         """Which flat tokens continue which sequence's states: single tokens after a first one
-        decode together; the rest (several tokens, or a sequence's first) go one by one."""
-        decode_tok, decode_slots, prefill = [], [], []
+        decode together; the rest (several tokens, or a sequence's first) go one by one. And where
+        a sequence's states are to be kept as snapshots (`seq.snapshots_due`)."""
+        decode_tok, decode_slots, snap_rows, snap_slots, prefill = [], [], [], [], []
         flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
             if seq.state_slot < 0:
                 raise RuntimeError(f"request {seq.request_id}: no state slot (hybrid model)")
             if end - start == 1 and start > 0:
+                for _, slot, _ in seq.snapshots_due:  # after this token: its block's end
+                    snap_rows.append(len(decode_tok))
+                    snap_slots.append(slot)
                 decode_tok.append(flat)
                 decode_slots.append(seq.state_slot)
             else:
-                prefill.append((flat, flat + end - start, seq.state_slot, start > 0))
+                cuts = tuple((b - start, slot) for b, slot, _ in seq.snapshots_due)
+                prefill.append((flat, flat + end - start, seq.state_slot, start > 0, cuts))
             flat += end - start
-        long = torch.long
-        return StatePlan(torch.tensor(decode_tok, dtype=long), torch.tensor(decode_slots, dtype=long), prefill)
+        return StatePlan(
+            *(torch.tensor(x, dtype=torch.long) for x in (decode_tok, decode_slots, snap_rows, snap_slots)), prefill
+        )
 
     def attention(
         self,
@@ -560,6 +566,12 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence]) -> Tensor:
         """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
         and return the next-token logits of each sequence [S, V] in the model's dtype."""
+        if self.states is not None:  # sequences starting from a snapshot (a prefix-cache hit)
+            starting = [s for s in seqs if s.state_from >= 0]
+            if starting:
+                self.states.copy([s.state_from for s in starting], [s.state_slot for s in starting])
+                for s in starting:
+                    s.state_from = -1
         graphs = self.graphs if self.decode_path is not None and self.decode_path_checked else None
         if graphs is not None and graphs.size_for(len(seqs)) and all(s.num_tokens - s.num_cached == 1 for s in seqs):
             return graphs.run(seqs)

@@ -93,6 +93,9 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             prefill.append(seq)
+        for seq in decode + prefill:
+            if seq.twin is None:  # a hybrid model's states to keep at block boundaries it computes
+                self.blocks.plan_snapshots(seq)
         return decode + prefill
 
     def finish(self, seq: Sequence, reason: str) -> None:

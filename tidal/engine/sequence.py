@@ -39,6 +39,11 @@ class Sequence:
     twin: Sequence | None = None
     # a hybrid model's recurrent states of this sequence (`tidal.engine.states`), while it has blocks
     state_slot: int = -1
+    # the snapshot its states start from at its next step (a prefix-cache hit), -1 for none
+    state_from: int = -1
+    # (token count, snapshot slot, block hash): states to keep after that many of its tokens, in
+    # the step that computes them (`BlockManager.plan_snapshots`)
+    snapshots_due: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

@@ -6,18 +6,20 @@ Mamba-2's [heads, head dim, state]). Unlike K/V they do not grow with the sequen
 cannot be cut at a token: the state after token t is only known once 0..t have run.
 
 `StatePool` holds them in preallocated slots, one per sequence that may run at once
-(`max_num_seqs`); the block manager hands a slot to each admitted sequence and takes it back
-when it finishes, is aborted or is preempted (`BlockManager(state_slots=...)`). A step's
+(`max_num_seqs`), and snapshots (`tidal.engine.state_slots` says which slot is what); the block
+manager hands a slot to each admitted sequence and takes it back when it finishes, is aborted or
+is preempted. A step's
 mixer call (`run`) takes the decode tokens of every running sequence as one [B, 1, H] batch
 with their states gathered from the pool, and each prefill on its own, from its slot's state
 when it continues one or from none when it starts; the states after the call go back to the
 slots. A GRPO group's samples admitted together compute their prompt once: the lead's state
 after the prompt is copied to each twin's slot (`copy`), like its K/V.
 
-Prefix-cache hits need the state at the hit's end, which no slot keeps, so a hybrid model's
-sequences share cached blocks only as twins; any other sequence computes its whole prompt
-(recomputation, the simpler of the two ways; snapshots at block boundaries would cost a whole
-state per cached block). Sleep frees the pool with the K/V; wake allocates it zeroed.
+Prefix-cache hits need the states at the hit's end. A sequence's states are kept as a snapshot
+whenever it reaches a multiple of `state_snapshot_tokens` (a prefill is split there; a decode
+copies its row after the step), and a later sequence whose prefix hits that far starts from the
+snapshot (copied into its slot before the step) and computes the rest. Sleep frees the pool with
+the K/V; wake allocates it zeroed; new weights drop the snapshots with the prefix cache.
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ class StatePlan:
 
     decode_tok: Tensor  # [Bd] flat index of each single token that continues a state
     decode_slots: Tensor  # [Bd] its sequence's state slot
-    # (flat start, end, state slot, continues a state) per sequence computing several tokens or
-    # its first one
-    prefill: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    snap_rows: Tensor  # rows of the decode batch whose states after the step are kept ...
+    snap_slots: Tensor  # ... in these snapshot slots
+    # (flat start, end, state slot, continues a state, snapshots) per sequence computing several
+    # tokens or its first one; snapshots: (tokens into the call, snapshot slot) after which the
+    # states are kept
+    prefill: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> StatePlan:
-        return StatePlan(self.decode_tok.to(device), self.decode_slots.to(device), self.prefill)
+        moved = (t.to(device) for t in (self.decode_tok, self.decode_slots, self.snap_rows, self.snap_slots))
+        return StatePlan(*moved, self.prefill)
 
 
 @dataclass(frozen=True)
@@ -96,17 +102,26 @@ class StatePool:
             )
             out = forward(hidden[0].index_select(0, steps.decode_tok)[:, None], cache=view)
             self._put(layer, slots, view)
+            if steps.snap_rows.numel():
+                self._copy_rows(layer, slots.index_select(0, steps.snap_rows), steps.snap_slots)
             parts.append((steps.decode_tok, out[:, 0]))
-        for start, end, slot, previous in steps.prefill:
+        for start, end, slot, previous, cuts in steps.prefill:
             view = StateView()
             if previous:
                 view = StateView(
                     None if conv is None else conv[slot : slot + 1].clone(),
                     None if rec is None else rec[slot : slot + 1].clone(),
                 )
-            out = forward(hidden[:, start:end], cache=view)
+            # split where snapshots are due: the states after each piece are kept
+            done = 0
+            for cut, snap in (*cuts, (end - start, None)):
+                if cut > done:
+                    out = forward(hidden[:, start + done : start + cut], cache=view)
+                    parts.append((slice(start + done, start + cut), out[0]))
+                    view.previous, done = True, cut
+                if snap is not None:
+                    self._put(layer, snap, view)
             self._put(layer, slot, view)
-            parts.append((slice(start, end), out[0]))
         result = hidden.new_empty(hidden.shape[1], parts[0][1].shape[-1])
         for where, values in parts:
             if isinstance(where, slice):
@@ -123,6 +138,11 @@ class StatePool:
                 pool[slots].copy_(state[0])
             else:
                 pool.index_copy_(0, slots, state.to(pool.dtype))
+
+    def _copy_rows(self, layer: int, src: Tensor, dst: Tensor) -> None:
+        for pool in (self.conv.get(layer), self.recurrent.get(layer)):
+            if pool is not None:
+                pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         """Every layer's states of slots `src` into slots `dst` (a group's twins)."""
