@@ -42,6 +42,19 @@ MIXERS: dict[str, str] = {
 }
 
 
+# mixers whose fused training kernel (mamba_ssm's, on a GPU) reads these linear layers' weights
+# directly, past any adapter (peft refuses LoRA on them for the model types it knows)
+_FUSED_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "FalconH1Mixer": ("out_proj",),
+    "GraniteMoeHybridMambaLayer": ("out_proj",),
+}
+
+
+def lora_excluded(model: nn.Module) -> set[str]:
+    """Short names of linear layers that LoRA's all-linear leaves out in `model` (`_FUSED_WEIGHTS`)."""
+    return {name for m in mixers(model) for name in _FUSED_WEIGHTS.get(type(m).__name__, ())}
+
+
 def mixers(model: nn.Module) -> list[nn.Module]:
     """The model's recurrent token mixers in layer order; [] for a model without any."""
     return [m for m in model.modules() if type(m).__name__ in MIXERS]

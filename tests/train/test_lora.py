@@ -120,6 +120,47 @@ def test_named_targets_only_get_adapters():
     assert len(dict(actor.named_weights(changed_only=True))) == 4
 
 
+# all-linear on models peft would otherwise wrap past what tidal merges: an MoE block's fused
+# expert tensors (Qwen3-MoE; Qwen3-Next also has GDN layers), Mamba-2's out_proj (Falcon-H1)
+ALL_LINEAR = {
+    "qwen3_moe": ["k_proj", "o_proj", "q_proj", "v_proj"],
+    "qwen3_next": [
+        "in_proj_ba",
+        "in_proj_qkvz",
+        "k_proj",
+        "o_proj",
+        "out_proj",
+        "q_proj",
+        "shared_expert_gate",
+        "v_proj",
+    ],
+    "falcon_h1": ["down_proj", "gate_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+}
+
+
+@pytest.mark.parametrize("family", ALL_LINEAR)
+def test_all_linear_leaves_out_fused_experts_and_mamba_out_proj_and_the_engine_scores_alike(family, tokenizer):
+    from families import tiny_model
+
+    actor = Actor(tiny_model(family), lora_cfg(), AlgoConfig(), temperature=0.8)
+    assert sorted({p.rpartition(".")[2] for p in lora.lora_layers(actor.model)}) == ALL_LINEAR[family]
+    actor.train_step(make_samples(), ADV)
+    engine = LLMEngine(tiny_model(family), tokenizer, dtype="float32", block_size=4, kv_cache_tokens=256)
+    engine.update_weights_from_tensors(actor.named_weights(changed_only=True), version=1, partial=True)
+    assert engine_gap(actor, engine) < 1e-4
+
+
+def test_a_target_that_names_fused_experts_is_refused():
+    from families import tiny_model
+
+    with pytest.raises(lora.LoraError) as e:
+        Actor(tiny_model("qwen3_moe"), lora_cfg(lora_target_modules=["q_proj", "down_proj"]), AlgoConfig())
+    assert str(e.value) == (
+        "train.lora_target_modules: 'down_proj' would adapt the model's fused expert tensors (peft maps those "
+        "names onto them), which tidal cannot merge into an engine's weights; leave them out (all-linear does)"
+    )
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # peft calls a transformers name deprecated in 5.x
 def test_the_adapter_round_trips_through_peft(tmp_path):
     from peft import PeftModel

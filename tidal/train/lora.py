@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tidal import recurrent
 from tidal.train.options import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; tidal trains one adapter
@@ -52,25 +53,48 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     )
 
 
+def expert_names(model: torch.nn.Module) -> set[str]:
+    """Target names that peft (0.21, transformers 5) maps onto an MoE block's fused expert tensors
+    ([experts, out, in] parameters such as `gate_up_proj`, `down_proj`) instead of linear layers:
+    the tensors' own names, and for a fused `gate_up_proj` also `gate_proj` and `up_proj`."""
+    fused = {n.rpartition(".")[2] for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n}
+    if "gate_up_proj" in fused:
+        fused |= {"gate_proj", "up_proj"}
+    return fused
+
+
 def lora_config(cfg: TrainConfig, model: torch.nn.Module):
     """The `peft.LoraConfig` of `train.lora_*`; a target that names no linear layer of `model` is a
     LoraError that lists the ones it has."""
     from peft import LoraConfig
 
     targets = cfg.lora_target_modules
-    if targets != "all-linear":
-        have = linear_names(model)
-        missing = [t for t in targets if t not in have]
-        if missing:
-            raise LoraError(
-                f"train.lora_target_modules: {', '.join(map(repr, missing))} name no linear layer of the model; "
-                f"its linear layers are {', '.join(have)} (or use all-linear)"
-            )
+    have = linear_names(model)
+    experts = expert_names(model)
+    if targets == "all-linear":
+        # named here rather than by peft's "all-linear", which also wraps an MoE block's fused
+        # expert tensors (no matrices tidal can merge for an engine) and the Mamba-2 mixers'
+        # out_proj (read directly by their fused training kernel)
+        skip = recurrent.lora_excluded(model) | experts
+        targets = [n for n in have if n not in skip]
+    fused = [t for t in targets if t in experts]
+    if fused:
+        raise LoraError(
+            f"train.lora_target_modules: {', '.join(map(repr, fused))} would adapt the model's fused expert "
+            "tensors (peft maps those names onto them), which tidal cannot merge into an engine's weights; "
+            "leave them out (all-linear does)"
+        )
+    missing = [t for t in targets if t not in have]
+    if missing:
+        raise LoraError(
+            f"train.lora_target_modules: {', '.join(map(repr, missing))} name no linear layer of the model; "
+            f"its linear layers are {', '.join(have)} (or use all-linear)"
+        )
     return LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets if targets == "all-linear" else list(targets),
+        target_modules=list(targets),
         bias="none",
     )
 
