@@ -200,9 +200,9 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
     placed = None  # (placement group, engine bundles) on Ray
     try:
         device = resolve_device(c.device).device  # this process's (Ray workers resolve their own)
-        critic = Critic(model_dir, t, a, pad_id, device) if a.advantage == "ppo" and not sft else None
-        roles.critic = critic
+        ppo = a.advantage == "ppo" and not sft
         if not cfg.uses_ray:
+            roles.critic = Critic(model_dir, t, a, pad_id, device) if ppo else None
             from tidal.train.actor import Actor
 
             roles.trainer = Actor(
@@ -221,8 +221,9 @@ def build_roles(cfg: Config, model_dir: Path, tokenizer, checkpoint: Path | None
             log.info("cluster: %s", ray_layout(cfg, sft))
             placed = (group, engine_bundles)
             roles.trainer = TrainerGroup(
-                c, t, a, start_from, model_dir, temperature, pad_id, max_len, group, trainer_bundles
+                c, t, a, start_from, model_dir, temperature, pad_id, max_len, group, trainer_bundles, critic=ppo
             )
+            roles.critic = roles.trainer.critic  # on the ranks, beside the actor
             roles.closers.append(roles.trainer.close)
         if sft:
             return roles

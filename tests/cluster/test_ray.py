@@ -95,6 +95,23 @@ def test_trainer_ranks_and_engines_on_ray_train_like_one_process(
     assert no_workers_left()
 
 
+def test_ppo_with_the_critic_on_two_colocated_ranks_trains_like_one_process(ray_session, tiny_model_dir, tmp_path):
+    """The critic on the trainer ranks, beside the actor, the engines colocated: the first step's
+    values, advantages and both losses are the in-process run's."""
+    ppo = {"algo.advantage": "ppo", "algo.critic_lr": 1e-3}
+    local = tidal.loop.train(config(tiny_model_dir, tmp_path / "local", **ppo))
+    layout = {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True}
+    history = tidal.loop.train(config(tiny_model_dir, tmp_path / "ray", **ppo, **layout))
+    assert [h["step"] for h in history] == [1, 2]
+    first, one = history[0], local[0]
+    for key in ("reward/mean", "loss/pg", "critic/loss", "critic/value_mean", "critic/clip_frac", "actor/tokens"):
+        assert first[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    for key in ("actor/grad_norm", "critic/grad_norm"):
+        assert first[key] == pytest.approx(one[key], rel=1e-4), key
+    assert history[1]["critic/value_mean"] != 0.0  # the second step's values come from the trained critic
+    assert no_workers_left()
+
+
 def engine_roles(tiny_model_dir, tmp_path, timeout, **over):
     from transformers import AutoTokenizer
 

@@ -6,6 +6,10 @@ group's prompt is still stored once, balanced by tokens); the loss of every micr
 by the counts of the whole optimizer batch and FSDP2 sums the gradients over ranks, so N ranks
 take exactly the step one process takes. Ranks run the same number of forward/backward passes
 (FSDP2 gathers and reduces in each): one with fewer runs zero-loss passes.
+
+With PPO each rank also holds the critic (`tidal.train.critic.Critic`), sharded the same way on
+the same device, colocated with the actor: values and value updates run on the ranks, each on
+its share, like log-probs and policy updates (`RankCritic` is the loop's critic role).
 """
 
 from __future__ import annotations
@@ -70,7 +74,9 @@ class TrainerRank:
         threads: int,
         timeout_s: float,
         device: str = "auto",
+        critic: bool = False,
     ) -> None:
+        """`critic`: also hold PPO's critic, from `reference` (the run's initial model)."""
         import time
 
         import torch.distributed as dist
@@ -106,9 +112,16 @@ class TrainerRank:
             model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard, device=self.device
         )
         self.actor.rank = rank
+        self.critic = None
+        if critic:
+            from tidal.train.critic import Critic
+
+            self.critic = Critic(reference, train, algo, pad_id, device=self.device, shard=shard)
         if world > 1:
-            self.actor.most_micro_batches = self._most
-            self.actor.all_sum = self._sum
+            for part in (self.actor, self.critic):
+                if part is not None:
+                    part.most_micro_batches = self._most
+                    part.all_sum = self._sum
         log.info(
             "trainer rank %d of %d (pid %d): ready in %.1f s on %s (%s)",
             rank,
@@ -135,9 +148,9 @@ class TrainerRank:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
-    def _split(self, samples: Sequence[Sample]) -> None:
+    def _split(self, samples: Sequence[Sample], part=None) -> None:
         if self.world > 1:
-            self.actor.share = lambda idx: balanced_share(samples, idx, self.rank, self.world)
+            (part or self.actor).share = lambda idx: balanced_share(samples, idx, self.rank, self.world)
 
     def ready(self) -> tuple[str, int]:
         """(node address, pid) of this rank's process: the group names a rank that fails by them."""
@@ -152,6 +165,21 @@ class TrainerRank:
     def train_sums(self, samples, advantages, old_log_probs, ref_log_probs) -> tuple[Sums, dict]:
         self._split(samples)
         return self.actor.train_sums(samples, advantages, old_log_probs, ref_log_probs)
+
+    def critic_values(self, samples: list[Sample]) -> Tensor:
+        self._split(samples, self.critic)
+        return self.critic.values(samples)
+
+    def critic_train_sums(self, samples: list[Sample], returns: Tensor, old_values: Tensor) -> tuple[Sums, dict]:
+        self._split(samples, self.critic)
+        return self.critic.train_sums(samples, returns, old_values)
+
+    def critic_state_dict(self) -> dict | None:
+        state = self.critic.state_dict()  # a collective: every rank takes part
+        return state if self.rank == 0 else None
+
+    def critic_load_state_dict(self, state: dict) -> None:
+        self.critic.load_state_dict(state)
 
     def full_weights(self, dtype: torch.dtype | None, changed_only: bool = False) -> dict[str, Tensor] | None:
         """The whole model's weights (every rank gathers; rank 0 returns them)."""
@@ -231,7 +259,9 @@ class TrainerGroup:
         max_response_len: int,
         group,
         bundles: list[int],
+        critic: bool = False,
     ) -> None:
+        """`critic`: the ranks also train PPO's critic (`RankCritic`, as `self.critic`)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -262,6 +292,7 @@ class TrainerGroup:
                 int(cluster.cpus_per_trainer),
                 cluster.sync_timeout,
                 cluster.device,
+                critic,
             )
             for r in range(world)
         ]
@@ -269,6 +300,7 @@ class TrainerGroup:
         self.where = self._get([r.ready.remote() for r in self.ranks], "starting the trainer ranks", STARTUP_TIMEOUT_S)
         self.has_reference = algo.kl_coef > 0
         self.has_teacher = bool(algo.teacher)
+        self.critic = RankCritic(self) if critic else None
 
     def describe(self) -> str:
         """What trains (rank 0's `Actor.describe`), and over how many ranks."""
@@ -328,3 +360,30 @@ class TrainerGroup:
 
         for a in self.ranks:
             ray.kill(a)
+
+
+class RankCritic:
+    """PPO's critic role over the trainer ranks' critics (see the module docstring)."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group = group
+
+    def values(self, samples: Sequence[Sample]) -> Tensor:
+        # every rank computes its share's values and returns the sum over ranks
+        refs = [r.critic_values.remote(list(samples)) for r in self.group.ranks]
+        return self.group._get(refs, "computing the critic's values")[0]
+
+    def train_step(self, samples: Sequence[Sample], returns: Tensor, old_values: Tensor) -> dict[str, float]:
+        refs = [r.critic_train_sums.remote(list(samples), returns, old_values) for r in self.group.ranks]
+        results = self.group._get(refs, "a critic step")
+        sums = Sums()
+        for s, _ in results:
+            sums.merge(s)
+        return {**sums.mean(), **results[0][1]}
+
+    def state_dict(self) -> dict:
+        refs = [r.critic_state_dict.remote() for r in self.group.ranks]
+        return self.group._get(refs, "gathering the critic's weights and optimizer state")[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        self.group._get([r.critic_load_state_dict.remote(state) for r in self.group.ranks], "loading the critic")

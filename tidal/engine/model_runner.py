@@ -30,6 +30,11 @@ computing (prefix sharing within a GRPO group).
 MoE models: the experts each router chose for every computed token are kept per cache slot
 (`routes`), like the keys and values, so a sequence's routing can be read back over its whole
 context, prefix-shared or recomputed after a preemption.
+
+Hybrid models (Qwen3-Next, Qwen3.5, LFM2, Falcon-H1, Granite 4): their recurrent token mixers
+keep per-sequence states instead of K/V. Each mixer's forward is routed (`tidal.recurrent.wrap`)
+to `tidal.engine.states.StatePool`, which runs the step's decode tokens as one batch with their
+states and each prefill from its own, with transformers' own mixer math.
 """
 
 from __future__ import annotations
@@ -232,8 +237,8 @@ class ModelRunner:
         native_attention: bool = True,
         state_slots: int = 0,
     ) -> None:
-        """`state_slots`: for a hybrid model, how many sequences may hold recurrent states at once
-        (the block manager's `state_slots`, the engine's `max_num_seqs`)."""
+        """`state_slots`: for a hybrid model, the slots of recurrent states to allocate (one per
+        sequence that may run, plus the snapshots: `tidal.engine.state_slots`)."""
         check_supported(model.config)
         self.model = model
         self.states: StatePool | None = None
@@ -365,7 +370,7 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         slots = self.num_blocks * self.block_size
         per_slot = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes.values())
-        return slots * per_slot * self.cache_dtype.itemsize + (self.states.nbytes() if self.states else 0)
+        return slots * per_slot * self.cache_dtype.itemsize
 
     @on_host
     def _context_slots(self, seq: Sequence, end: int) -> Tensor:

@@ -8,11 +8,10 @@ cannot be cut at a token: the state after token t is only known once 0..t have r
 `StatePool` holds them in preallocated slots, one per sequence that may run at once
 (`max_num_seqs`), and snapshots (`tidal.engine.state_slots` says which slot is what); the block
 manager hands a slot to each admitted sequence and takes it back when it finishes, is aborted or
-is preempted. A step's
-mixer call (`run`) takes the decode tokens of every running sequence as one [B, 1, H] batch
-with their states gathered from the pool, and each prefill on its own, from its slot's state
-when it continues one or from none when it starts; the states after the call go back to the
-slots. A GRPO group's samples admitted together compute their prompt once: the lead's state
+is preempted. A step's mixer call (`run`) takes the decode tokens of every running sequence as
+one [B, 1, H] batch with their states gathered from the pool, and each prefill on its own, from
+its slot's state when it continues one or from none when it starts; the states after the call go
+back to the slots. A GRPO group's samples admitted together compute their prompt once: the lead's state
 after the prompt is copied to each twin's slot (`copy`), like its K/V.
 
 Prefix-cache hits need the states at the hit's end. A sequence's states are kept as a snapshot
