@@ -248,7 +248,9 @@ def test_a_repeated_config_on_the_command_line_keeps_both_files(tmp_path, monkey
 
 def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tidal.cli", *small_run(tiny_model_dir, run, "--train.num_steps=200")]
+    # steps enough that the run is still going whenever the signal comes (a loaded machine may
+    # leave this process asleep for seconds while the tiny run takes 30 ms a step)
+    cmd = [sys.executable, "-m", "tidal.cli", *small_run(tiny_model_dir, run, "--train.num_steps=1000000")]
     cmd.append("--train.save_interval=1")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

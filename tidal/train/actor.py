@@ -158,8 +158,8 @@ class Actor:
         carries a gradient only when it is a loss term, otherwise it is a metric. Logits are
         computed `train.logits_chunk_tokens` tokens at a time (see `tidal.train.logits`)."""
         head = output_head(model)
-        if self.trained.sharded and model is self.compute:  # FSDP2: through the root's forward
-            logits, valid = self.trained.root_logits(batch)
+        if self.trained.sharded:  # FSDP2 (the policy, and a reference or teacher sharded like it): the root's forward
+            logits, valid = self.trained.root_logits(batch, model)
             logp, ent = log_probs_and_entropy(logits, batch["response_ids"][valid], self.temperature, entropy_grad)
             return to_grid(logp, valid), to_grid(ent, valid)
         with self.trained.autocast():
@@ -200,7 +200,7 @@ class Actor:
             idx = plan[k] if k < len(plan) else [0]
             batch = self.fwd.collate([samples[i] for i in idx])
             with replaying(model, batch) if replay else contextlib.nullcontext():
-                if self.trained.sharded and model is self.compute:
+                if self.trained.sharded:
                     logp, _ = self._score(model, batch)
                     if k < len(plan):
                         out[idx, : logp.shape[1]] = logp.float()

@@ -76,6 +76,8 @@ class TrainedModel:
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
         self.sharded = False
+        self.mesh = None
+        self.frozen_models: list[torch.nn.Module] = []  # a reference and teacher sharded like it
         self.loss_scale = 1.0
 
     def shard(self, mesh=None) -> None:
@@ -83,18 +85,13 @@ class TrainedModel:
         `fully_shard`ed; bf16 compute comes from the mixed-precision policy, gradients are reduced
         in fp32 and summed over ranks (each rank's loss is already divided by the global counts)."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
             self.mixed = None
             self.compute = self.master
             self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device, self.fwd.routing)
-        bf16 = self.dtype == "bfloat16"
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-        layers = getattr(getattr(self.master, "base_model", self.master), "layers", [])
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(self.master, mesh=mesh, mp_policy=mp)
+        self.mesh = mesh
+        _fully_shard(self.master, mesh, self.dtype == "bfloat16")
         # FSDP2 averages gradients over ranks (gloo has no pre-scaled sum); each rank's loss is
         # already divided by the global counts, so it is scaled by the rank count to make a sum
         self.loss_scale = float(torch.distributed.get_world_size())
@@ -102,14 +99,16 @@ class TrainedModel:
 
     def reshard(self) -> None:
         """Back to sharded parameters after a forward without backward (FSDP2 keeps the root's
-        gathered until its backward): the optimizer and state dicts know the shards."""
+        gathered until its backward): the optimizer and state dicts know the shards, and a
+        sharded reference or teacher holds only its shard between calls."""
         if not self.sharded:
             return
         from torch.distributed.fsdp import FSDPModule
 
-        for m in self.master.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        for model in (self.master, *self.frozen_models):
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -121,6 +120,10 @@ class TrainedModel:
         model = model.to(self.device).eval().requires_grad_(False)
         if self.fwd.packing:
             use_packed_attention(model)
+        if self.sharded:  # FSDP2 like the policy: each rank keeps 1/N of it (bf16 by the same policy)
+            _fully_shard(model, self.mesh, self.dtype == "bfloat16")
+            self.frozen_models.append(model)
+            return model
         return to_bf16_params(model) if self.dtype == "bfloat16" else model
 
     def autocast(self):
@@ -157,16 +160,18 @@ class TrainedModel:
         valid = batch["response_valid"]
         return self.fwd.hidden(model.base_model, batch)[valid], valid
 
-    def root_logits(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def root_logits(self, batch: dict[str, Tensor], model: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
         """Logits [T, V] at the T real response positions and the [B, R] mask, from the causal LM's
         own forward (`logits_to_keep` picks the positions), as FSDP2 needs: its root module gathers
-        the embedding and output projection only when its forward runs."""
+        the embedding and output projection only when its forward runs. `model`: the trained one
+        (default), or a reference or teacher sharded like it."""
+        model = self.master if model is None else model
         valid = batch["response_valid"]
         if "position_ids" in batch:  # packed row
             kwargs = {}
-            if self.fwd.packing and getattr(self.master.config, "_attn_implementation", None) == "tidal_packed":
+            if self.fwd.packing and getattr(model.config, "_attn_implementation", None) == "tidal_packed":
                 kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
-            out = self.master(
+            out = model(
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 use_cache=False,
@@ -177,7 +182,7 @@ class TrainedModel:
         r = batch["response_ids"].shape[1]
         pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
-        out = self.master(
+        out = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos
         )
         return out.logits[valid], valid
@@ -228,3 +233,14 @@ class TrainedModel:
                 yield name, p.detach().full_tensor()
             else:
                 yield name, (compute[name] if compute is not None else p).detach()
+
+
+def _fully_shard(model: torch.nn.Module, mesh, bf16: bool) -> None:
+    """FSDP2 over each decoder layer and the root: fp32 shards, bf16 compute when `bf16`, gradients
+    reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for layer in getattr(getattr(model, "base_model", model), "layers", []):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
