@@ -228,7 +228,8 @@ class TrainerRank:
             for _ in named:
                 pass
             return None
-        return send_weights(self.weight_group, [(n, t.to(dtype)) for n, t in named], bucket_bytes)
+        # streamed: each tensor is gathered, cast and sent in its bucket, never a whole second copy
+        return send_weights(self.weight_group, ((n, t.to(dtype)) for n, t in named), bucket_bytes)
 
     def close(self) -> None:
         import torch.distributed as dist

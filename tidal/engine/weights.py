@@ -283,6 +283,70 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
     return f"{crc:08x}"
 
 
+class StreamingChecksum:
+    """`weights_checksum` of tensors seen one at a time, in any order, without keeping them: each
+    tensor's own CRC-32 (name and bytes) and length are kept, and at the end they are chained in
+    name order with `crc32_combine` (what `zlib.crc32(b, crc)` would have given over the joined
+    bytes)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, tuple[int, int]] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        data = name.encode()
+        self.parts[name] = (tensor_crc(t, zlib.crc32(data)), len(data) + t.numel() * t.element_size())
+
+    def hexdigest(self) -> str:
+        crc = 0
+        for name in sorted(self.parts):
+            part, length = self.parts[name]
+            crc = crc32_combine(crc, part, length)
+        return f"{crc:08x}"
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_byte_operators(n: int = 48) -> list[list[int]]:
+    """Operators over GF(2) that advance a CRC-32 over 2**k zero bytes, k = 0 .. n-1."""
+    op = [0xEDB88320] + [1 << k for k in range(31)]  # one zero bit
+    for _ in range(3):  # 2, 4, 8 bits: one byte
+        op = _gf2_square(op)
+    out = [op]
+    for _ in range(n - 1):
+        out.append(_gf2_square(out[-1]))
+    return out
+
+
+_ZEROS: list[list[int]] = []
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc1 = CRC-32(A), crc2 = CRC-32(B) and len2 = len(B) bytes (zlib's
+    crc32_combine): crc1 advanced over len2 zero bytes, one precomputed operator per set bit of
+    len2, then xored with crc2."""
+    if not _ZEROS:
+        _ZEROS.extend(_zero_byte_operators())
+    k = 0
+    while len2 > 0:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZEROS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
 def tensor_crc(t: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a tensor's bytes, continuing `crc`."""
     return zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy(), crc)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from tidal.engine.weights import weights_checksum
+from tidal.engine.weights import StreamingChecksum
 from tidal.hardware import CPU, is_cuda
 from tidal.sync.base import SyncError, SyncSetup, check_engine
 
@@ -58,13 +58,24 @@ def _buckets(shapes: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, bucke
     return [b for b in out if b]
 
 
-def send_weights(group, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES) -> str:
-    """Rank 0: broadcast `named` (all one dtype) bucket by bucket; returns their checksum."""
-    dtype = named[0][1].dtype
-    for idx in _buckets([(n, tuple(t.shape)) for n, t in named], dtype.itemsize, bucket_bytes):
-        flat = torch.cat([named[i][1].reshape(-1) for i in idx])
-        group.broadcast(flat, 0).wait()
-    return weights_checksum(named)
+def send_weights(group, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES) -> str:
+    """Rank 0: broadcast `named` (all one dtype) bucket by bucket, grouped as `_buckets` groups
+    their shapes; returns their checksum. `named` is taken one tensor at a time (a generator that
+    gathers each from the shards holds no more than a bucket and the next tensor at once)."""
+    check = StreamingChecksum()
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for name, t in named:
+        check.add(name, t)
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            group.broadcast(torch.cat([x.reshape(-1) for x in bucket]), 0).wait()
+            bucket, size = [], 0
+        bucket.append(t)
+        size += n
+    if bucket:
+        group.broadcast(torch.cat([x.reshape(-1) for x in bucket]), 0).wait()
+    return check.hexdigest()
 
 
 def receive_weights(
