@@ -20,6 +20,11 @@ class ClusterConfig:
         "trainer and one engine in this process)",
     )
     trainers: int = opt(1, "trainer ranks: more than 1 trains with FSDP2 over torch.distributed (gloo/NCCL) on Ray")
+    tp_size: int = opt(
+        1,
+        "tensor parallel: trainer ranks that split each decoder layer's attention and MLP between them "
+        "(Llama-like families); cluster.trainers / tp_size groups of them shard with FSDP2",
+    )
     engines: int = opt(1, "rollout engines: more than 1 run as Ray actors behind the router")
     colocate: bool = opt(
         False, "engines share the trainers' resources and free their KV cache and weights while the trainers train"
@@ -111,6 +116,10 @@ class ClusterConfig:
         )
         one_of(need, "cluster.device", self.device, DEVICES)
         need(self.trainers >= 1, f"cluster.trainers: must be >= 1, got {self.trainers}")
+        need(
+            self.tp_size >= 1 and self.trainers % self.tp_size == 0,
+            f"cluster.tp_size: must divide cluster.trainers ({self.trainers}), got {self.tp_size}",
+        )
         need(self.engines >= 1, f"cluster.engines: must be >= 1, got {self.engines}")
         for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
             need(getattr(self, name) >= 0, f"cluster.{name}: must be >= 0, got {getattr(self, name)}")

@@ -75,8 +75,11 @@ class TrainerRank:
         timeout_s: float,
         device: str = "auto",
         critic: bool = False,
+        tp_size: int = 1,
     ) -> None:
-        """`critic`: also hold PPO's critic, from `reference` (the run's initial model)."""
+        """`critic`: also hold PPO's critic, from `reference` (the run's initial model).
+        `tp_size`: ranks that split each layer (`tidal.train.parallel`): the ranks form a
+        (world / tp_size) x tp_size mesh, FSDP2 over its first dimension."""
         import time
 
         import torch.distributed as dist
@@ -107,7 +110,16 @@ class TrainerRank:
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
+        # data-parallel rank and size: every tp rank of a dp group takes the same share
+        self.dp_rank, self.dp_world, self.dp_group = rank, world, None
         shard = (lambda trained: trained.shard()) if world > 1 else None
+        if tp_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+            dp, tp = mesh["dp"], mesh["tp"]
+            self.dp_rank, self.dp_world, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
+            shard = lambda trained: trained.shard(dp, tp)  # noqa: E731
         self.actor = Actor(
             model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard, device=self.device
         )
@@ -145,12 +157,12 @@ class TrainerRank:
     def _sum(self, t: Tensor) -> Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)  # tp ranks hold the same sums
         return t
 
     def _split(self, samples: Sequence[Sample], part=None) -> None:
-        if self.world > 1:
-            (part or self.actor).share = lambda idx: balanced_share(samples, idx, self.rank, self.world)
+        if self.dp_world > 1:
+            (part or self.actor).share = lambda idx: balanced_share(samples, idx, self.dp_rank, self.dp_world)
 
     def ready(self) -> tuple[str, int]:
         """(node address, pid) of this rank's process: the group names a rank that fails by them."""
@@ -294,6 +306,7 @@ class TrainerGroup:
                 cluster.sync_timeout,
                 cluster.device,
                 critic,
+                cluster.tp_size,
             )
             for r in range(world)
         ]

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
-from tidal.train import lora
+from tidal.train import lora, parallel
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
 from tidal.train.options import TrainConfig
@@ -76,25 +76,29 @@ class TrainedModel:
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
         self.sharded = False
-        self.mesh = None
+        self.mesh = self.tp_mesh = None
         self.frozen_models: list[torch.nn.Module] = []  # a reference and teacher sharded like it
         self.loss_scale = 1.0
 
-    def shard(self, mesh=None) -> None:
+    def shard(self, mesh=None, tp_mesh=None) -> None:
         """FSDP2 over the default process group (or `mesh`): each decoder layer and the root are
         `fully_shard`ed; bf16 compute comes from the mixed-precision policy, gradients are reduced
-        in fp32 and summed over ranks (each rank's loss is already divided by the global counts)."""
+        in fp32 and summed over ranks (each rank's loss is already divided by the global counts).
+        `tp_mesh`: first split each layer's attention and MLP over it (`tidal.train.parallel`);
+        `mesh` is then the data-parallel dimension."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
 
         if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
             self.mixed = None
             self.compute = self.master
             self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device, self.fwd.routing)
-        self.mesh = mesh
+        self.mesh, self.tp_mesh = mesh, tp_mesh
+        if tp_mesh is not None:
+            parallel.apply_tp(self.master, tp_mesh)
         _fully_shard(self.master, mesh, self.dtype == "bfloat16")
-        # FSDP2 averages gradients over ranks (gloo has no pre-scaled sum); each rank's loss is
-        # already divided by the global counts, so it is scaled by the rank count to make a sum
-        self.loss_scale = float(torch.distributed.get_world_size())
+        # FSDP2 averages gradients over its ranks (gloo has no pre-scaled sum); each rank's loss is
+        # already divided by the global counts, so it is scaled by their count to make a sum
+        self.loss_scale = float(mesh.size() if mesh is not None else torch.distributed.get_world_size())
         self.sharded = True
 
     def reshard(self) -> None:
@@ -121,6 +125,8 @@ class TrainedModel:
         if self.fwd.packing:
             use_packed_attention(model)
         if self.sharded:  # FSDP2 like the policy: each rank keeps 1/N of it (bf16 by the same policy)
+            if self.tp_mesh is not None:
+                parallel.apply_tp(model, self.tp_mesh)
             _fully_shard(model, self.mesh, self.dtype == "bfloat16")
             self.frozen_models.append(model)
             return model

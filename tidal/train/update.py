@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tidal.hardware import CPU, is_cuda
+from tidal.train import parallel
 from tidal.train.forward import replaying
 from tidal.train.model import TrainedModel
 from tidal.train.options import TrainConfig
@@ -90,6 +91,8 @@ class Optimizer:
             foreach=distributed or None,
         )
         self.offload = cfg.offload_optimizer
+        # the device meshes the parameters live on (FSDP2 and tensor parallelism: two)
+        self.meshes = len({id(p.device_mesh) for p in params if hasattr(p, "device_mesh")})
         self.device = self.params[0].device if self.params else torch.device(CPU)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -111,10 +114,15 @@ class Optimizer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        if hasattr(norm, "full_tensor"):  # a DTensor on FSDP2 ranks: the global norm
-            norm = norm.full_tensor()
-        norm = float(norm)
+        if self.meshes > 1:  # tensor parallel: gradients on the dp and the dp x tp meshes
+            norm = float(parallel.grad_norm(self.params))
+            if math.isfinite(norm):
+                parallel.clip_grads(self.params, max_norm, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            if hasattr(norm, "full_tensor"):  # a DTensor on FSDP2 ranks: the global norm
+                norm = norm.full_tensor()
+            norm = float(norm)
         if bad_loss or not math.isfinite(norm):
             self.zero_grad()
             self.bad_steps += 1
