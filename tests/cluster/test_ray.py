@@ -68,6 +68,8 @@ def local_run(tiny_model_dir, tmp_path_factory):
 LAYOUTS = {
     "2+2": {"cluster.trainers": 2, "cluster.engines": 2},
     "2+2 colocated": {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True},
+    # the two trainer ranks split each layer between them (tensor parallel), one engine
+    "2 tp+1": {"cluster.trainers": 2, "cluster.tp_size": 2, "cluster.engines": 1},
     # the rehearsal of a cluster layout on one machine (docs/scaling.md): the same Ray path, smallest
     "1+1 with cluster.ray true": {"cluster.ray": True},
 }

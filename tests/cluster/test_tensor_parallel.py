@@ -29,6 +29,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def copied(weights: dict | None) -> dict | None:
+    """A copy: with one dp rank a whole tensor needs no gather and may be the parameter itself."""
+    return None if weights is None else {k: v.clone() for k, v in weights.items()}
+
+
 def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: str) -> None:
     from tidal.cluster.trainers import TrainerRank
 
@@ -44,19 +49,32 @@ def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: s
         "extra": extra,
         "policy": tr.compute_log_probs(samples, "policy"),
         "reference": tr.compute_log_probs(samples, "reference"),
-        "weights": tr.full_weights(None),
+        "weights": copied(tr.full_weights(None)),
         "q_held": q.to_local().numel(),
         "q_placements": [str(p) for p in q.placements],
+        "state": tr.state_dict(),  # the optimizer state, full tensors by name (a collective)
     }
+    tr.train_sums(samples, -ADV, None, None)  # the run continues on its mesh
+    result["weights2"] = copied(tr.full_weights(None))
     torch.save(result, f"{out}.{rank}")
     torch.distributed.barrier()
     tr.close()
 
 
-def run_ranks(tmp_path_factory, model_dir, world: int, tp: int) -> list[dict]:
-    out = str(tmp_path_factory.mktemp(f"tp{tp}x{world // tp}") / "rank")
-    mp.spawn(_rank_main, args=(world, tp, f"tcp://127.0.0.1:{_port()}", str(model_dir), out), nprocs=world, join=True)
-    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+@pytest.fixture(scope="module")
+def run_ranks(tmp_path_factory, tiny_model_dir):
+    """`run_ranks(world, tp)`: each rank's results, the ranks run once per layout."""
+    done: dict[tuple[int, int], list[dict]] = {}
+
+    def run(world: int, tp: int) -> list[dict]:
+        if (world, tp) not in done:
+            out = str(tmp_path_factory.mktemp(f"tp{tp}x{world // tp}") / "rank")
+            args = (world, tp, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out)
+            mp.spawn(_rank_main, args=args, nprocs=world, join=True)
+            done[world, tp] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+        return done[world, tp]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +92,8 @@ def single(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_ranks_take_the_single_process_step(tmp_path_factory, tiny_model_dir, single, world, tp):
-    ranks = run_ranks(tmp_path_factory, tiny_model_dir, world, tp)
+def test_tensor_parallel_ranks_take_the_single_process_step(run_ranks, single, world, tp):
+    ranks = run_ranks(world, tp)
     sums = Sums()
     for r in ranks[::tp]:  # one rank of each dp group: its tp ranks computed the same sums
         sums.merge(r["sums"])
@@ -108,3 +126,18 @@ def test_a_family_with_another_split_is_refused_naming_it():
         "cluster.tp_size: qwen3's plan splits layers.*.self_attn.q_norm as 'replicated_with_grad_allreduce'; "
         "tidal's tensor parallelism runs colwise and rowwise splits only (Llama-like families)"
     )
+
+
+def test_a_tp2_x_dp2_checkpoint_resumes_on_one_process(run_ranks, tiny_model_dir, tmp_path):
+    """The state four ranks saved as TP 2 × DP 2 (weights and optimizer state as full tensors by
+    name) continues in one process as the four ranks continued."""
+    ranks = run_ranks(4, 2)
+    step1 = tmp_path / "step1"
+    base = Actor(str(tiny_model_dir), TRAIN, ALGO, 0.8, 0, str(tiny_model_dir), 16)
+    base.model.load_state_dict(ranks[0]["weights"], strict=False)
+    base.model.save_pretrained(step1)
+    resumed = Actor(str(step1), TRAIN, ALGO, 0.8, 0, str(tiny_model_dir), 16)
+    resumed.load_state_dict(ranks[0]["state"])
+    resumed.train_step(make_samples(8, seed=3), -ADV)
+    for name, p in resumed.model.named_parameters():
+        torch.testing.assert_close(ranks[0]["weights2"][name], p.detach(), atol=5e-6, rtol=1e-5)

@@ -282,6 +282,7 @@ class TrainerGroup:
         from tidal.net import free_port, node_ip
 
         self.timeout = cluster.sync_timeout
+        self.tp_size = cluster.tp_size
         world = cluster.trainers
         init = f"tcp://{node_ip()}:{free_port()}"
         remote = ray.remote(TrainerRank)
@@ -319,7 +320,10 @@ class TrainerGroup:
     def describe(self) -> str:
         """What trains (rank 0's `Actor.describe`), and over how many ranks."""
         line = self._get([self.ranks[0].describe.remote()], "describing the trained model", self.timeout)[0]
-        return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2)" if len(self.ranks) > 1 else line
+        if len(self.ranks) == 1:
+            return line
+        split = f", each layer split over {self.tp_size} (tensor parallel)" if self.tp_size > 1 else ""
+        return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2{split})"
 
     def rank_name(self, rank: int) -> str:
         """`trainer rank 1 (node 10.0.0.5, pid 1234)`."""
@@ -338,13 +342,17 @@ class TrainerGroup:
 
     def train_step(self, samples, advantages, old_log_probs=None, ref_log_probs=None) -> dict[str, float]:
         args = (list(samples), advantages, old_log_probs, ref_log_probs)
-        results = self._get([r.train_sums.remote(*args) for r in self.ranks], "a train step")
+        results = self.data_parallel(self._get([r.train_sums.remote(*args) for r in self.ranks], "a train step"))
         sums = Sums()
         for s, _ in results:
             sums.merge(s)
         extra = dict(results[0][1])
         extra["actor/tokens"] = sum(e["actor/tokens"] for _, e in results)
         return {**sums.mean(), **extra}
+
+    def data_parallel(self, results: list) -> list:
+        """One result per dp group (rank dp * tp_size + 0): its tp ranks computed the same share."""
+        return results[:: self.tp_size]
 
     def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True):
         if not merged:  # config validation keeps train.lora_merge false to one trainer in this process
@@ -389,7 +397,7 @@ class RankCritic:
 
     def train_step(self, samples: Sequence[Sample], returns: Tensor, old_values: Tensor) -> dict[str, float]:
         refs = [r.critic_train_sums.remote(list(samples), returns, old_values) for r in self.group.ranks]
-        results = self.group._get(refs, "a critic step")
+        results = self.group.data_parallel(self.group._get(refs, "a critic step"))
         sums = Sums()
         for s, _ in results:
             sums.merge(s)
