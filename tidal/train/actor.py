@@ -20,7 +20,7 @@ from tidal.algo.options import AlgoConfig
 from tidal.hardware import CPU, to_device
 from tidal.moe import routing_shape
 from tidal.options import ConfigError
-from tidal.train import lora
+from tidal.train import lora, parallel
 from tidal.train.estimate import response_mask
 from tidal.train.forward import replaying
 from tidal.train.logits import output_head, token_log_probs, token_log_probs_and_entropy
@@ -160,7 +160,12 @@ class Actor:
         head = output_head(model)
         if self.trained.sharded:  # FSDP2 (the policy, and a reference or teacher sharded like it): the root's forward
             logits, valid = self.trained.root_logits(batch, model)
-            logp, ent = log_probs_and_entropy(logits, batch["response_ids"][valid], self.temperature, entropy_grad)
+            labels = batch["response_ids"][valid]
+            if self.trained.vocab is not None:  # tensor parallel: this rank's vocabulary slice
+                split, t = self.trained.vocab, self.temperature
+                logp, ent = parallel.vocab_log_probs_and_entropy(logits, labels, split, t, entropy_grad)
+            else:
+                logp, ent = log_probs_and_entropy(logits, labels, self.temperature, entropy_grad)
             return to_grid(logp, valid), to_grid(ent, valid)
         with self.trained.autocast():
             hidden, valid = self.trained.response_hidden(model, batch)

@@ -77,6 +77,7 @@ class TrainedModel:
         self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
         self.sharded = False
         self.mesh = self.tp_mesh = None
+        self.vocab: parallel.VocabSplit | None = None  # tensor parallel: the logits are this slice
         self.frozen_models: list[torch.nn.Module] = []  # a reference and teacher sharded like it
         self.loss_scale = 1.0
 
@@ -93,8 +94,8 @@ class TrainedModel:
             self.compute = self.master
             self.fwd = Forward(self.cfg, self.compute, self.fwd.pad_id, self.device, self.fwd.routing)
         self.mesh, self.tp_mesh = mesh, tp_mesh
-        if tp_mesh is not None:
-            parallel.apply_tp(self.master, tp_mesh)
+        if tp_mesh is not None:  # this rank's slice of the vocabulary, where the output is split
+            self.vocab = parallel.apply_tp(self.master, tp_mesh)
         _fully_shard(self.master, mesh, self.dtype == "bfloat16")
         # FSDP2 averages gradients over its ranks (gloo has no pre-scaled sum); each rank's loss is
         # already divided by the global counts, so it is scaled by their count to make a sum

@@ -10,17 +10,23 @@ plans made only of `colwise` and `rowwise` (the Llama-like families) and refuses
 the style it does not run (per-head q/k norms need their gradients summed over the tp ranks; MoE
 experts and GDN projections have styles of transformers' own).
 
-The embeddings, norms and output projection stay whole on every tp rank (FSDP2 shards them over
-dp), so each tp rank computes the same logits: log-probs and values are summed over the dp ranks
-only, and each dp group of tp ranks takes the same share of a batch.
+The output projection is split by vocabulary rows too (and a tied input embedding with it, as a
+vocabulary-parallel embedding whose lookups are summed over the tp ranks), so a rank computes
+only its slice of each micro-batch's logits, [T, V / tp]: the log-softmax, the sampled token's
+log-prob and the entropy take their maxima and sums over the tp ranks (`VocabSplit`,
+`vocab_log_probs_and_entropy`). Norms stay whole on every tp rank (FSDP2 shards them over dp).
+Every tp rank ends with the same log-probs: they are summed over the dp ranks only, and each dp
+group of tp ranks takes the same share of a batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from tidal.options import ConfigError
 
@@ -46,8 +52,20 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Split every decoder layer of `model` over `tp_mesh` by its family's plan (in place)."""
+@dataclass(frozen=True)
+class VocabSplit:
+    """This rank's slice of the vocabulary, [start, start + size), and the tp ranks' group."""
+
+    start: int
+    size: int
+    group: object
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> VocabSplit | None:
+    """Split every decoder layer of `model` over `tp_mesh` by its family's plan, and its output
+    projection (with a tied embedding) by vocabulary rows (in place). Returns this rank's slice
+    of the vocabulary, or None for a model without an output projection (the critic's backbone)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = tp_plan(model)
@@ -63,6 +81,70 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             raise ConfigError(f"cluster.tp_size: {size} does not divide the model's {name} ({value})")
     for layer in layers:
         parallelize_module(layer, tp_mesh, {path: make[style]() for path, style in plan.items()})
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    vocab = head.weight.shape[0]
+    if vocab % size:
+        raise ConfigError(f"cluster.tp_size: {size} does not divide the vocabulary ({vocab} rows of the output)")
+    embed = model.get_input_embeddings()
+    tied = embed.weight is head.weight
+    if tied:  # the lookup of a row-split embedding: each rank's rows, summed over the tp ranks
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(
+        head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
+    )
+    if tied:  # one parameter again: both split by rows alike
+        head.weight = embed.weight
+    local = vocab // size
+    return VocabSplit(tp_mesh.get_local_rank() * local, local, tp_mesh.get_group())
+
+
+def vocab_log_probs_and_entropy(
+    logits: Tensor, labels: Tensor, split: VocabSplit, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor]:
+    """(log p(labels), entropy) [T] of softmax(z), z = logits / temperature, from this rank's
+    slice of the logits [T, V / tp] (`split`), as `tidal.algo.log_probs_and_entropy` computes them
+    from the whole: with m = max_v z (over the ranks), S = sum_v exp(z_v - m) (summed over them),
+
+        log p(y) = z_y - m - log S,   H = log S - sum_v p_v (z_v - m).
+
+    The gradient is local to the slice (Megatron's vocabulary-parallel cross entropy):
+    d log p(y) / dz_v = [v = y] - p_v, dH / dz_v = -p_v (z_v - m - sum_u p_u (z_u - m))."""
+    logp, ent = _VocabLogProbs.apply(logits, labels.long(), split, float(temperature))
+    return logp, ent if entropy_grad else ent.detach()
+
+
+class _VocabLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, split: VocabSplit, temperature: float):
+        z = logits.float() / temperature
+        m = z.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=split.group)
+        u = z - m[:, None]
+        e = u.exp()
+        local = labels - split.start
+        mine = (local >= 0) & (local < split.size)
+        picked = torch.where(mine, u.gather(-1, local.clamp(0, split.size - 1)[:, None])[:, 0], 0.0)
+        sums = torch.stack([e.sum(-1), picked, (e * u).sum(-1)])  # one reduction for the three
+        dist.all_reduce(sums, group=split.group)
+        total, picked, eu = sums
+        p = e / total[:, None]
+        mean_u = eu / total  # sum_v p_v (z_v - m)
+        ctx.save_for_backward(p, u, mean_u, local, mine)
+        ctx.temperature = temperature
+        ctx.dtype = logits.dtype
+        return picked - total.log(), total.log() - mean_u
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_ent: Tensor):
+        p, u, mean_u, local, mine = ctx.saved_tensors
+        grad = -p * grad_logp[:, None]
+        rows = torch.nonzero(mine)[:, 0]
+        grad[rows, local[rows]] += grad_logp[rows]
+        if grad_ent is not None:
+            grad = grad - p * (u - mean_u[:, None]) * grad_ent[:, None]
+        return (grad / ctx.temperature).to(ctx.dtype), None, None, None
 
 
 def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
