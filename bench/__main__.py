@@ -20,6 +20,7 @@ BENCHES = (
     "gpu",
     "memory",
     "state_snapshots",
+    "tensor_parallel",
 )
 
 

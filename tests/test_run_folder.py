@@ -252,20 +252,24 @@ def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint(tiny_model_dir, t
     # leave this process asleep for seconds while the tiny run takes 30 ms a step)
     cmd = [sys.executable, "-m", "tidal.cli", *small_run(tiny_model_dir, run, "--train.num_steps=1000000")]
     cmd.append("--train.save_interval=1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + WAIT_S
-        # any checkpoint: only the newest few are kept, so step_1's may be gone by the time this looks
-        while not any(run.glob("checkpoints/step_*/state.json")):
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run saved no checkpoint in time"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read().decode()
+    # its output goes to files: a pipe nobody reads fills up after a few hundred steps' log lines,
+    # and the run then blocks on a write and never sees the signal
+    log = tmp_path / "stderr.log"
+    with open(log, "wb") as err_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            # any checkpoint: only the newest few are kept, so step_1's may be gone when this looks
+            while not any(run.glob("checkpoints/step_*/state.json")):
+                assert proc.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "the run saved no checkpoint in time"
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = log.read_text()
     assert code == 130, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     # the run's own last word (a library may still log a line of its own while shutting down)
