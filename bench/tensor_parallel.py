@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import socket
 import sys
 import tempfile
@@ -120,6 +121,20 @@ def main() -> None:
     model_dir = tempfile.mkdtemp(prefix="tidal-bench-tp-")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(model_dir)
+    try:
+        rows = measure(args, model_dir)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)  # 0.5 GB of random weights
+    print(f"\n{'tp':>3}{'round':>6}{'step s':>8}{'rank 0 MB':>11}{'rank 1 MB':>11}")
+    for r in rows:
+        mb = r["peak_rss_mb"]
+        print(f"{r['tp']:>3}{r['round']:>6}{r['step_s']:>8.2f}{mb[0]:>11,.0f}{mb[1]:>11,.0f}")
+    path = write_result("tensor_parallel", {"machine": machine(), "settings": vars(args), "model": MODEL, "rows": rows})
+    print(f"wrote {path}")
+
+
+def measure(args, model_dir: str) -> list[dict]:
+    """Each layout of `args.tp` in fresh processes, alternating, `args.rounds` times."""
     rows = []
     for rnd in range(args.rounds):
         for tp in args.tp:
@@ -129,13 +144,7 @@ def main() -> None:
             rows.append(r)
             peaks = ", ".join(f"{m:,.0f}" for m in r["peak_rss_mb"])
             print(f"  tp {tp} round {rnd}: step {r['step_s']:.2f} s, peak RSS per rank {peaks} MB", flush=True)
-    print(f"\n{'tp':>3}{'round':>6}{'step s':>8}{'rank 0 MB':>11}{'rank 1 MB':>11}")
-    for r in rows:
-        print(
-            f"{r['tp']:>3}{r['round']:>6}{r['step_s']:>8.2f}{r['peak_rss_mb'][0]:>11,.0f}{r['peak_rss_mb'][1]:>11,.0f}"
-        )
-    path = write_result("tensor_parallel", {"machine": machine(), "settings": vars(args), "model": MODEL, "rows": rows})
-    print(f"wrote {path}")
+    return rows
 
 
 if __name__ == "__main__":
