@@ -256,7 +256,16 @@ def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint(tiny_model_dir, t
     # and the run then blocks on a write and never sees the signal
     log = tmp_path / "stderr.log"
     with open(log, "wb") as err_file:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=err_file)
+        # Ctrl-C's default handling, as in a terminal: a test run started in the background (nohup,
+        # `cmd &`) passes SIGINT ignored to its children, and Python then never raises on it
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             deadline = time.monotonic() + WAIT_S
             # any checkpoint: only the newest few are kept, so step_1's may be gone when this looks
