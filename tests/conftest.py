@@ -195,6 +195,20 @@ def hf_greedy(model, prompt, n):
     return toks[: toks.index(2) + 1] if 2 in toks else toks
 
 
+def assert_first_step_close(got: dict, want: dict, grads: dict, lr: float) -> None:
+    """Weights after one AdamW step taken by ranks (`got`) equal one process's (`want`), by name.
+
+    AdamW's first step moves each weight by lr · g / (|g| + eps): where a gradient is near zero
+    (an expert's router row no token chose, a weight a masked token alone reaches) it is the
+    float-order noise of a split sum (1e-9), and AdamW makes of it a step of up to lr either way.
+    Weights whose gradient `grads[name]` is at least 1e-5 are held to 1e-5, the others to the
+    step's bound, lr."""
+    for name, w in want.items():
+        live = grads[name].abs() >= 1e-5
+        torch.testing.assert_close(got[name][live], w[live], atol=1e-5, rtol=1e-5, msg=name)
+        assert ((got[name] - w)[~live].abs() <= lr * 1.001).all(), name
+
+
 def make_samples(n=8, seed=0, group=2):
     """Samples with ragged prompt and response lengths and a masked (tool-output-like) span;
     each run of `group` consecutive samples shares its prompt, as a GRPO group does."""

@@ -1,14 +1,17 @@
 """Tensor parallelism on trainer ranks (`cluster.tp_size`, `tidal.train.parallel`): two ranks that
 split every layer (TP 2), and four as TP 2 × DP 2, take the step one process takes (losses with
 the KL term, gradient norm, updated weights, the reference's and policy's log-probs), each rank
-holding its part of each split matrix."""
+holding its part of each split matrix: for a tiny Llama, and for tiny MoE models whose experts are
+split whole over the ranks (expert parallelism): Qwen3-MoE (per-head q/k norms whole on each
+rank), Mixtral, and DeepSeek-V3 (latent attention, a shared expert, grouped routing)."""
 
+import dataclasses
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_samples
+from conftest import assert_first_step_close, make_moe_model, make_samples
 
 from tidal.algo.options import AlgoConfig
 from tidal.options import ConfigError
@@ -19,6 +22,8 @@ from tidal.train.update import Sums
 TRAIN = TrainConfig(
     global_batch_size=4, max_tokens_per_micro_batch=24, packing=True, lr=1e-3, dtype="float32", max_grad_norm=1.0
 )
+# the MoE models take the 8 samples as one optimizer step: see `_assert_same_step`
+ONE_STEP = dataclasses.replace(TRAIN, global_batch_size=8)
 ALGO = AlgoConfig(kl_coef=0.1)
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
 
@@ -34,13 +39,15 @@ def copied(weights: dict | None) -> dict | None:
     return None if weights is None else {k: v.clone() for k, v in weights.items()}
 
 
-def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: str, train: TrainConfig) -> None:
     from tidal.cluster.trainers import TrainerRank
 
-    tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 120, tp_size=tp)
+    tr = TrainerRank(rank, world, init, train, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 120, tp_size=tp)
     samples = make_samples(8, seed=3)
     sums, extra = tr.train_sums(samples, ADV, None, None)
-    q = tr.actor.model.model.layers[0].self_attn.q_proj.weight
+    layers = tr.actor.model.model.layers
+    q = layers[0].self_attn.q_proj.weight
+    experts = [layer.mlp.experts.gate_up_proj for layer in layers if hasattr(layer.mlp, "experts")]
     head = tr.actor.model.lm_head
     # the last optimizer step's (clipped) gradients, gathered: a collective, every rank takes part
     grads = {n: p.grad.full_tensor() for n, p in tr.actor.model.named_parameters()}
@@ -52,6 +59,7 @@ def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: s
         "reference": tr.compute_log_probs(samples, "reference"),
         "weights": copied(tr.full_weights(None)),
         "q_held": q.to_local().numel(),
+        "experts_held": [e.to_local().numel() for e in experts],
         "q_placements": [str(p) for p in q.placements],
         "vocab": (tr.actor.trained.vocab.start, tr.actor.trained.vocab.size),  # its slice of the logits
         "head_placements": len(head.weight.placements),
@@ -66,38 +74,63 @@ def _rank_main(rank: int, world: int, tp: int, init: str, model_dir: str, out: s
 
 
 @pytest.fixture(scope="module")
-def run_ranks(tmp_path_factory, tiny_model_dir):
-    """`run_ranks(world, tp)`: each rank's results, the ranks run once per layout."""
-    done: dict[tuple[int, int], list[dict]] = {}
+def model_dirs(tmp_path_factory, tiny_model_dir, tokenizer):
+    """{name: a local HF folder}: the tiny Llama, and the tiny MoE models of `make_moe_model`."""
+    dirs = {"llama": tiny_model_dir}
+    for family in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        path = tmp_path_factory.mktemp(family)
+        make_moe_model(family).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        dirs[family] = path
+    return dirs
 
-    def run(world: int, tp: int) -> list[dict]:
-        if (world, tp) not in done:
-            out = str(tmp_path_factory.mktemp(f"tp{tp}x{world // tp}") / "rank")
-            args = (world, tp, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out)
+
+@pytest.fixture(scope="module")
+def run_ranks(tmp_path_factory, model_dirs):
+    """`run_ranks(world, tp, model)`: each rank's results, the ranks run once per layout."""
+    done: dict[tuple[int, int, str], list[dict]] = {}
+
+    def run(world: int, tp: int, model: str = "llama") -> list[dict]:
+        if (world, tp, model) not in done:
+            out = str(tmp_path_factory.mktemp(f"{model}-tp{tp}x{world // tp}") / "rank")
+            train = TRAIN if model == "llama" else ONE_STEP
+            args = (world, tp, f"tcp://127.0.0.1:{_port()}", str(model_dirs[model]), out, train)
             mp.spawn(_rank_main, args=args, nprocs=world, join=True)
-            done[world, tp] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
-        return done[world, tp]
+            done[world, tp, model] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+        return done[world, tp, model]
 
     return run
 
 
 @pytest.fixture(scope="module")
-def single(tiny_model_dir):
-    actor = Actor(str(tiny_model_dir), TRAIN, ALGO, 0.8, 0, str(tiny_model_dir), 16)
-    samples = make_samples(8, seed=3)
-    metrics = actor.train_step(samples, ADV)
-    return {
-        "metrics": metrics,
-        "grads": {n: p.grad.clone() for n, p in actor.model.named_parameters()},
-        "policy": actor.compute_log_probs(samples, "policy"),
-        "reference": actor.compute_log_probs(samples, "reference"),
-        "weights": dict(actor.named_weights()),
-    }
+def single(model_dirs):
+    """`single(model)`: one process's step (metrics, gradients, log-probs, weights after it)."""
+    done: dict[str, dict] = {}
+
+    def run(model: str = "llama") -> dict:
+        if model not in done:
+            path = str(model_dirs[model])
+            actor = Actor(path, TRAIN if model == "llama" else ONE_STEP, ALGO, 0.8, 0, path, 16)
+            samples = make_samples(8, seed=3)
+            metrics = actor.train_step(samples, ADV)
+            done[model] = {
+                "metrics": metrics,
+                "grads": {n: p.grad.clone() for n, p in actor.model.named_parameters()},
+                "policy": actor.compute_log_probs(samples, "policy"),
+                "reference": actor.compute_log_probs(samples, "reference"),
+                "weights": dict(actor.named_weights()),
+            }
+        return done[model]
+
+    return run
 
 
-@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_ranks_take_the_single_process_step(run_ranks, single, world, tp):
-    ranks = run_ranks(world, tp)
+def _assert_same_step(
+    ranks: list[dict], single: dict, tp: int, grad_atol: float = 1e-6, sensitive: bool = False
+) -> None:
+    """The ranks' step equals the single process's: losses, gradient norm, the last optimizer
+    step's gradients (within `grad_atol`), weights after the step, policy and reference
+    log-probs."""
     sums = Sums()
     for r in ranks[::tp]:  # one rank of each dp group: its tp ranks computed the same sums
         sums.merge(r["sums"])
@@ -105,15 +138,25 @@ def test_tensor_parallel_ranks_take_the_single_process_step(run_ranks, single, w
     for key in ("loss/pg", "loss/kl", "actor/grad_norm"):
         assert got[key] == pytest.approx(single["metrics"][key], rel=1e-4, abs=1e-6), key
     for name, g in single["grads"].items():
-        assert torch.allclose(ranks[0]["grads"][name], g, atol=1e-6, rtol=1e-5), name
-    # AdamW divides each gradient by its own running scale, so where a gradient is near zero the
-    # float-order noise of the split sums (1e-7 relative) reaches the update: up to 7.4e-6 of one
-    # element at lr 1e-3
-    for name, w in single["weights"].items():
-        torch.testing.assert_close(ranks[0]["weights"][name], w, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(ranks[0]["grads"][name], g, atol=grad_atol, rtol=1e-5), name
+    if sensitive:  # one optimizer step, near-zero gradients (`assert_first_step_close`)
+        assert_first_step_close(ranks[0]["weights"], single["weights"], single["grads"], TRAIN.lr)
+    else:
+        # AdamW divides each gradient by its own running scale, so where a gradient is near zero
+        # the float-order noise of the split sums (1e-7 relative) reaches the update: up to 7.4e-6
+        # of one element at lr 1e-3
+        for name, w in single["weights"].items():
+            torch.testing.assert_close(ranks[0]["weights"][name], w, atol=1e-5, rtol=1e-5, msg=name)
     for which in ("policy", "reference"):
         for r in ranks:
             assert torch.allclose(r[which], single[which], atol=1e-5), which
+
+
+@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)], ids=["tp2", "tp2xdp2"])
+def test_tensor_parallel_ranks_take_the_single_process_step(run_ranks, single, world, tp):
+    ranks = run_ranks(world, tp)
+    single = single()
+    _assert_same_step(ranks, single, tp)
     # q_proj's rows (its heads) split over tp, then over dp by FSDP2
     whole = single["weights"]["model.layers.0.self_attn.q_proj.weight"].numel()
     assert all(r["q_held"] == whole // world for r in ranks)
@@ -124,17 +167,44 @@ def test_tensor_parallel_ranks_take_the_single_process_step(run_ranks, single, w
     assert all(r["tied"] and r["head_placements"] == 2 for r in ranks)
 
 
+@pytest.mark.parametrize(
+    ("model", "world", "tp", "experts"),
+    [("qwen3_moe", 2, 2, 8), ("qwen3_moe", 4, 2, 8), ("mixtral", 2, 2, 4), ("deepseek_v3", 2, 2, 8)],
+    ids=["qwen3_moe-tp2", "qwen3_moe-tp2xdp2", "mixtral-tp2", "deepseek_v3-tp2"],
+)
+def test_moe_ranks_split_the_experts_and_take_the_single_process_step(run_ranks, single, model, world, tp, experts):
+    """Each tp rank holds experts / tp whole experts (then 1 / dp of those): the router's and the
+    q/k norms' gradients (whole weights used on a rank's experts and heads) summed over the ranks
+    give the single process's."""
+    ranks = run_ranks(world, tp, model)
+    base = single(model)
+    # weights of std 0.2 (the Llama's: 0.02) make gradients up to 0.06 and the float-order noise of
+    # the split sums up to 1.5e-6 (2.4e-5 of the largest)
+    _assert_same_step(ranks, base, tp, grad_atol=3e-6, sensitive=True)
+    names = [n for n in base["weights"] if n.endswith("mlp.experts.gate_up_proj")]
+    whole = base["weights"][names[0]]
+    assert whole.shape[0] == experts
+    assert all(r["experts_held"] == [whole.numel() // world] * len(names) for r in ranks)
+    if model == "qwen3_moe":  # the norms' gradients are the whole ones (checked above), not a rank's part
+        assert base["grads"]["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0
+
+
 def test_a_family_with_another_split_is_refused_naming_it():
     from families import tiny_model
 
     from tidal.train.parallel import tp_plan
 
     with pytest.raises(ConfigError) as e:
-        tp_plan(tiny_model("qwen3"))
+        tp_plan(tiny_model("qwen3_next"))
     assert str(e.value) == (
-        "cluster.tp_size: qwen3's plan splits layers.*.self_attn.q_norm as 'replicated_with_grad_allreduce'; "
-        "tidal's tensor parallelism runs colwise and rowwise splits only (Llama-like families)"
+        "cluster.tp_size: qwen3_next's plan splits layers.*.linear_attn.in_proj_qkvz as 'colwise_gather_output'; "
+        "tidal's tensor parallelism runs the colwise, rowwise, replicated_with_grad_allreduce, moe_tp_experts "
+        "styles only"
     )
+    # an MoE plan: the experts split whole, their tensors' own entries unused
+    plan = tp_plan(make_moe_model("qwen3_moe"))
+    assert plan["mlp.experts"] == "moe_tp_experts" and "mlp.experts.gate_up_proj" not in plan
+    assert plan["self_attn.q_norm"] == "replicated_with_grad_allreduce"
 
 
 def test_a_tp2_x_dp2_checkpoint_resumes_on_one_process(run_ranks, tiny_model_dir, tmp_path):

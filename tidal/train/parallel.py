@@ -5,10 +5,21 @@ Megatron's split, with PyTorch's DTensor (`parallelize_module`): q/k/v and gate/
 column-parallel (each rank computes its heads and its slice of the MLP width from the whole
 input), o and down projections row-parallel (each rank's partial product summed over the tp
 ranks, so every rank holds the whole hidden state again). Which module gets which split is the
-family's own declaration, transformers' `config.base_model_tp_plan`; this module accepts the
-plans made only of `colwise` and `rowwise` (the Llama-like families) and refuses others naming
-the style it does not run (per-head q/k norms need their gradients summed over the tp ranks; MoE
-experts and GDN projections have styles of transformers' own).
+family's own declaration, transformers' `config.base_model_tp_plan`; tidal runs four of its styles
+and refuses a plan with another, naming it (GDN projections, fused gate/up linears):
+
+- `colwise`, `rowwise`: as above.
+- `replicated_with_grad_allreduce` (Qwen3's per-head q/k norms): the weight stays whole on every
+  tp rank, but each rank normalises only its heads, so its gradient is a partial sum; the ranks'
+  gradients are summed before the optimizer step (`sum_replicated_grads`).
+- `moe_tp_experts`: expert parallelism. Each tp rank holds num_experts / tp whole experts (the
+  fused [E, ...] tensors split on their first dimension); every rank routes every token with the
+  whole router, computes the tokens' outputs of its own experts only (the others' slots get
+  transformers' expert-parallel sentinel id, which every experts implementation skips) and the
+  outputs are summed over the ranks. In the backward the gradients of the experts' input and of
+  the routing weights are summed over the ranks, as each rank's covers its experts only; then the
+  router's gradient is whole on every rank. The plan's entries for the expert tensors themselves
+  (`packed_colwise`, `rowwise`: transformers splits each expert's width instead) are not used.
 
 The output projection is split by vocabulary rows too (and a tied input embedding with it, as a
 vocabulary-parallel embedding whose lookups are summed over the tp ranks), so a rank computes
@@ -21,7 +32,9 @@ group of tp ranks takes the same share of a batch.
 
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,21 +43,30 @@ from torch import Tensor, nn
 
 from tidal.options import ConfigError
 
-STYLES = ("colwise", "rowwise")
+SPLITS = ("colwise", "rowwise")  # DTensor's own styles
+REPLICATED = "replicated_with_grad_allreduce"
+EXPERTS = "moe_tp_experts"
+STYLES = (*SPLITS, REPLICATED, EXPERTS)
+
+# modules whose weights are whole on every tp rank but get a partial gradient there: their tp group
+_GRAD_SUMMED: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
-    """The family's split of a decoder layer: {module path in the layer: colwise | rowwise}."""
+    """The family's split of a decoder layer: {module path in the layer: one of `STYLES`}."""
     plan = getattr(model.config, "base_model_tp_plan", None) or {}
     kind = model.config.model_type
     if not plan:
         raise ConfigError(f"cluster.tp_size: {kind} declares no tensor-parallel plan (config.base_model_tp_plan)")
+    experts = [p for p, style in plan.items() if style == EXPERTS]
     out = {}
     for pattern, style in plan.items():
+        if any(pattern.startswith(e + ".") for e in experts):
+            continue  # an expert tensor's own split: tidal splits whole experts instead
         if style not in STYLES:
             raise ConfigError(
                 f"cluster.tp_size: {kind}'s plan splits {pattern} as {style!r}; tidal's tensor parallelism runs "
-                f"{' and '.join(STYLES)} splits only (Llama-like families)"
+                f"the {', '.join(STYLES)} styles only"
             )
         if not pattern.startswith("layers.*."):
             raise ConfigError(f"cluster.tp_size: {kind}'s plan names {pattern}, outside the decoder layers")
@@ -70,6 +92,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> VocabSplit | None:
 
     plan = tp_plan(model)
     make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    group = tp_mesh.get_group()
     layers = getattr(getattr(model, "base_model", model), "layers", None)
     if not layers:
         raise ConfigError(f"cluster.tp_size: {model.config.model_type} has no decoder layers to split")
@@ -80,7 +103,15 @@ def apply_tp(model: nn.Module, tp_mesh) -> VocabSplit | None:
         if value is not None and value % size:
             raise ConfigError(f"cluster.tp_size: {size} does not divide the model's {name} ({value})")
     for layer in layers:
-        parallelize_module(layer, tp_mesh, {path: make[style]() for path, style in plan.items()})
+        # a family's plan covers every kind of layer (dense and MoE MLPs, attention and linear
+        # attention): each layer takes the entries it has
+        mine = {path: style for path, style in plan.items() if _has(layer, path)}
+        parallelize_module(layer, tp_mesh, {path: make[style]() for path, style in mine.items() if style in SPLITS})
+        for path, style in mine.items():
+            if style == REPLICATED:
+                _GRAD_SUMMED[layer.get_submodule(path)] = group
+            elif style == EXPERTS:
+                split_experts(layer.get_submodule(path), tp_mesh)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         return None
@@ -98,6 +129,114 @@ def apply_tp(model: nn.Module, tp_mesh) -> VocabSplit | None:
         head.weight = embed.weight
     local = vocab // size
     return VocabSplit(tp_mesh.get_local_rank() * local, local, tp_mesh.get_group())
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def split_experts(experts: nn.Module, tp_mesh) -> None:
+    """Expert parallelism for transformers' fused experts module (`num_experts` experts in [E, ...]
+    tensors, forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])), in place:
+    this rank keeps experts [start, start + E / tp) as the local shard of each tensor (DTensor,
+    Shard(0)), and its forward computes with those only,
+
+        y = sum_{tp ranks r} sum_{j : e_j in r's experts} w_j expert_{e_j}(x),
+
+    the hidden states and the routing weights entering through `_GradSummed` (each rank's gradient
+    covers its experts; the sum is the whole one) and the output leaving through `_Summed`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    size = tp_mesh.size()
+    total = experts.num_experts
+    if total % size:
+        raise ConfigError(f"cluster.tp_size: {size} does not divide the model's {total} experts")
+    local = total // size
+    start = tp_mesh.get_local_rank() * local
+    group = tp_mesh.get_group()
+    names = [name for name, _ in experts.named_parameters(recurse=False)]
+    for name in names:
+        p = getattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(0)]), p.requires_grad))
+    # transformers' grouped and batched implementations mask the sentinel's rows only when told
+    # (their kernels leave those rows unwritten)
+    experts._is_expert_parallel = True
+    forward = experts.forward
+    bind = inspect.signature(forward).bind
+
+    def local_forward(*args, **kwargs):
+        call = bind(*args, **kwargs)
+        hidden, index, weights = call.args[:3]
+        index = index - start
+        mine = (index >= 0) & (index < local)
+        index = torch.where(mine, index, local)  # the sentinel id transformers' implementations skip
+        weights = torch.where(mine, _GradSummed.apply(weights, group), 0.0)
+        params = experts._parameters
+        whole = {name: params[name] for name in names}
+        for name in names:  # the forward indexes its experts' tensors: the local shards, as plain tensors
+            params[name] = whole[name].to_local()
+        experts.num_experts = local
+        try:
+            out = forward(_GradSummed.apply(hidden, group), index, weights, *call.args[3:], **call.kwargs)
+        finally:
+            params.update(whole)
+            experts.num_experts = total
+        return _Summed.apply(out, group)
+
+    experts.forward = local_forward
+
+
+def all_sum(x: Tensor, group) -> Tensor:
+    """x summed over the ranks of `group`, its gradient passed to each rank as it is: for a value
+    every rank then uses alike (each rank's part reaches its own inputs only)."""
+    return _Summed.apply(x, group)
+
+
+class _Summed(torch.autograd.Function):
+    """x summed over the tp ranks; the gradient (the same on each) passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GradSummed(torch.autograd.Function):
+    """x as it is; its gradient (each tp rank's part) summed over the tp ranks."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_replicated_grads(model: nn.Module) -> None:
+    """Sum over the tp ranks the gradients of the weights that are whole on each of them but were
+    used on its part of the heads (`replicated_with_grad_allreduce`): called once per optimizer
+    step, after the micro-batches' backward (the sum is linear, so FSDP2's reduction over dp may
+    come first)."""
+    for module in model.modules():
+        group = _GRAD_SUMMED.get(module)
+        if group is None:
+            continue
+        for p in module.parameters(recurse=False):
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
 
 
 def vocab_log_probs_and_entropy(

@@ -113,6 +113,8 @@ class Optimizer:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.meshes > 1:  # tensor parallel: whole weights used on each rank's heads
+            parallel.sum_replicated_grads(self.module)
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
         if self.meshes > 1:  # tensor parallel: gradients on the dp and the dp x tp meshes
             norm = float(parallel.grad_norm(self.params))
