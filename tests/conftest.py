@@ -195,6 +195,58 @@ def hf_greedy(model, prompt, n):
     return toks[: toks.index(2) + 1] if 2 in toks else toks
 
 
+def spawn_ranks(main, world: int, out: str, *args) -> list:
+    """Run `main(rank, world, init, out, *args)` in `world` spawned processes that meet at `init`
+    (a free local port); each saves its results with `torch.save` to f"{out}.{rank}". Returns the
+    results in rank order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(main, args=(world, f"tcp://127.0.0.1:{port}", out, *args), nprocs=world, join=True)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def single_process_step(actor, samples, advantages) -> dict:
+    """What ranks are compared with: one process's train step on `samples` (its metrics, the last
+    optimizer step's gradients, the weights after it) and then the policy's and reference's
+    log-probs."""
+    metrics = actor.train_step(samples, advantages)
+    return {
+        "metrics": metrics,
+        "grads": {n: p.grad.clone() for n, p in actor.model.named_parameters()},
+        "policy": actor.compute_log_probs(samples, "policy"),
+        "reference": actor.compute_log_probs(samples, "reference"),
+        "weights": dict(actor.named_weights()),
+    }
+
+
+def assert_ranks_match(
+    ranks: list[dict], single: dict, group: int, grad_atol: float = 1e-6, policy_atol: float = 1e-5
+) -> None:
+    """The ranks' metric sums (one rank of each dp group of `group` ranks: they computed the same
+    ones) give the single process's losses and gradient norm, and rank 0's gradients (gathered)
+    are its gradients; the ranks' reference log-probs (1e-5) and policy log-probs after the step
+    (`policy_atol`: see `assert_first_step_close` for what AdamW makes of near-zero gradients) are
+    its log-probs."""
+    from tidal.train.update import Sums
+
+    sums = Sums()
+    for r in ranks[::group]:
+        sums.merge(r["sums"])
+    got = {**sums.mean(), **ranks[0]["extra"]}
+    for key in ("loss/pg", "loss/kl", "actor/grad_norm"):
+        assert got[key] == pytest.approx(single["metrics"][key], rel=1e-4, abs=1e-6), key
+    for name, g in single["grads"].items():
+        assert torch.allclose(ranks[0]["grads"][name], g, atol=grad_atol, rtol=1e-5), name
+    for which, atol in (("policy", policy_atol), ("reference", 1e-5)):
+        for r in ranks:
+            assert torch.allclose(r[which], single[which], atol=atol), which
+
+
 def assert_first_step_close(got: dict, want: dict, grads: dict, lr: float) -> None:
     """Weights after one AdamW step taken by ranks (`got`) equal one process's (`want`), by name.
 

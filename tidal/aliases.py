@@ -166,6 +166,14 @@ ALIASES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("vllm_num_engines", "num_engines", "rollout_num_engines"), ("cluster.engines",)),
     "rollout_num_gpus_per_engine": ("cluster.gpus_per_engine",),
     **dict.fromkeys(("colocate_all_models", "colocate_actor_ref", "hybrid_engine"), ("cluster.colocate",)),
+    **dict.fromkeys(
+        ("tensor_model_parallel_size", "expert_model_parallel_size", "model_parallel_size"), ("cluster.tp_size",)
+    ),
+    "tensor_parallel_size": ("cluster.tp_size", "cluster.gpus_per_engine"),  # vLLM's and SGLang's: an engine's
+    **dict.fromkeys(
+        ("context_parallel_size", "ulysses_sequence_parallel_size", "sequence_parallel_size", "ring_attn_size"),
+        ("cluster.cp_size",),
+    ),
     # logging
     **dict.fromkeys(("report_to", "use_wandb", "wandb_run_name"), ("log.wandb",)),
     **dict.fromkeys(("logging_dir", "log_dir"), ("log.dir",)),

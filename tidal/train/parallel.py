@@ -5,10 +5,12 @@ Megatron's split, with PyTorch's DTensor (`parallelize_module`): q/k/v and gate/
 column-parallel (each rank computes its heads and its slice of the MLP width from the whole
 input), o and down projections row-parallel (each rank's partial product summed over the tp
 ranks, so every rank holds the whole hidden state again). Which module gets which split is the
-family's own declaration, transformers' `config.base_model_tp_plan`; tidal runs four of its styles
-and refuses a plan with another, naming it (GDN projections, fused gate/up linears):
+family's own declaration, transformers' `config.base_model_tp_plan`; tidal runs these of its
+styles and refuses a plan with another, naming it:
 
-- `colwise`, `rowwise`: as above.
+- `colwise`, `rowwise`: as above; `colwise_gather_output` (a column split whose output is gathered
+  whole on every rank: fused q/k/v or gate/up projections, GDN's input projections) and
+  `rowwise_split_input` (a row split of a whole input, each rank taking its slice).
 - `replicated_with_grad_allreduce` (Qwen3's per-head q/k norms): the weight stays whole on every
   tp rank, but each rank normalises only its heads, so its gradient is a partial sum; the ranks'
   gradients are summed before the optimizer step (`sum_replicated_grads`).
@@ -20,6 +22,7 @@ and refuses a plan with another, naming it (GDN projections, fused gate/up linea
   the routing weights are summed over the ranks, as each rank's covers its experts only; then the
   router's gradient is whole on every rank. The plan's entries for the expert tensors themselves
   (`packed_colwise`, `rowwise`: transformers splits each expert's width instead) are not used.
+- `embedding_rowwise` (the input embedding): tidal's own rule below decides.
 
 The output projection is split by vocabulary rows too (and a tied input embedding with it, as a
 vocabulary-parallel embedding whose lookups are summed over the tp ranks), so a rank computes
@@ -43,10 +46,12 @@ from torch import Tensor, nn
 
 from tidal.options import ConfigError
 
-SPLITS = ("colwise", "rowwise")  # DTensor's own styles
+# DTensor's column and row splits, and the two forms whose other side is whole on every rank
+SPLITS = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 REPLICATED = "replicated_with_grad_allreduce"
 EXPERTS = "moe_tp_experts"
-STYLES = (*SPLITS, REPLICATED, EXPERTS)
+EMBEDDING = "embedding_rowwise"  # the input embedding: split with the output projection when tied
+STYLES = (*SPLITS, REPLICATED, EXPERTS, EMBEDDING)
 
 # modules whose weights are whole on every tp rank but get a partial gradient there: their tp group
 _GRAD_SUMMED: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
@@ -68,6 +73,8 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
                 f"cluster.tp_size: {kind}'s plan splits {pattern} as {style!r}; tidal's tensor parallelism runs "
                 f"the {', '.join(STYLES)} styles only"
             )
+        if style == EMBEDDING and pattern == "embed_tokens":
+            continue  # tidal's rule: split by rows with a tied output projection, else whole
         if not pattern.startswith("layers.*."):
             raise ConfigError(f"cluster.tp_size: {kind}'s plan names {pattern}, outside the decoder layers")
         out[pattern.removeprefix("layers.*.")] = style
@@ -91,7 +98,14 @@ def apply_tp(model: nn.Module, tp_mesh) -> VocabSplit | None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = tp_plan(model)
-    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        # each rank computes its columns, then they are gathered (the module's output is whole)
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # a whole input, each rank taking its slice of it: the partial products summed
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
     group = tp_mesh.get_group()
     layers = getattr(getattr(model, "base_model", model), "layers", None)
     if not layers:
