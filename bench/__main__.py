@@ -20,7 +20,7 @@ BENCHES = (
     "gpu",
     "memory",
     "state_snapshots",
-    "tensor_parallel",
+    "model_parallel",
 )
 
 

@@ -593,6 +593,13 @@ def _check_modes(cfg: Config, need: Need) -> None:
         )
 
 
+def _check_context_parallel(cfg: Config, need: Need) -> None:
+    """What splitting a micro-batch's tokens over ranks (`tidal.train.context`) runs with."""
+    if cfg.cluster.cp_size == 1:
+        return
+    need(cfg.train.packing, "cluster.cp_size: splits each packed row of samples; set train.packing true")
+
+
 def validate(cfg: Config, for_training: bool = True) -> None:
     """Raise ConfigError listing every inconsistency, each with the field and the fix.
     `for_training=False` (evaluation) skips the checks that only the group advantage needs."""
@@ -616,5 +623,6 @@ def validate(cfg: Config, for_training: bool = True) -> None:
         _check_engine_and_cluster(cfg, need)
     _check_overlap(cfg, need)
     _check_modes(cfg, need)
+    _check_context_parallel(cfg, need)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -1,6 +1,7 @@
 """PPO's critic on the trainer ranks (`TrainerRank(critic=True)`): two FSDP2 ranks over gloo, each
 holding the critic beside its actor, compute the values one process computes, take its value
-update (loss, gradient norm, values after), and their checkpoint state resumes in one process."""
+update (loss, gradient norm, values after), and their checkpoint state resumes in one process;
+the same with the two ranks splitting each row's tokens (context parallel)."""
 
 import socket
 
@@ -35,10 +36,10 @@ def batch():
     return samples, returns, old
 
 
-def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str, cp: int) -> None:
     from tidal.cluster.trainers import TrainerRank
 
-    tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 60, critic=True)
+    tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 60, critic=True, cp_size=cp)
     samples, returns, old = batch()
     values = tr.critic_values(samples)
     sums, extra = tr.critic_train_sums(samples, returns, old)
@@ -51,14 +52,15 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
     tr.close()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp2", "cp2"])
+def two_ranks(tiny_model_dir, tmp_path_factory, request):
+    cp = request.param
     out = str(tmp_path_factory.mktemp("fsdp_critic") / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out, cp), nprocs=2, join=True)
     result = torch.load(out, weights_only=False)
     result["sums"] = Sums()
-    for r in range(2):  # as `RankCritic.train_step` adds them up
-        result["sums"].merge(torch.load(f"{out}.sums{r}", weights_only=False))
+    for r in range(2 // cp):  # as `RankCritic.train_step` adds them up: one rank of each dp group
+        result["sums"].merge(torch.load(f"{out}.sums{r * cp}", weights_only=False))
     return result
 
 

@@ -70,6 +70,8 @@ LAYOUTS = {
     "2+2 colocated": {"cluster.trainers": 2, "cluster.engines": 2, "cluster.colocate": True},
     # the two trainer ranks split each layer between them (tensor parallel), one engine
     "2 tp+1": {"cluster.trainers": 2, "cluster.tp_size": 2, "cluster.engines": 1},
+    # the two trainer ranks split each micro-batch's tokens between them (context parallel)
+    "2 cp+1": {"cluster.trainers": 2, "cluster.cp_size": 2, "cluster.engines": 1},
     # the rehearsal of a cluster layout on one machine (docs/scaling.md): the same Ray path, smallest
     "1+1 with cluster.ray true": {"cluster.ray": True},
 }

@@ -23,7 +23,12 @@ class ClusterConfig:
     tp_size: int = opt(
         1,
         "tensor parallel: trainer ranks that split each decoder layer's attention and MLP between them "
-        "(Llama-like families); cluster.trainers / tp_size groups of them shard with FSDP2",
+        "(an MoE layer's experts: whole experts per rank); cluster.trainers / tp_size groups of them shard with FSDP2",
+    )
+    cp_size: int = opt(
+        1,
+        "context parallel: trainer ranks that split each packed micro-batch's tokens between them (attention exact "
+        "across the split); cluster.trainers / cp_size groups of them take their shares of a batch",
     )
     engines: int = opt(1, "rollout engines: more than 1 run as Ray actors behind the router")
     colocate: bool = opt(
@@ -119,6 +124,14 @@ class ClusterConfig:
         need(
             self.tp_size >= 1 and self.trainers % self.tp_size == 0,
             f"cluster.tp_size: must divide cluster.trainers ({self.trainers}), got {self.tp_size}",
+        )
+        need(
+            self.cp_size >= 1 and self.trainers % self.cp_size == 0,
+            f"cluster.cp_size: must divide cluster.trainers ({self.trainers}), got {self.cp_size}",
+        )
+        need(
+            self.tp_size == 1 or self.cp_size == 1,
+            f"cluster.cp_size: not with cluster.tp_size yet (got tp_size {self.tp_size}, cp_size {self.cp_size})",
         )
         need(self.engines >= 1, f"cluster.engines: must be >= 1, got {self.engines}")
         for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):

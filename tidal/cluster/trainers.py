@@ -76,10 +76,13 @@ class TrainerRank:
         device: str = "auto",
         critic: bool = False,
         tp_size: int = 1,
+        cp_size: int = 1,
     ) -> None:
         """`critic`: also hold PPO's critic, from `reference` (the run's initial model).
         `tp_size`: ranks that split each layer (`tidal.train.parallel`): the ranks form a
-        (world / tp_size) x tp_size mesh, FSDP2 over its first dimension."""
+        (world / tp_size) x tp_size mesh, FSDP2 over its first dimension. `cp_size`: ranks that
+        split each micro-batch's tokens (`tidal.train.context`): a (world / cp_size) x cp_size
+        mesh, FSDP2 over all the ranks."""
         import time
 
         import torch.distributed as dist
@@ -120,6 +123,13 @@ class TrainerRank:
             dp, tp = mesh["dp"], mesh["tp"]
             self.dp_rank, self.dp_world, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
             shard = lambda trained: trained.shard(dp, tp)  # noqa: E731
+        if cp_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+            dp, cp = mesh["dp"], mesh["cp"]
+            self.dp_rank, self.dp_world, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
+            shard = lambda trained: trained.shard(cp_group=cp.get_group())  # noqa: E731
         self.actor = Actor(
             model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard, device=self.device
         )
@@ -282,7 +292,7 @@ class TrainerGroup:
         from tidal.net import free_port, node_ip
 
         self.timeout = cluster.sync_timeout
-        self.tp_size = cluster.tp_size
+        self.tp_size, self.cp_size = cluster.tp_size, cluster.cp_size
         world = cluster.trainers
         init = f"tcp://{node_ip()}:{free_port()}"
         remote = ray.remote(TrainerRank)
@@ -308,6 +318,7 @@ class TrainerGroup:
                 cluster.device,
                 critic,
                 cluster.tp_size,
+                cluster.cp_size,
             )
             for r in range(world)
         ]
@@ -323,6 +334,8 @@ class TrainerGroup:
         if len(self.ranks) == 1:
             return line
         split = f", each layer split over {self.tp_size} (tensor parallel)" if self.tp_size > 1 else ""
+        if self.cp_size > 1:
+            split = f", each micro-batch's tokens split over {self.cp_size} (context parallel)"
         return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2{split})"
 
     def rank_name(self, rank: int) -> str:
@@ -351,8 +364,8 @@ class TrainerGroup:
         return {**sums.mean(), **extra}
 
     def data_parallel(self, results: list) -> list:
-        """One result per dp group (rank dp * tp_size + 0): its tp ranks computed the same share."""
-        return results[:: self.tp_size]
+        """One result per dp group (rank dp * group + 0): its tp (or cp) ranks computed the same share."""
+        return results[:: self.tp_size * self.cp_size]
 
     def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True):
         if not merged:  # config validation keeps train.lora_merge false to one trainer in this process

@@ -166,7 +166,11 @@ class Actor:
                 logp, ent = parallel.vocab_log_probs_and_entropy(logits, labels, split, t, entropy_grad)
             else:
                 logp, ent = log_probs_and_entropy(logits, labels, self.temperature, entropy_grad)
-            return to_grid(logp, valid), to_grid(ent, valid)
+            logp, ent = to_grid(logp, valid), to_grid(ent, valid)
+            if self.trained.cp_group is not None:  # context parallel: each cp rank scored its part
+                group = self.trained.cp_group
+                logp, ent = parallel.all_sum(logp, group), parallel.all_sum(ent, group)
+            return logp, ent
         with self.trained.autocast():
             hidden, valid = self.trained.response_hidden(model, batch)
             logits = head(hidden) if self.dtype == "autocast" else None

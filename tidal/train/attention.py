@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tidal import recurrent
 from tidal.attend import attend, causal_mask
 from tidal.hardware import CPU, on_host
+from tidal.train.context import ContextSplit, gather_keys
 
 NAME = "tidal_packed"
 
@@ -111,11 +112,13 @@ def packed_attention(
     attention_mask: Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    tidal_layout: PackedLayout | None = None,
+    tidal_layout: PackedLayout | ContextSplit | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """A transformers attention function (query [1, H, S, D], key/value [1, KV, S, D]; returns
-    [1, S, H, D]). Without a layout it attends with transformers' `attention_mask`."""
+    [1, S, H, D]). Without a layout it attends with transformers' `attention_mask`; with a
+    `ContextSplit` (context parallelism) the queries are this rank's part of the row and attend
+    over every rank's keys and values (`tidal.train.context`)."""
     if kwargs.get("s_aux") is not None:  # attention sinks: not part of `attend`'s formula
         raise NotImplementedError(f"{type(module).__name__}: tidal's packed attention has no attention sinks")
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
@@ -127,6 +130,8 @@ def packed_attention(
         # sdpa has no soft-capping: transformers' boolean mask (None: plain causal) with `attend`
         mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
         return attend(query, key, value, mask.to(query.device).bool(), scale, softcap).transpose(1, 2), None
+    if isinstance(tidal_layout, ContextSplit):
+        return _context_attention(query, key, value, tidal_layout, scale, sliding, softcap)
     lay = tidal_layout
     q, k, v = (_to_padded(x, lay) for x in (query, key, value))
     gqa = q.shape[1] != k.shape[1]
@@ -143,6 +148,20 @@ def packed_attention(
     h, d = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
     return out[None].to(query.dtype), None
+
+
+def _context_attention(
+    query: Tensor, key: Tensor, value: Tensor, split: ContextSplit, scale: float, window: int | None, softcap
+) -> tuple[Tensor, None]:
+    """This rank's queries [1, H, S_l, D] over the whole row's keys and values, gathered from the
+    cp ranks, with the split's mask (each query's sample, causal, `window`)."""
+    k, v = gather_keys(key, split), gather_keys(value, split)
+    q = query
+    with torch.autocast(CPU, enabled=False) if q.device.type == CPU else contextlib.nullcontext():
+        if q.device.type == CPU:  # as the packed path: the CPU kernels' bf16 backward is slow
+            q, k, v = q.float(), k.float(), v.float()
+        out = attend(q, k, v, split.mask(window)[None, None], scale, softcap)
+    return out.transpose(1, 2).to(query.dtype), None
 
 
 AttentionInterface.register(NAME, packed_attention)

@@ -21,6 +21,7 @@ from torch import Tensor
 from tidal.algo import aggregate, value_loss
 from tidal.algo.options import AlgoConfig
 from tidal.hardware import CPU, to_device
+from tidal.train import parallel
 from tidal.train.estimate import response_mask
 from tidal.train.model import TrainedModel, load_causal_lm
 from tidal.train.options import TrainConfig
@@ -88,8 +89,24 @@ class Critic:
         return self.trained.master
 
     def _values(self, batch: dict[str, Tensor]) -> Tensor:
+        if self.trained.cp_group is not None:
+            return self._context_values(batch)
         with self.trained.autocast():
             return self.trained.compute(batch, self.trained.fwd.hidden).float()
+
+    def _context_values(self, batch: dict[str, Tensor]) -> Tensor:
+        """[B, R] values on a context-parallel rank: each cp rank's values at the positions its
+        part of the row predicts, summed over the cp ranks (`tidal.train.context`); the head's
+        gradient, like the backbone's, then comes from this rank's positions alone."""
+        mine: list[Tensor] = []
+
+        def hidden(backbone: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+            h, own = self.trained.context_hidden(backbone, batch)
+            mine.append(own)
+            return h
+
+        values = self.trained.compute(batch, hidden).float()
+        return parallel.all_sum(values * mine[0], self.trained.cp_group)
 
     @torch.no_grad()
     def values(self, samples: Sequence[Sample]) -> Tensor:

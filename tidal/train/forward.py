@@ -10,7 +10,8 @@ import torch
 from tidal import recurrent
 from tidal.hardware import CPU, to_device
 from tidal.moe import replay, routing_shape
-from tidal.train.attention import use_packed_attention
+from tidal.train import context
+from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.batching import (
     collate,
     collate_packed,
@@ -50,6 +51,7 @@ class Forward:
         # the row's samples attended as a padded batch: exact, and 2-3x faster on CPU; it also lets
         # a group's samples share one copy of their prompt in the row
         self.share_prompts = self.packing and use_packed_attention(model) and cfg.share_prompts
+        self.cp_group = None  # context parallel (`TrainedModel.shard`): each row is split over its ranks
 
     def plan(self, samples: Sequence[Sample]) -> list[list[int]]:
         """Indices into `samples`, one list per micro-batch: first-fit by token budget when
@@ -65,10 +67,21 @@ class Forward:
         return [list(range(len(samples)))[sl] for sl in micro_batches(len(samples), self.cfg.micro_batch_size)]
 
     def collate(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
-        """The micro-batch's tensors, built on the host and copied to the model's device."""
-        if self.packing:
-            return to_device(collate_packed(samples, self.pad_id, self.share_prompts, self.routing), self.device)
-        return to_device(collate(samples, self.pad_id, self.routing), self.device)
+        """The micro-batch's tensors, built on the host and copied to the model's device. On a
+        context-parallel rank, also the row's split (`cp_split`, `tidal.train.context`), and the
+        recorded experts of this rank's tokens only (the forward's tokens)."""
+        if not self.packing:
+            return to_device(collate(samples, self.pad_id, self.routing), self.device)
+        batch = to_device(collate_packed(samples, self.pad_id, self.share_prompts, self.routing), self.device)
+        if self.cp_group is not None:
+            layout = batch.get("layout") or packed_layout(batch["position_ids"])
+            split = context.split_row(batch["position_ids"], layout, self.cp_group)
+            batch["cp_split"] = split
+            if "routed_experts" in batch:
+                batch["routed_experts"], batch["routed_mask"] = context.local_rows(
+                    split, batch["routed_experts"], batch["routed_mask"]
+                )
+        return batch
 
     def hidden(self, base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, R, H] hidden states at the positions that predict response tokens."""

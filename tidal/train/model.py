@@ -18,8 +18,11 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from tidal import recurrent
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
-from tidal.train import lora, parallel
+from tidal.options import ConfigError
+from tidal.train import context, lora, parallel
+from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.forward import Forward
 from tidal.train.options import TrainConfig
@@ -78,16 +81,22 @@ class TrainedModel:
         self.sharded = False
         self.mesh = self.tp_mesh = None
         self.vocab: parallel.VocabSplit | None = None  # tensor parallel: the logits are this slice
+        self.cp_group = None  # context parallel: the ranks that split each micro-batch's row
         self.frozen_models: list[torch.nn.Module] = []  # a reference and teacher sharded like it
         self.loss_scale = 1.0
 
-    def shard(self, mesh=None, tp_mesh=None) -> None:
+    def shard(self, mesh=None, tp_mesh=None, cp_group=None) -> None:
         """FSDP2 over the default process group (or `mesh`): each decoder layer and the root are
         `fully_shard`ed; bf16 compute comes from the mixed-precision policy, gradients are reduced
         in fp32 and summed over ranks (each rank's loss is already divided by the global counts).
         `tp_mesh`: first split each layer's attention and MLP over it (`tidal.train.parallel`);
-        `mesh` is then the data-parallel dimension."""
+        `mesh` is then the data-parallel dimension. `cp_group`: the ranks that split each packed
+        row's tokens between them (`tidal.train.context`); FSDP2 then shards over every rank."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
+
+        if cp_group is not None:
+            self._check_context_parallel()
+            self.cp_group = self.fwd.cp_group = cp_group
 
         if self.mixed is not None:  # FSDP's policy replaces the single-process bf16 copy
             self.mixed = None
@@ -101,6 +110,16 @@ class TrainedModel:
         # already divided by the global counts, so it is scaled by their count to make a sum
         self.loss_scale = float(mesh.size() if mesh is not None else torch.distributed.get_world_size())
         self.sharded = True
+
+    def _check_context_parallel(self) -> None:
+        kind = self.master.config.model_type
+        if not self.fwd.packing or getattr(self.master.config, "_attn_implementation", None) != PACKED_ATTENTION:
+            raise ConfigError(
+                f"cluster.cp_size: splits packed rows; {kind} does not train packed here (train.packing, and an "
+                "sdpa or eager attention that tidal's packed attention replaces)"
+            )
+        if recurrent.mixers(self.master):
+            raise ConfigError(f"cluster.cp_size: {kind}'s recurrent layers carry state along the row; not split yet")
 
     def reshard(self) -> None:
         """Back to sharded parameters after a forward without backward (FSDP2 keeps the root's
@@ -174,6 +193,8 @@ class TrainedModel:
         (default), or a reference or teacher sharded like it."""
         model = self.master if model is None else model
         valid = batch["response_valid"]
+        if self.cp_group is not None:
+            return self._context_logits(batch, model)
         if "position_ids" in batch:  # packed row
             kwargs = {}
             if self.fwd.packing and getattr(model.config, "_attn_implementation", None) == "tidal_packed":
@@ -193,6 +214,30 @@ class TrainedModel:
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos
         )
         return out.logits[valid], valid
+
+    def _context_logits(self, batch: dict[str, Tensor], model: torch.nn.Module) -> tuple[Tensor, Tensor]:
+        """`root_logits` on a context-parallel rank: logits [T_l, V] at the response positions
+        predicted by this rank's part of the row, and the [B, R] mask of those positions (the
+        other cp ranks hold the rest)."""
+        valid = batch["response_valid"]
+        split = batch["cp_split"]  # made by `Forward.collate`
+        ids, pos = context.local_inputs(batch, split, self.fwd.pad_id)
+        at = split.local_of[batch["response_index"][valid]]
+        mine = valid.clone()
+        mine[valid] = at >= 0
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=at[at >= 0], tidal_layout=split)
+        return out.logits[0], mine
+
+    def context_hidden(self, base_model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """On a context-parallel rank: hidden states [B, R, H] at the response positions this
+        rank's part of the row predicts (elsewhere the state of its first token: mask it), and the
+        [B, R] mask of those positions."""
+        split = batch["cp_split"]  # made by `Forward.collate`
+        ids, pos = context.local_inputs(batch, split, self.fwd.pad_id)
+        hidden = base_model(input_ids=ids, position_ids=pos, use_cache=False, tidal_layout=split).last_hidden_state
+        at = split.local_of[batch["response_index"]]
+        picked = hidden[0].index_select(0, at.clamp(min=0).reshape(-1)).view(*at.shape, hidden.shape[-1])
+        return picked, at >= 0
 
     def adapters_off(self):
         """A context in which the compute model is the base model (LoRA adapters off); a no-op
