@@ -40,10 +40,18 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
     logp = tr.compute_log_probs(samples, "policy")
     weights = tr.full_weights(None)
     state = tr.state_dict()
+    # the weights as the driver streams them: buckets of about 60 KB (the tiny model's embedding,
+    # 80 KB, alone), each rank gathering a bucket's tensors at a time, in bf16
+    buckets, first, last = [], True, False
+    while not last:
+        bucket, last = tr.weights_bucket(torch.bfloat16, False, 60_000, first)
+        buckets.append(bucket)
+        first = False
     sums2, extra2 = tr.train_sums(samples, -ADV, None, None)
     weights2 = tr.full_weights(None)
     if rank == 0:
-        torch.save({"sums": sums, "extra": extra, "logp": logp, "w1": weights, "state": state, "w2": weights2}, out)
+        result = {"sums": sums, "extra": extra, "logp": logp, "w1": weights, "state": state, "w2": weights2}
+        torch.save({**result, "buckets": buckets}, out)
     torch.save(logp, f"{out}.logp{rank}")  # every rank ends with the whole batch's
     torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     tr.close()
@@ -78,6 +86,22 @@ def test_two_ranks_take_the_single_process_step(two_ranks, tiny_model_dir):
     assert dist_metrics["actor/updates"] == 2
     # the ranks' sums cover every token once; rank 0's alone is its share
     assert two_ranks["extra"]["actor/tokens"] < metrics["actor/tokens"]
+
+
+def test_the_ranks_hand_over_the_whole_weights_a_bucket_at_a_time(two_ranks):
+    """`TrainerRank.weights_bucket`, what `TrainerGroup.named_weights` streams: rank 0's buckets
+    hold every whole tensor once, in order, cast to the dtype asked for, each bucket stopping at
+    the first tensor that takes it to 60 KB."""
+    buckets, whole = two_ranks["buckets"], two_ranks["w1"]
+    streamed = [item for b in buckets for item in b]
+    assert [n for n, _ in streamed] == list(whole)
+    for name, t in streamed:
+        assert t.dtype == torch.bfloat16 and torch.equal(t, whole[name].to(torch.bfloat16)), name
+    sizes = [[t.numel() * 2 for _, t in b] for b in buckets]
+    assert len(buckets) > 2
+    for b in sizes[:-1]:
+        assert sum(b) >= 60_000 and sum(b) - b[-1] < 60_000  # full, and full only with its last tensor
+    assert sum(sizes[-1]) > 0
 
 
 def test_ranks_score_shares_that_add_up_to_the_batch(two_ranks, tiny_model_dir):

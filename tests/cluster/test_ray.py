@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import loop_config
 
 import tidal.loop
@@ -363,4 +364,29 @@ def test_engines_that_do_not_start_within_the_grace_period_are_named(ray_session
     assert str(err.value) == (
         "engines: engine 0, engine 1 did not start within 0.01 s (cluster.engine_startup_timeout)"
     )
+    assert no_workers_left()
+
+
+def test_the_ranks_weights_reach_the_driver_a_bucket_at_a_time(ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """`TrainerGroup.named_weights` (what the http, disk and distributed transports send from
+    trainer ranks): every whole tensor once, cast as asked, gathered by the ranks a bucket at a
+    time as the iteration reaches it."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.cluster import trainers
+
+    monkeypatch.setattr(trainers, "WEIGHT_BUCKET_BYTES", 60_000)  # the tiny model in several buckets
+    roles = engine_roles(tiny_model_dir, tmp_path, timeout=60, **{"cluster.trainers": 2, "cluster.engines": 1})
+    try:
+        calls = []  # the group's waits on its ranks: one per bucket
+        wait = roles.trainer._get
+        roles.trainer._get = lambda refs, what, *a: calls.append(what) or wait(refs, what, *a)
+        got = list(roles.trainer.named_weights(torch.bfloat16))
+    finally:
+        roles.close()
+    want = dict(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).named_parameters())
+    assert [n for n, _ in got] == list(want)
+    for name, t in got:
+        assert t.dtype == torch.bfloat16 and torch.equal(t, want[name].detach().to(torch.bfloat16)), name
+    assert len(calls) > 2 and set(calls) == {"gathering the weights"}
     assert no_workers_left()

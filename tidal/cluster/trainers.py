@@ -34,6 +34,9 @@ from tidal.types import Sample
 from tidal.utils import import_path_env
 
 log = logging.getLogger("tidal")
+
+# the whole tensors a rank gathers and hands the driver at a time (`TrainerGroup.named_weights`)
+WEIGHT_BUCKET_BYTES = 256 * 2**20
 STARTUP_TIMEOUT_S = 600.0  # ranks start (and meet) within this; their collectives then wait `timeout_s`
 
 
@@ -205,12 +208,33 @@ class TrainerRank:
 
     def full_weights(self, dtype: torch.dtype | None, changed_only: bool = False) -> dict[str, Tensor] | None:
         """The whole model's weights (every rank gathers; rank 0 returns them)."""
-        named = self.actor.named_weights(changed_only=changed_only)  # a collective: every rank iterates it
-        if self.rank != 0:
-            for _ in named:
-                pass
-            return None
-        return {n: t.to(CPU, dtype or t.dtype) for n, t in named}  # to the driver, over Ray
+        out: dict[str, Tensor] = {}
+        first, last = True, False
+        while not last:
+            bucket, last = self.weights_bucket(dtype, changed_only, WEIGHT_BUCKET_BYTES, first)
+            out.update(bucket or ())
+            first = False
+        return out if self.rank == 0 else None
+
+    def weights_bucket(
+        self, dtype: torch.dtype | None, changed_only: bool, bucket_bytes: int, first: bool
+    ) -> tuple[list[tuple[str, Tensor]] | None, bool]:
+        """The next whole tensors of the model, about `bucket_bytes` of them (a larger tensor
+        alone), and whether they are the last: every rank gathers them from its shards in turn
+        (`first` starts over), rank 0 returns them, so no rank holds more of the whole model than
+        a bucket. Every rank cuts at the same tensor: the sizes are the whole tensors'."""
+        if first:
+            self._weights = iter(self.actor.named_weights(changed_only=changed_only))  # a collective, tensor by tensor
+        out: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, t in self._weights:
+            size += t.numel() * (dtype or t.dtype).itemsize
+            if self.rank == 0:
+                out.append((name, t.to(CPU, dtype or t.dtype, copy=True)))
+            if size >= bucket_bytes:
+                return (out if self.rank == 0 else None), False
+        self._weights = iter(())
+        return (out if self.rank == 0 else None), True
 
     def weight_shapes(self, changed_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of each weight, in `named_weights` order."""
@@ -368,12 +392,19 @@ class TrainerGroup:
         return results[:: self.tp_size * self.cp_size]
 
     def named_weights(self, dtype: torch.dtype | None = None, changed_only: bool = False, merged: bool = True):
+        """The whole tensors, streamed from rank 0 a bucket (`WEIGHT_BUCKET_BYTES`) at a time: the
+        ranks gather each bucket when the iteration reaches it (`TrainerRank.weights_bucket`)."""
         if not merged:  # config validation keeps train.lora_merge false to one trainer in this process
             raise ValueError("named_weights(merged=False): the ranks send merged weights only")
-        weights = self._get([r.full_weights.remote(dtype, changed_only) for r in self.ranks], "gathering the weights")[
-            0
-        ]
-        return iter(weights.items())
+        return self._stream_weights(dtype, changed_only)
+
+    def _stream_weights(self, dtype: torch.dtype | None, changed_only: bool):
+        first, last = True, False
+        while not last:
+            refs = [r.weights_bucket.remote(dtype, changed_only, WEIGHT_BUCKET_BYTES, first) for r in self.ranks]
+            bucket, last = self._get(refs, "gathering the weights")[0]
+            first = False
+            yield from bucket
 
     def weight_shapes(self, changed_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
         ref = self.ranks[0].weight_shapes.remote(changed_only)
