@@ -2,6 +2,7 @@
 checkpoint state resumes on another number of ranks (two processes, a tiny model)."""
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,10 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
         bucket, last = tr.weights_bucket(torch.bfloat16, False, 60_000, first)
         buckets.append(bucket)
         first = False
+    from tidal.cluster import trainers
+
+    trainers.WEIGHT_BUCKET_BYTES = 60_000  # the tiny model's folder in several shards
+    tr.save_model(f"{out}.model")  # a collective: every rank gathers each shard's tensors
     sums2, extra2 = tr.train_sums(samples, -ADV, None, None)
     weights2 = tr.full_weights(None)
     if rank == 0:
@@ -63,6 +68,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     init = f"tcp://127.0.0.1:{_port()}"
     mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
     result = torch.load(out, weights_only=False)
+    result["folder"] = Path(f"{out}.model")
     result["logp_parts"] = [torch.load(f"{out}.logp{r}") for r in range(2)]
     return result
 
@@ -102,6 +108,20 @@ def test_the_ranks_hand_over_the_whole_weights_a_bucket_at_a_time(two_ranks):
     for b in sizes[:-1]:
         assert sum(b) >= 60_000 and sum(b) - b[-1] < 60_000  # full, and full only with its last tensor
     assert sum(sizes[-1]) > 0
+
+
+def test_the_ranks_write_the_model_shard_by_shard(two_ranks, tmp_path):
+    """`TrainerRank.save_model`: a Hugging Face folder of safetensors shards with their index,
+    written a bucket at a time, that transformers loads as the ranks' weights."""
+    from transformers import AutoModelForCausalLM
+
+    folder = two_ranks["folder"]
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == "model-00001.safetensors"
+    assert (folder / "model.safetensors.index.json").is_file() and (folder / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), two_ranks["w1"][name]), name
 
 
 def test_ranks_score_shares_that_add_up_to_the_batch(two_ranks, tiny_model_dir):

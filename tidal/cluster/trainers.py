@@ -15,12 +15,14 @@ its share, like log-probs and policy updates (`RankCritic` is the loop's critic 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from tidal.algo.options import AlgoConfig
@@ -253,9 +255,34 @@ class TrainerRank:
             if self.rank == 0:
                 lora.save_adapter(self.actor.model, self.actor.cfg, path, self.actor.base, state)
             return
-        weights = {n: t for n, t in self.actor.named_weights()}  # every rank gathers
+        # a Hugging Face folder written a bucket at a time: every rank gathers a bucket's whole
+        # tensors, rank 0 writes them as one safetensors shard (with an index when there are
+        # several), so no rank holds a second whole copy of the model
+        folder = Path(path)
         if self.rank == 0:
-            self.actor.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+            folder.mkdir(parents=True, exist_ok=True)
+        shards: dict[str, str] = {}  # tensor name -> its shard's file
+        total, count, first, last = 0, 0, True, False
+        while not last:
+            bucket, last = self.weights_bucket(None, False, WEIGHT_BUCKET_BYTES, first)
+            if self.rank == 0 and bucket:
+                count += 1
+                name = "model.safetensors" if first and last else f"model-{count:05d}.safetensors"
+                save_file(dict(bucket), folder / name, metadata={"format": "pt"})
+                shards.update(dict.fromkeys((n for n, _ in bucket), name))
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+            first = False
+        if self.rank != 0:
+            return
+        if count == 1 and not (folder / "model.safetensors").exists():  # the last bucket came back empty
+            os.replace(folder / "model-00001.safetensors", folder / "model.safetensors")
+        if count > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": shards}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        model = self.actor.model
+        model.config.save_pretrained(folder)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(folder)
 
     # weight sync over a process group of its own (`tidal.sync.broadcast`), rank 0 only
     def join_weight_group(self, init_method: str, world: int, timeout_s: float) -> bool:
