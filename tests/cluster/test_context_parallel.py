@@ -59,11 +59,11 @@ ROUTING = (8, 2, 2)
 REPLAY = dataclasses.replace(ALGO, routing_replay=True)
 
 
-def _rank_main(rank: int, world: int, init: str, out: str, cp: int, model_dir: str, replay: bool) -> None:
+def _rank_main(rank: int, world: int, init: str, out: str, cp: int, tp: int, model_dir: str, replay: bool) -> None:
     from tidal.cluster.trainers import TrainerRank
 
     algo = REPLAY if replay else ALGO
-    tr = TrainerRank(rank, world, init, TRAIN, algo, model_dir, model_dir, 0.8, 0, 40, 1, 120, cp_size=cp)
+    tr = TrainerRank(rank, world, init, TRAIN, algo, model_dir, model_dir, 0.8, 0, 40, 1, 120, cp_size=cp, tp_size=tp)
     samples = long_samples(ROUTING if replay else None)
     seen: list[int] = []  # the tokens each forward of this rank ran on
     hook = tr.actor.model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
@@ -102,10 +102,10 @@ def model_dirs(tmp_path_factory, tiny_model_dir, tokenizer):
 @pytest.fixture(scope="module")
 def run_ranks(tmp_path_factory, model_dirs):
     @functools.cache
-    def run(world: int, cp: int, model: str) -> list[dict]:
-        out = str(tmp_path_factory.mktemp(f"{model}-cp{cp}x{world // cp}") / "rank")
+    def run(world: int, cp: int, tp: int, model: str) -> list[dict]:
+        out = str(tmp_path_factory.mktemp(f"{model}-cp{cp}-tp{tp}-{world}") / "rank")
         replay = model == "qwen3_moe"
-        return spawn_ranks(_rank_main, world, out, cp, str(model_dirs[model]), replay)
+        return spawn_ranks(_rank_main, world, out, cp, tp, str(model_dirs[model]), replay)
 
     return run
 
@@ -126,14 +126,23 @@ def single(model_dirs):
 
 
 @pytest.mark.parametrize(
-    ("model", "world", "cp"),
-    [("llama", 2, 2), ("llama", 4, 2), ("gemma2", 2, 2), ("qwen3_moe", 2, 2)],
-    ids=["llama-cp2", "llama-cp2xdp2", "gemma2-cp2", "qwen3_moe-replay-cp2"],
+    ("model", "world", "cp", "tp"),
+    [
+        ("llama", 2, 2, 1),
+        ("llama", 4, 2, 1),
+        ("gemma2", 2, 2, 1),
+        ("qwen3_moe", 2, 2, 1),
+        ("llama", 4, 2, 2),
+        ("qwen3_moe", 4, 2, 2),
+    ],
+    ids=["llama-cp2", "llama-cp2xdp2", "gemma2-cp2", "qwen3_moe-replay-cp2", "llama-cp2xtp2", "qwen3_moe-cp2xtp2"],
 )
-def test_context_parallel_ranks_take_the_single_process_step(run_ranks, single, model, world, cp):
-    ranks, base = run_ranks(world, cp, model), single(model)
+def test_context_parallel_ranks_take_the_single_process_step(run_ranks, single, model, world, cp, tp):
+    """With `tp` 2 the four ranks form a cp x tp mesh: each layer split over two ranks (the
+    output projection by vocabulary, the MoE experts whole), each row's tokens over the other two."""
+    ranks, base = run_ranks(world, cp, tp, model), single(model)
     # the MoE model's weights of std 0.2 (the Llama's: 0.02) make gradients up to 10x larger
-    assert_ranks_match(ranks, base, cp, grad_atol=3e-6 if model == "qwen3_moe" else 1e-6)
+    assert_ranks_match(ranks, base, cp * tp, grad_atol=3e-6 if model == "qwen3_moe" else 1e-6)
     assert_first_step_close(ranks[0]["weights"], base["weights"], base["grads"], TRAIN.lr)
     # each rank ran its rows' halves: a row of S tokens padded to a multiple of 4, then cut in two
     if world == cp:

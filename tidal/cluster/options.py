@@ -28,7 +28,8 @@ class ClusterConfig:
     cp_size: int = opt(
         1,
         "context parallel: trainer ranks that split each packed micro-batch's tokens between them (attention exact "
-        "across the split); cluster.trainers / cp_size groups of them take their shares of a batch",
+        "across the split); with cluster.tp_size, cluster.trainers / (cp_size x tp_size) groups of cp_size x "
+        "tp_size ranks take their shares of a batch",
     )
     engines: int = opt(1, "rollout engines: more than 1 run as Ray actors behind the router")
     colocate: bool = opt(
@@ -126,12 +127,9 @@ class ClusterConfig:
             f"cluster.tp_size: must divide cluster.trainers ({self.trainers}), got {self.tp_size}",
         )
         need(
-            self.cp_size >= 1 and self.trainers % self.cp_size == 0,
-            f"cluster.cp_size: must divide cluster.trainers ({self.trainers}), got {self.cp_size}",
-        )
-        need(
-            self.tp_size == 1 or self.cp_size == 1,
-            f"cluster.cp_size: not with cluster.tp_size yet (got tp_size {self.tp_size}, cp_size {self.cp_size})",
+            self.cp_size >= 1 and self.trainers % (self.cp_size * max(self.tp_size, 1)) == 0,
+            f"cluster.cp_size: cp_size x tp_size ({self.cp_size} x {self.tp_size}) must divide cluster.trainers "
+            f"({self.trainers})",
         )
         need(self.engines >= 1, f"cluster.engines: must be >= 1, got {self.engines}")
         for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):

@@ -84,10 +84,9 @@ class TrainerRank:
         cp_size: int = 1,
     ) -> None:
         """`critic`: also hold PPO's critic, from `reference` (the run's initial model).
-        `tp_size`: ranks that split each layer (`tidal.train.parallel`): the ranks form a
-        (world / tp_size) x tp_size mesh, FSDP2 over its first dimension. `cp_size`: ranks that
-        split each micro-batch's tokens (`tidal.train.context`): a (world / cp_size) x cp_size
-        mesh, FSDP2 over all the ranks."""
+        `tp_size`: ranks that split each layer (`tidal.train.parallel`); `cp_size`: ranks that
+        split each micro-batch's tokens (`tidal.train.context`). The ranks form a dp x cp x tp
+        mesh (dp = world / (cp_size x tp_size)), FSDP2 over its dp and cp dimensions."""
         import time
 
         import torch.distributed as dist
@@ -118,23 +117,23 @@ class TrainerRank:
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        # data-parallel rank and size: every tp rank of a dp group takes the same share
+        # data-parallel rank and size: every tp (and cp) rank of a dp group takes the same share
         self.dp_rank, self.dp_world, self.dp_group = rank, world, None
         shard = (lambda trained: trained.shard()) if world > 1 else None
-        if tp_size > 1:
+        if tp_size > 1 or cp_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-            dp, tp = mesh["dp"], mesh["tp"]
+            # dp x cp x tp (a size-1 dimension left out): the tp ranks of a layer are adjacent
+            dims = {"dp": world // (tp_size * cp_size), "cp": cp_size, "tp": tp_size}
+            dims = {d: n for d, n in dims.items() if d == "dp" or n > 1}
+            mesh = init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+            dp = mesh["dp"]
             self.dp_rank, self.dp_world, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
-            shard = lambda trained: trained.shard(dp, tp)  # noqa: E731
-        if cp_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-            dp, cp = mesh["dp"], mesh["cp"]
-            self.dp_rank, self.dp_world, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
-            shard = lambda trained: trained.shard(cp_group=cp.get_group())  # noqa: E731
+            # FSDP2 shards over dp and cp: the cp ranks hold the same weights and share the gradient
+            fsdp = mesh["dp", "cp"]._flatten("dp_cp") if cp_size > 1 else dp
+            tp = mesh["tp"] if tp_size > 1 else None
+            cp = mesh["cp"].get_group() if cp_size > 1 else None
+            shard = lambda trained: trained.shard(fsdp, tp, cp)  # noqa: E731
         self.actor = Actor(
             model, train, algo, temperature, pad_id, reference, max_response_len, shard=shard, device=self.device
         )
