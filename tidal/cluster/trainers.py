@@ -385,7 +385,7 @@ class TrainerGroup:
             return line
         split = f", each layer split over {self.tp_size} (tensor parallel)" if self.tp_size > 1 else ""
         if self.cp_size > 1:
-            split = f", each micro-batch's tokens split over {self.cp_size} (context parallel)"
+            split += f", each micro-batch's tokens split over {self.cp_size} (context parallel)"
         return f"{line}, sharded over {len(self.ranks)} trainer ranks (FSDP2{split})"
 
     def rank_name(self, rank: int) -> str:
