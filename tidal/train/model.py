@@ -91,7 +91,7 @@ class TrainedModel:
         in fp32 and summed over ranks (each rank's loss is already divided by the global counts).
         `tp_mesh`: first split each layer's attention and MLP over it (`tidal.train.parallel`);
         `mesh` is then the data-parallel dimension. `cp_group`: the ranks that split each packed
-        row's tokens between them (`tidal.train.context`); FSDP2 then shards over every rank."""
+        row's tokens between them (`tidal.train.context`); `mesh` then spans them too."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
 
         if cp_group is not None:
@@ -197,7 +197,7 @@ class TrainedModel:
             return self._context_logits(batch, model)
         if "position_ids" in batch:  # packed row
             kwargs = {}
-            if self.fwd.packing and getattr(model.config, "_attn_implementation", None) == "tidal_packed":
+            if self.fwd.packing and getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION:
                 kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
             out = model(
                 input_ids=batch["input_ids"],
