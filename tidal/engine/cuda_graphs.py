@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,10 +69,13 @@ class DecodeGraphs:
         self.device, self.block_size, self.pad_block = device, block_size, pad_block
         self.sizes = bucket_sizes(max_seqs)
         n = self.sizes[-1]
-        pin = is_cuda(device)
+        pin = self.pinned = is_cuda(device)
+        # the host writes the pinned buffers only once the last step's copies have read them
+        self.copied: torch.cuda.Event | None = None
         # ids, positions, slots, context lengths ([4, n]) and block tables ([n, width])
         self.host_vec = torch.zeros(4, n, dtype=torch.long, device=CPU, pin_memory=pin)
         self.host_tab = torch.zeros(n, width, dtype=torch.int32, device=CPU, pin_memory=pin)
+        self.pad_column = torch.tensor([[0], [0], [pad_block * block_size], [1]], device=CPU)
         # per staged table row: (the sequence's block table list, how many of its entries)
         self.staged: list[tuple[list[int], int] | None] = [None] * n
         self.vec = torch.zeros(4, n, dtype=torch.long, device=device)
@@ -96,8 +100,9 @@ class DecodeGraphs:
         return None
 
     def _pad(self, start: int, end: int) -> None:
-        pad_slot = self.pad_block * self.block_size
-        self.host_vec[:, start:end] = torch.tensor([[0], [0], [pad_slot], [1]], device=CPU)
+        if start >= end:
+            return
+        self.host_vec[:, start:end] = self.pad_column
         self.host_tab[start:end, 0] = self.pad_block
         self.staged[start:end] = [None] * (end - start)
 
@@ -110,29 +115,37 @@ class DecodeGraphs:
             tables=self.tab[:size],
         )
 
-    def fill(self, seqs: list[Sequence], size: int, ids: Tensor | None = None) -> None:
+    def fill(self, seqs: list[Sequence], size: int, ids: Tensor | None = None, known: list[int] | None = None) -> None:
         """Write the step's inputs for `seqs` (each computing one token) and padding up to `size`
         into the static buffers. `ids`: the tokens to feed, already on the device, one past each
         sequence's known tokens (sampled by a step whose result the host has not read yet);
-        default: each sequence's last known token."""
-        # Per sequence only list arithmetic: at 512 sequences this loop is most of the host's
-        # part of a step, which the GPU would otherwise wait for.
+        default: each sequence's last known token. `known`: each sequence's count of known
+        tokens (prompt and read output), where the caller has it."""
+        # Per sequence only one list of lengths and the block tables' new entries: at 512
+        # sequences this is most of the host's part of a step, which the GPU would otherwise wait
+        # for. Positions and slots are array arithmetic over the staged tables.
         b, bs = len(seqs), self.block_size
+        if self.copied is not None:  # the last step's copies have read the pinned buffers
+            self.copied.synchronize()
         pending = 0 if ids is None else 1
-        lens = [len(s.prompt_ids) + len(s.output_ids) + pending for s in seqs]
-        tables = [s.block_table for s in seqs]
-        pos = [n - 1 for n in lens]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
+        if known is None:
+            known = [len(s.prompt_ids) + len(s.output_ids) for s in seqs]
+        lens = np.array(known, np.int64) + pending
+        width = self._write_tables([s.block_table for s in seqs])
+        vec = self.host_vec.numpy()
+        pos = lens - 1
+        vec[1, :b] = pos
+        vec[2, :b] = self.host_tab.numpy()[np.arange(b), pos // bs] * bs + pos % bs
+        vec[3, :b] = lens
         if ids is None:
-            known = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        else:
-            known = pos  # overwritten on the device below
-        self.host_vec[:, :b] = torch.tensor([known, pos, slots, lens], device=CPU)
+            vec[0, :b] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         self._pad(b, size)
-        width = self._write_tables(tables)
         self.vec[:, :size].copy_(self.host_vec[:, :size], non_blocking=True)
         self.tab[:size, :width].copy_(self.host_tab[:size, :width], non_blocking=True)
-        if ids is not None:  # after the copy above, in stream order
+        if self.pinned:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        if ids is not None:  # after the copy above, in stream order (row 0 holds stale tokens)
             self.vec[0, :b].copy_(ids)
 
     def _write_tables(self, tables: list[list[int]]) -> int:
@@ -154,16 +167,17 @@ class DecodeGraphs:
                 staged[i] = (table, n)
         return width
 
-    def run(self, seqs: list[Sequence], ids: Tensor | None = None) -> Tensor:
-        """Logits [len(seqs), V] of a pure decode step over `seqs` (`ids`: as `fill` takes them)."""
+    def run(self, seqs: list[Sequence], ids: Tensor | None = None, known: list[int] | None = None) -> Tensor:
+        """Logits [len(seqs), V] of a pure decode step over `seqs` (`ids`, `known`: as `fill`
+        takes them)."""
         size = self.size_for(len(seqs))
         if not self.capture:
-            self.fill(seqs, size, ids)
+            self.fill(seqs, size, ids, known)
             return self.forward(self._static_plan(size))[: len(seqs)]
         self.check()
         if size not in self.graphs and not self._capture_or_give_up([size]):
-            return self.run(seqs, ids)  # eagerly from now on
-        self.fill(seqs, size, ids)  # after capturing: capturing writes padding
+            return self.run(seqs, ids, known)  # eagerly from now on
+        self.fill(seqs, size, ids, known)  # after capturing: capturing writes padding
         graph, logits = self.graphs[size]
         graph.replay()
         self.replays += 1

@@ -399,7 +399,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         ids = prev.tokens if len(keep) == len(prev.seqs) else prev.tokens[host_values(keep, torch.long, self.device)]
         same = prev if len(keep) == len(prev.seqs) else None
-        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids), pending=1, fed=lens, same_as=same)
+        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids, lens), pending=1, fed=lens, same_as=same)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["overlapped_steps"] += 1
@@ -417,19 +417,24 @@ class LLMEngine:
         fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
         bs = self.cfg.block_size
         finished = []
+        running, limit = SeqStatus.RUNNING, self.max_model_len
         for i, seq in enumerate(launch.seqs):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # finished while this step was in flight (aborted, or its extra row)
-            seq.num_cached = launch.fed[i] + 1  # everything fed this step is now in the cache
-            seq.output_ids.append(int(ids[i]))
+            fed = launch.fed[i]
+            seq.num_cached = fed + 1  # everything fed this step is now in the cache
+            tok, p, out = int(ids[i]), seq.params, seq.output_ids
+            out.append(tok)
             seq.log_probs.append(lps[i])
-            if tops is not None and seq.params.top_logprobs:
-                k = seq.params.top_logprobs
+            if tops is not None and p.top_logprobs:
+                k = p.top_logprobs
                 seq.top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k], strict=True)))
-            reason = self._stop_reason(seq)
+            # `_stop_reason` only where one of its tests may pass (fed + 2: the tokens known now)
+            maybe_done = tok in seq.stop_ids or p.stop or len(out) >= p.max_new_tokens or fed + 2 >= limit
+            reason = self._stop_reason(seq) if maybe_done else None
             if reason:
                 finished.append(self._finish(seq, reason))
-            elif (launch.fed[i] + 2) % bs == 0 and id(seq) in fed_next:  # the token fills its block
+            elif (fed + 2) % bs == 0 and id(seq) in fed_next:  # the token fills its block
                 self.blocks.register_full(seq)
         return finished
 

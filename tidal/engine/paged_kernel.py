@@ -272,10 +272,15 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> Tensor:
     """The module docstring's formula: q [B, H, D] (one token per sequence), caches [slots, Hkv,
     D] and [slots, Hkv, Dv], tables [B, W] int32 block ids, lens [B] context lengths (the query
-    at position lens - 1, its own key included) → [B, H, Dv] in q's dtype. One Triton kernel."""
+    at position lens - 1, its own key included) → [B, H, Dv] in q's dtype. One Triton kernel
+    (`block_n` context positions a tile, default 64, 32 for heads over 128 wide; `num_warps` and
+    `num_stages` as Triton takes them: `bench gpu --parts attention` times the choices)."""
     b, heads, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     out = q.new_empty(b, heads, dv)
@@ -292,9 +297,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), tables.stride(0),
         G=group, G_PAD=_pad(group), D=d, D_PAD=_pad(d), DV=dv, DV_PAD=_pad(dv), BS=block_size,
-        BLOCK_N=64 if d <= 128 else 32, SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=precision,
-        INTERPRET=interpreting(),
-        num_warps=4, num_stages=2,
+        BLOCK_N=block_n or (64 if d <= 128 else 32), SOFTCAP=bool(softcap), WINDOW=bool(window),
+        PRECISION=precision, INTERPRET=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
