@@ -235,6 +235,19 @@ def test_graphs_are_dropped_when_what_they_read_moves():
     runner.allocate()  # the caches made again (as wake() does)
     graphs.check()
     assert graphs.graphs == {}
+    # a parameter replaced by a new object, and a submodule added (a trainer's LoRA layers
+    # adopted): the parameters are read from the module tree again
+    for change in (
+        lambda mlp: setattr(mlp.up_proj, "weight", torch.nn.Parameter(mlp.up_proj.weight.detach().clone())),
+        lambda mlp: setattr(mlp, "extra", torch.nn.Linear(2, 2)),
+    ):
+        graphs.graphs[4] = ("a graph", None)
+        graphs.captured_with = runner.bindings()
+        graphs.check()
+        assert 4 in graphs.graphs
+        change(static.model.model.layers[1].mlp)
+        graphs.check()
+        assert graphs.graphs == {}
 
 
 def test_a_decode_step_that_cannot_be_captured_runs_eagerly(caplog):
@@ -282,3 +295,30 @@ def test_cuda_graphs_give_the_eager_tokens(family, dtype):
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
         assert max(abs(a - b) for a, b in zip(g.log_probs, w.log_probs, strict=True)) < 1e-5
+
+
+def test_static_steps_run_the_fused_ops(monkeypatch):
+    # the static buffers' steps (a CUDA graph's capture on a GPU) run outside the engine's
+    # inference mode: the norms must still be the engine's fused ones, not the modules' own ops
+    from tidal.engine import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler: the CPU's fused norm is not built")
+    _, static = engines("llama", "float32")
+    graphs, calls, inside = static.runner.graphs, [], [False]
+    fused = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda *a: calls.append(inside[0]) or fused(*a))
+    forward = graphs.forward
+
+    def traced(plan):
+        inside[0] = True
+        try:
+            return forward(plan)
+        finally:
+            inside[0] = False
+
+    graphs.forward = traced
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i, ignore_eos=True) for i in range(3)]
+    static.generate_batch(PROMPTS[:3], params)
+    # 2 layers x 2 norms and the final norm, in each of the 4 static steps
+    assert calls.count(True) == 5 * 4

@@ -105,6 +105,7 @@ class DecodePath:
         want = (want[0][0].transpose(0, 1), want[1][0].transpose(0, 1))
         return all(torch.equal(g, x) for g, x in zip(got, want, strict=True))
 
+    @torch.no_grad()  # also where a CUDA graph captures it: the fused ops run only without grad
     def __call__(self, plan) -> Tensor:
         # Modules are looked up at each call, and so are their `forward`s: the engine replaces
         # some after start-up (packed or quantized projections, fused norms, a trainer's LoRA

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -89,6 +89,19 @@ FAMILIES = {
 
 class UnsupportedModelError(ValueError):
     """The engine cannot run this model; the message names the config key or model type."""
+
+
+# how many parameters and submodules any module of this process has registered (global hooks):
+# `ModelRunner.bindings` walks its model's tree again only when this moved
+_REGISTRATIONS = [0]
+
+
+def _registered(*_) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_registered)
+nn.modules.module.register_module_module_registration_hook(_registered)
 
 
 def check_supported(config) -> None:
@@ -279,6 +292,7 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.graphs: DecodeGraphs | None = None
         self.extra_bindings = tuple  # what else a captured graph reads (the engine's quantized copies)
+        self._params: tuple[int, tuple[Tensor, ...]] | None = None  # (`_REGISTRATIONS` then, the parameters)
         self.allocate()
 
     @torch.inference_mode()
@@ -363,8 +377,14 @@ class ModelRunner:
         return why is None
 
     def bindings(self) -> tuple[int, ...]:
-        """The storage a captured graph reads: parameters, caches and the engine's extras."""
-        tensors = (*self.model.parameters(), *self.k_cache, *self.v_cache)
+        """The storage a captured graph reads: parameters, caches and the engine's extras. Read
+        before every replay, so the walk over the module tree (~2 ms a step on an H100's host) is
+        done again only after some module registered a parameter or submodule (`_REGISTRATIONS`:
+        a parameter replaced, a trainer's LoRA layers adopted); a parameter whose `.data` moved is
+        the same object, and its new address is read here every time."""
+        if self._params is None or self._params[0] != _REGISTRATIONS[0]:
+            self._params = (_REGISTRATIONS[0], tuple(self.model.parameters()))
+        tensors = (*self._params[1], *self.k_cache, *self.v_cache)
         return tuple(t.data_ptr() for t in tensors) + tuple(self.extra_bindings())
 
     def kv_bytes(self) -> int:
