@@ -625,6 +625,12 @@ def profile_decode(wl: Workload, engine, args) -> dict:
                 with record_function("bench_sync"):
                     sync(dev)
             walls.append((time.perf_counter() - t) * 1e3)
+    # read now: a second profiler session clears the first's events
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-trace-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            steps, top_kernels = trace_steps(json.load(f), n_steps)
     # back to back again, unprofiled and then under the profiler in one window: how busy the GPU
     # is while the engine runs steps as a rollout does (the host's part of an overlapped step
     # hides behind the GPU's, where it is the shorter)
@@ -644,9 +650,6 @@ def profile_decode(wl: Workload, engine, args) -> dict:
     engine.abort()
     with tempfile.TemporaryDirectory(prefix="bench-gpu-trace-") as tmp:
         path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            steps, top_kernels = trace_steps(json.load(f), n_steps)
         window_prof.export_chrome_trace(path)
         with open(path) as f:
             window = trace_window(json.load(f), n_steps)
