@@ -73,8 +73,13 @@ def _check(result: dict, interpreted: bool) -> None:
             # the interpreter narrows float32 to bf16 by truncation where a GPU rounds to nearest:
             # a rounding apart at most, per rounding
             assert ulps <= 2.0, (key, ulps)
-        elif key.startswith("rotary"):
+        elif key.startswith("rotary") and interpreted:
             assert share == 0, (key, share)  # transformers' bits
+        elif key.startswith("rotary"):
+            # a GPU may fuse a float32 product into the sum (an H100: under one rounding apart on a
+            # fifth of the fp32 elements); the engine takes the kernel only where its start-up
+            # sample gives transformers' bits (`DecodePath._rope_agrees`)
+            assert ulps <= 1.0, (key, ulps)
         elif key.endswith("float32"):  # the sum of squares in another order
             assert ulps <= 4.0, (key, ulps)
         else:  # bf16: the normalised row rounds the same but for a rare tie
