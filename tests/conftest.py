@@ -210,14 +210,30 @@ def spawn_ranks(main, world: int, out: str, *args) -> list:
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
+def record_step_grads(actor) -> dict:
+    """A dict that holds, after each optimizer step of `actor`, the gradients that step applied
+    (clipped; DTensors gathered whole, a collective every rank runs as it steps): the train step
+    frees them once it is done."""
+    seen: dict = {}
+
+    def hook(optimizer, args, kwargs) -> None:
+        grads = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
+        seen.clear()
+        seen.update({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()})
+
+    actor.optimizer.register_step_pre_hook(hook)  # torch's AdamW: after the clipping
+    return seen
+
+
 def single_process_step(actor, samples, advantages) -> dict:
     """What ranks are compared with: one process's train step on `samples` (its metrics, the last
     optimizer step's gradients, the weights after it) and then the policy's and reference's
     log-probs."""
+    grads = record_step_grads(actor)
     metrics = actor.train_step(samples, advantages)
     return {
         "metrics": metrics,
-        "grads": {n: p.grad.clone() for n, p in actor.model.named_parameters()},
+        "grads": dict(grads),  # this step's: the dict follows later steps
         "policy": actor.compute_log_probs(samples, "policy"),
         "reference": actor.compute_log_probs(samples, "reference"),
         "weights": dict(actor.named_weights()),

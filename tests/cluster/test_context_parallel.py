@@ -10,7 +10,14 @@ import functools
 
 import pytest
 import torch
-from conftest import assert_first_step_close, assert_ranks_match, make_moe_model, single_process_step, spawn_ranks
+from conftest import (
+    assert_first_step_close,
+    assert_ranks_match,
+    make_moe_model,
+    record_step_grads,
+    single_process_step,
+    spawn_ranks,
+)
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -67,13 +74,13 @@ def _rank_main(rank: int, world: int, init: str, out: str, cp: int, tp: int, mod
     samples = long_samples(ROUTING if replay else None)
     seen: list[int] = []  # the tokens each forward of this rank ran on
     hook = tr.actor.model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+    grads = record_step_grads(tr.actor)
     sums, extra = tr.train_sums(samples, ADV, None, None)
     hook.remove()
-    grads = {n: p.grad.full_tensor() for n, p in tr.actor.model.named_parameters()}
     result = {
         "sums": sums,
         "extra": extra,
-        "grads": grads,
+        "grads": dict(grads),  # this step's: the dict follows later steps
         "seen": seen,
         "policy": tr.compute_log_probs(samples, "policy"),
         "reference": tr.compute_log_probs(samples, "reference"),

@@ -17,6 +17,7 @@ from conftest import (
     assert_ranks_match,
     make_moe_model,
     make_samples,
+    record_step_grads,
     single_process_step,
     spawn_ranks,
 )
@@ -46,16 +47,15 @@ def _rank_main(rank: int, world: int, init: str, out: str, tp: int, model_dir: s
 
     tr = TrainerRank(rank, world, init, train, ALGO, model_dir, model_dir, 0.8, 0, 16, 1, 120, tp_size=tp)
     samples = make_samples(8, seed=3)
+    grads = record_step_grads(tr.actor)  # the last optimizer step's (clipped) gradients, gathered
     sums, extra = tr.train_sums(samples, ADV, None, None)
     modules = dict(tr.actor.model.named_modules())
     attention = modules.get("model.layers.0.self_attn.q_proj")  # Phi-3 has a fused qkv_proj, Qwen3.5 GDN first
     q = attention.weight if attention is not None else None
     experts = [m.gate_up_proj for n, m in modules.items() if n.endswith("mlp.experts")]
     head = tr.actor.model.lm_head
-    # the last optimizer step's (clipped) gradients, gathered: a collective, every rank takes part
-    grads = {n: p.grad.full_tensor() for n, p in tr.actor.model.named_parameters()}
     result = {
-        "grads": grads,
+        "grads": dict(grads),  # this step's: the dict follows later steps
         "sums": sums,
         "extra": extra,
         "policy": tr.compute_log_probs(samples, "policy"),

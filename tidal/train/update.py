@@ -316,4 +316,7 @@ def optimizer_steps(
                     (0.0 * micro_loss(batch, idx, norm, Sums())).backward()
         norms.append(optimizer.step(any_rank(bad_loss) if any_rank is not None else bad_loss))
         model.after_step()
+    # the gradients are not needed past the step: freed now, their memory serves what comes
+    # before the next step (an in-process engine's packed weights, the rollout) instead of both
+    optimizer.zero_grad()
     return sums, norms, skipped
