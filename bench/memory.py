@@ -1,8 +1,9 @@
 """Peak memory of a GRPO run: tidal with the engine's weights packed for oneDNN, tidal without,
-and TRL's GRPOTrainer, on one workload (CPU, float32 everywhere).
+tidal packed with `train.gradient_checkpointing` ("tidal ckpt"), and TRL's GRPOTrainer (without
+it), on one workload (CPU, float32 everywhere).
 
     python -m bench memory                        # one run of each, alternating
-    python -m bench memory --repeats 2            # tidal packed, tidal plain, TRL, tidal packed, ...
+    python -m bench memory --repeats 2            # tidal packed, tidal plain, tidal ckpt, TRL, ...
 
 Workload (see `bench.trl_runner`, the quickstart's data and reward): SmolLM2-135M-Instruct, 2
 prompts x 8 samples of at most 32 new tokens per step, one optimizer step per rollout in one
@@ -23,8 +24,13 @@ from dataclasses import asdict, replace
 from bench.common import machine, write_result
 from bench.trl_runner import add_workload_args, run_child, run_note, versions, workload_from_args
 
-# what each row runs: (framework, engine.pack_weights)
-CONFIGS = {"tidal packed": ("tidal", 1), "tidal plain": ("tidal", 0), "trl": ("trl", 1)}
+# what each row runs: (framework, engine.pack_weights, train.gradient_checkpointing)
+CONFIGS = {
+    "tidal packed": ("tidal", 1, 0),
+    "tidal plain": ("tidal", 0, 0),
+    "tidal ckpt": ("tidal", 1, 1),
+    "trl": ("trl", 1, 0),
+}
 DEFAULTS = {
     "prompts": 2,
     "samples": 8,
@@ -69,8 +75,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
     for rep in range(args.repeats):
         for name in args.configs:
-            framework, packed = CONFIGS[name]
-            r = run_child(framework, replace(w, pack_weights=packed), args.steps, 0)
+            framework, packed, ckpt = CONFIGS[name]
+            r = run_child(framework, replace(w, pack_weights=packed, gradient_checkpointing=ckpt), args.steps, 0)
             runs[name].append(r)
             print(f"  run {rep + 1} {name:<13} peak RSS {r['peak_rss_mb']:6.0f} MB  ({run_note(r)})", flush=True)
     by = {name: summarize(rs) for name, rs in runs.items()}
