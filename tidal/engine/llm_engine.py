@@ -417,21 +417,19 @@ class LLMEngine:
         fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
         bs = self.cfg.block_size
         finished = []
-        running, limit = SeqStatus.RUNNING, self.max_model_len
+        running = SeqStatus.RUNNING
         for i, seq in enumerate(launch.seqs):
             if seq.status is not running:
                 continue  # finished while this step was in flight (aborted, or its extra row)
             fed = launch.fed[i]
             seq.num_cached = fed + 1  # everything fed this step is now in the cache
-            tok, p, out = int(ids[i]), seq.params, seq.output_ids
-            out.append(tok)
+            p = seq.params
+            seq.output_ids.append(int(ids[i]))
             seq.log_probs.append(lps[i])
             if tops is not None and p.top_logprobs:
                 k = p.top_logprobs
                 seq.top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k], strict=True)))
-            # `_stop_reason` only where one of its tests may pass (fed + 2: the tokens known now)
-            maybe_done = tok in seq.stop_ids or p.stop or len(out) >= p.max_new_tokens or fed + 2 >= limit
-            reason = self._stop_reason(seq) if maybe_done else None
+            reason = self._stop_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason))
             elif (fed + 2) % bs == 0 and id(seq) in fed_next:  # the token fills its block
