@@ -834,6 +834,9 @@ def grpo(args, budget: Budget) -> dict:
         out[fw] = {
             "median_step_s": statistics.median(measured) if measured else math.nan,
             "step_s": [s["seconds"] for s in steps],
+            # where a step goes: sampling (with the reward) and training, per step
+            "rollout_s": [s.get("rollout_s") for s in steps],
+            "train_s": [s.get("train_s") for s in steps],
             "reward_first": steps[0].get("reward_mean", math.nan),
             "reward_last": steps[-1].get("reward_mean", math.nan),
             "completion_tokens_per_step": statistics.fmean(s["completion_tokens"] for s in steps),
@@ -923,6 +926,12 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
+def _median_after_first(xs: list) -> float:
+    """The median of a per-step list without its first (warm-up) step and missing values."""
+    kept = [x for x in xs[1:] if x is not None]
+    return statistics.median(kept) if kept else math.nan
+
+
 def print_summary(res: dict) -> None:
     print(f"\n== bench gpu: {res['machine'].get('gpu_name') or 'cpu'} ({res['settings']['device']})")
     if res["rollout"]:
@@ -1000,12 +1009,19 @@ def print_summary(res: dict) -> None:
         if "skipped" in gr:
             print(f"\ngrpo     skipped: {gr['skipped']}")
         else:
-            print(f"\ngrpo     {'framework':<10}{'median s/step':>14}{'reward first':>14}{'last':>8}")
+            head = (
+                f"{'framework':<10}{'median s/step':>14}{'rollout s':>11}{'train s':>9}{'reward first':>14}{'last':>8}"
+            )
+            print(f"\ngrpo     {head}")
             for fw in ("tidal", "trl"):
                 r = gr.get(fw, {})
                 if "median_step_s" in r:
                     first, last = r["reward_first"], r["reward_last"]
-                    print(f"         {fw:<10}{r['median_step_s']:>14.2f}{first:>14.3f}{last:>8.3f}")
+                    parts = [_median_after_first(r.get(k) or []) for k in ("rollout_s", "train_s")]
+                    print(
+                        f"         {fw:<10}{r['median_step_s']:>14.2f}{parts[0]:>11.2f}{parts[1]:>9.2f}"
+                        f"{first:>14.3f}{last:>8.3f}"
+                    )
                 else:
                     print(f"         {fw:<10} {r.get('skipped') or 'failed (see errors)'}")
             if "trl_over_tidal" in gr:
