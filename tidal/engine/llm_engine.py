@@ -417,17 +417,15 @@ class LLMEngine:
         fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
         bs = self.cfg.block_size
         finished = []
-        running = SeqStatus.RUNNING
         for i, seq in enumerate(launch.seqs):
-            if seq.status is not running:
+            if seq.status is not SeqStatus.RUNNING:
                 continue  # finished while this step was in flight (aborted, or its extra row)
             fed = launch.fed[i]
             seq.num_cached = fed + 1  # everything fed this step is now in the cache
-            p = seq.params
             seq.output_ids.append(int(ids[i]))
             seq.log_probs.append(lps[i])
-            if tops is not None and p.top_logprobs:
-                k = p.top_logprobs
+            if tops is not None and seq.params.top_logprobs:
+                k = seq.params.top_logprobs
                 seq.top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k], strict=True)))
             reason = self._stop_reason(seq)
             if reason:
