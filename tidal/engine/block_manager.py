@@ -92,11 +92,11 @@ class BlockManager:
 
     def cached_tokens(self, seq: Sequence, share: bool = True) -> int:
         """Tokens of `seq` that `allocate` would find in the prefix cache now."""
-        return len(self._lookup(seq.tokens, share)) * self.block_size
+        return len(self._lookup(seq.keys, share)) * self.block_size
 
     def blocks_needed(self, seq: Sequence, share: bool = True) -> int:
         """Free blocks `allocate(seq)` would take now."""
-        hits = self._lookup(seq.tokens, share)
+        hits = self._lookup(seq.keys, share)
         total = -(-seq.num_tokens // self.block_size)
         # a hit on a free (unreferenced) block takes it off the free list too
         return total - len(hits) + sum(1 for b in hits if self.ref[b] == 0)
@@ -134,7 +134,7 @@ class BlockManager:
             raise RuntimeError(f"request {seq.request_id} already has blocks")
         if not self.can_allocate(seq, share):
             raise RuntimeError(f"request {seq.request_id}: not enough free KV blocks")
-        tokens, bs = seq.tokens, self.block_size
+        tokens, bs = seq.keys, self.block_size
         hits = self._lookup(tokens, share)
         for b in hits:
             if self.ref[b] == 0:
@@ -183,9 +183,10 @@ class BlockManager:
             if self.hash[b] == -1:
                 prev = self.hash[seq.block_table[i - 1]] if i > 0 else _ROOT
                 if prev != -1:
-                    h = block_hash(prev, seq.tokens[i * bs : n])
+                    keys = seq.keys[i * bs : n]
+                    h = block_hash(prev, keys)
                     if h not in self.cached:
-                        self._register(b, h, seq.tokens[i * bs : n])
+                        self._register(b, h, keys)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last block first: the free list hands out the oldest
@@ -221,7 +222,7 @@ class BlockManager:
         points = range((start // every + 1) * every, end + 1, every)
         if not points:
             return
-        chain = self._chain(seq.tokens[: points[-1]])
+        chain = self._chain(seq.keys[: points[-1]])
         for b in points:
             h = chain[b // self.block_size - 1]
             if self.states.has(h):

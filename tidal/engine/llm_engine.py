@@ -18,21 +18,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from tidal import recurrent
+from tidal import recurrent, vision
 from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, SamplingParams, require_weights
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
 from tidal.engine.sampling import SamplingPlan, adjust_logits, sample_planned, top_logprobs
 from tidal.engine.scheduler import Scheduler
-from tidal.engine.sequence import SeqStatus, Sequence
+from tidal.engine.sequence import SeqImages, SeqStatus, Sequence
 from tidal.engine.state_slots import StateSlots
 from tidal.engine.weights import (
     WeightStage,
@@ -131,10 +131,14 @@ class LLMEngine:
         if isinstance(model, torch.nn.Module):
             self.model = model.to(dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+            self.model = vision.load_pretrained(model, dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.max_model_len = cfg.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
+        # a vision-language model's family (`tidal.vision`); its language model's config
+        self.vision = vision.family(self.model.config)
+        text = vision.language_config(self.model.config)
+        self.vocab_size = text.vocab_size
+        self.max_model_len = cfg.max_model_len or getattr(text, "max_position_embeddings", 2048)
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         # a hybrid model's running sequences each hold a slot of recurrent states, beside snapshots
         states = None
@@ -159,6 +163,7 @@ class LLMEngine:
             elif self.graphs_off:
                 log.warning("CUDA graphs off: %s", self.graphs_off)
         eos = getattr(self.model.config, "eos_token_id", None)
+        eos = getattr(text, "eos_token_id", None) if eos is None else eos
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -179,10 +184,20 @@ class LLMEngine:
             "overlapped_steps": 0,  # decode steps launched before the one before them was read
         }
         self._launched: _Launch | None = None  # a decode step in flight (`step`)
+        # a vision-language model's image feature rows by image digest, for the current weights
+        self._image_rows: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
-        """Queue a request; raises ValueError (naming the request) when it cannot be served."""
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: list[vision.Image] | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (naming the request) when it cannot be served.
+        `images`: a vision-language model's images of the prompt, in order, each filling the next
+        run of its placeholder tokens (`tidal.vision`)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         require_weights(f"request {rid}", self.asleep, self.weight_version)
         if rid in self.seqs:
@@ -190,7 +205,7 @@ class LLMEngine:
         params.validate()
         if not prompt_ids:
             raise ValueError(f"request {rid}: the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"request {rid}: prompt token ids must be ints in [0, {vocab})")
         outside = sorted(k for k in params.logit_bias if not 0 <= k < vocab)
@@ -211,10 +226,38 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {rid}: stop strings need an engine with a tokenizer")
         seq = Sequence(rid, list(prompt_ids), params, arrival=next(self._arrival))
+        seq.images = self._images(rid, seq.prompt_ids, images or [])
         seq.stop_ids = frozenset((set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids))
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def _images(self, rid: str, ids: list[int], images: list[vision.Image]) -> SeqImages | None:
+        """The prompt's images as the engine runs them: each image's feature rows (the vision
+        tower runs once per distinct image and weights), checked against the placeholders."""
+        if self.vision is None:
+            if images:
+                raise ValueError(f"request {rid}: {self.model.config.model_type} takes no images")
+            return None
+        where = vision.placeholders(ids, vision.image_token(self.model.config))
+        rows = [self._image_features(im) for im in images]
+        vision.check_counts(where, [len(r) for r in rows], f"request {rid}")
+        if not images:
+            return None
+        seq = SeqImages(images, where, torch.cat(rows), vision.token_keys(ids, where, [len(r) for r in rows], images))
+        if self.vision.mrope:
+            seq.rope, seq.delta = vision.rope_positions(self.model, ids, where, images)
+        return seq
+
+    @torch.inference_mode()
+    def _image_features(self, image: vision.Image) -> torch.Tensor:
+        rows = self._image_rows.get(image.digest)
+        if rows is None:
+            rows = self._image_rows[image.digest] = vision.features(self.model, self.vision, image)
+            while len(self._image_rows) > 256:  # a bound on the memory they keep
+                self._image_rows.popitem(last=False)
+        self._image_rows.move_to_end(image.digest)
+        return rows
 
     def has_unfinished(self) -> bool:
         return self._launched is not None or self.scheduler.has_unfinished()
@@ -499,7 +542,7 @@ class LLMEngine:
         if self.quant is not None:
             self.quant.release()
         release_cached(self.device)
-        self.blocks.reset_prefix_cache()
+        self.flush_cache()
         self.asleep = True
 
     def wake(self) -> None:
@@ -515,8 +558,10 @@ class LLMEngine:
         self._checksum = None
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache so no new request reuses K/V computed with older weights."""
+        """Drop the prefix cache so no new request reuses K/V (or image features) computed with
+        older weights."""
         self.blocks.reset_prefix_cache()
+        self._image_rows.clear()
         return True
 
     def stats(self) -> dict:

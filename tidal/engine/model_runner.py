@@ -39,6 +39,7 @@ states and each prefill from its own, with transformers' own mixer math.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -49,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tidal import moe, recurrent
+from tidal import moe, recurrent, vision
 from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native, paged_kernel
 from tidal.engine.cuda_graphs import DecodeGraphs
@@ -84,6 +85,10 @@ FAMILIES = {
     "lfm2_moe": "as lfm2, MoE (sigmoid top-k with an expert bias, scaled)",
     "falcon_h1": "Mamba-2 beside attention in every layer, muP multipliers",
     "granitemoehybrid": "Mamba-2 layers between attention layers, MoE (softmax over the top-k logits)",
+    # the language models of vision-language families (`tidal.vision`; llava, Idefics3 and SmolVLM
+    # wrap one of the families above)
+    "qwen2_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
+    "qwen2_5_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
 }
 
 
@@ -105,7 +110,12 @@ nn.modules.module.register_module_module_registration_hook(_registered)
 
 
 def check_supported(config) -> None:
-    """Raise `UnsupportedModelError` naming what the engine does not run."""
+    """Raise `UnsupportedModelError` naming what the engine does not run (for a vision-language
+    model: its language model, and its family in `tidal.vision`)."""
+    try:
+        config = vision.language_config(config)
+    except vision.UnsupportedVisionModel as e:
+        raise UnsupportedModelError(str(e)) from None
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
         raise UnsupportedModelError(
@@ -145,6 +155,11 @@ class BatchPlan:
     prefill: paged_kernel.PrefillBatch | None = None
     # a hybrid model's recurrent layers: which tokens continue which state (`tidal.engine.states`)
     states: StatePlan | None = None
+    # a vision-language model: the flat tokens that are image placeholders [K] and their feature
+    # rows [K, hidden]; Qwen's 3-D positions of every token [3, T] (`tidal.vision`)
+    image_at: Tensor | None = None
+    image_rows: Tensor | None = None
+    rope: Tensor | None = None
 
     @staticmethod
     def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
@@ -264,7 +279,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cache_dtype = next(model.parameters()).dtype
-        model.set_attn_implementation(NAME)
+        self.vision = vision.family(model.config)
+        # a vision-language model's vision tower keeps its own attention
+        model.set_attn_implementation({"text_config": NAME} if self.vision else NAME)
         fuse.fuse(model)  # RMSNorms and SwiGLU activations as one op each where they compute alike
         self.routers = moe.routers(model)
         # pure decode steps of a Llama-shaped model without transformers' plumbing (same bits,
@@ -409,10 +426,17 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, last = [], [], [], []
         single_tok, single_len, single_tables, multi, multi_tables = [], [], [], [], []
+        image_at, image_rows = [], []
         flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
             table = seq.block_table
+            if seq.images is not None and start < seq.images.where[-1] + 1:
+                where = seq.images.where
+                first = bisect.bisect_left(where, start)
+                stop = bisect.bisect_left(where, end)
+                image_at.extend(flat + w - start for w in where[first:stop])
+                image_rows.append(seq.images.rows[first:stop])
             if end - start == 1:
                 ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
                 pos.append(start)
@@ -473,8 +497,12 @@ class ModelRunner:
                 "multi_union": [torch.searchsorted(union, ctx) for _, _, ctx, _ in multi],
             }
         states = self._state_plan(seqs) if self.states is not None else None
+        rope = self._rope(seqs, torch.tensor(pos)) if self.vision is not None and self.vision.mrope else None
         return BatchPlan(
             states=states,
+            image_at=torch.tensor(image_at, dtype=torch.long) if image_at else None,
+            image_rows=torch.cat(image_rows) if image_at else None,
+            rope=rope,
             input_ids=torch.tensor(ids),
             positions=torch.tensor(pos),
             slots=torch.tensor(slots),
@@ -491,6 +519,23 @@ class ModelRunner:
             prefill=prefill,
             **latent,
         )
+
+    @staticmethod
+    def _rope(seqs: list[Sequence], positions: Tensor) -> Tensor:
+        """Qwen's 3-D positions of the step's tokens [3, T]: a prompt's from `SeqImages.rope`,
+        every later token's (and a text-only prompt's) its position + the sequence's delta."""
+        rope = positions.expand(3, -1).clone()
+        flat = 0
+        for seq in seqs:
+            start, end = seq.num_cached, seq.num_tokens
+            im = seq.images
+            if im is not None:
+                rope[:, flat : flat + end - start] += im.delta
+                known = min(end, im.rope.shape[1])
+                if start < known:
+                    rope[:, flat : flat + known - start] = im.rope[:, start:known]
+            flat += end - start
+        return rope
 
     @staticmethod
     def _state_plan(seqs: list[Sequence]) -> StatePlan:
@@ -630,7 +675,7 @@ class ModelRunner:
     def _model_forward(self, plan: BatchPlan) -> Tensor:
         """The step as transformers' forward of the model."""
         kw = {
-            "position_ids": plan.positions[None],
+            "position_ids": plan.rope[:, None] if plan.rope is not None else plan.positions[None],
             "logits_to_keep": plan.last,
             "attention_mask": NO_MASK,
             "tidal_step": (self, plan),
@@ -642,11 +687,15 @@ class ModelRunner:
         return self._call_model(plan, kw)
 
     def _call_model(self, plan: BatchPlan, kw: dict) -> Tensor:
+        if plan.image_at is not None:  # image placeholders: their embeddings are the image's features
+            kw["inputs_embeds"] = vision.merge(self.model, plan.input_ids, plan.image_at, plan.image_rows)[None]
+        else:
+            kw["input_ids"] = plan.input_ids[None]
         if self.routes is None:
-            out = self.model(plan.input_ids[None], **kw)
+            out = self.model(**kw)
         else:
             with moe.capture(self.model) as routing:
-                out = self.model(plan.input_ids[None], **kw)
+                out = self.model(**kw)
             self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
         return out.logits[0]
 
@@ -657,7 +706,7 @@ class ModelRunner:
         src, dst = [], []
         for seq in twins:
             lead = seq.twin
-            if lead is None or lead.tokens != seq.tokens or lead.num_cached > seq.num_cached:
+            if lead is None or lead.keys != seq.keys or lead.num_cached > seq.num_cached:
                 raise RuntimeError(f"request {seq.request_id}: its twin does not compute its uncached tokens")
             start, end = seq.num_cached, seq.num_tokens
             src.append(self._context_slots(lead, end)[start:])

@@ -72,7 +72,7 @@ class Scheduler:
         computed: dict[tuple[int, ...], Sequence] = {}  # this step's computed admissions by tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            key = tuple(seq.tokens)
+            key = tuple(seq.keys)  # an image's placeholders as its content key
             twin = computed.get(key)
             share = twin is not None  # a hybrid model's sequence shares blocks only as a twin
             if not self.blocks.can_allocate(seq, share):

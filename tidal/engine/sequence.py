@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidal.contracts import SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from tidal.vision import Image
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not in the cache: new, or preempted (its KV will be recomputed)
     RUNNING = "running"  # its KV is in the cache; decodes one token per step
     FINISHED = "finished"
+
+
+@dataclass
+class SeqImages:
+    """A prompt's images as the engine runs them (`tidal.vision`)."""
+
+    images: list[Image]
+    where: list[int]  # prompt indices of their placeholder tokens, in order
+    rows: Tensor  # [len(where), hidden]: the placeholders' feature rows, in that order
+    keys: list[int]  # the prompt's ids with each image's placeholders as its key (the prefix cache's)
+    rope: Tensor | None = None  # [3, prompt length]: Qwen's 3-D positions of the prompt
+    delta: int = 0  # and of any later token: its index + delta
 
 
 @dataclass
@@ -44,6 +62,13 @@ class Sequence:
     # (token count, snapshot slot, block hash): states to keep after that many of its tokens, in
     # the step that computes them (`BlockManager.plan_snapshots`)
     snapshots_due: list[tuple[int, int, int]] = field(default_factory=list)
+    images: SeqImages | None = None
+
+    @property
+    def keys(self) -> list[int]:
+        """What the prefix cache identifies the tokens by: the tokens, with an image's
+        placeholders standing as the image's content key."""
+        return (self.images.keys if self.images else self.prompt_ids) + self.output_ids
 
     @property
     def tokens(self) -> list[int]:

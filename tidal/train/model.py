@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM
 
-from tidal import recurrent
+from tidal import recurrent, vision
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.options import ConfigError
 from tidal.train import context, lora, parallel
@@ -30,8 +29,8 @@ from tidal.train.precision import Bf16Compute, to_bf16_params
 
 
 def load_causal_lm(path: str | Path) -> torch.nn.Module:
-    """A Hugging Face causal LM in fp32 (the master weights)."""
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    """A Hugging Face causal LM in fp32 (the master weights): a vision-language model whole."""
+    return vision.load_pretrained(path, torch.float32)
 
 
 def load_frozen(path: str | Path) -> torch.nn.Module:

@@ -1,0 +1,152 @@
+"""Tiny random vision-language models of the families `tidal.vision` runs, built from each
+family's transformers config (nothing downloaded), with image processors sized for them, and
+transformers' own greedy tokens and log-probs of prompts with images to compare an engine with.
+
+Language models as in `families`: vocabulary 320, hidden 64, 2 layers, weights redrawn from a
+seeded normal with std 0.2 (well separated greedy choices). Vision towers: 2 layers of width 32.
+Placeholder token 300 for every family; Qwen's vision start/end tokens 302/303. Images of 60x50
+pixels become 4 placeholders (Qwen: a 4x4 patch grid merged 2x2; llava: a 28-pixel crop in 14-pixel
+patches) or 20 (Idefics3 / SmolVLM: 4 tiles and a global view of 4 tokens each).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from families import _BASE, _reinit
+
+from tidal import vision
+
+IMAGE_TOKEN = 300
+VISION_START, VISION_END = 302, 303
+_TEXT = {k: v for k, v in _BASE.items() if k != "tie_word_embeddings"}  # `families`' language models
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+_QWEN_IDS = dict(
+    image_token_id=IMAGE_TOKEN,
+    video_token_id=301,
+    vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+    tie_word_embeddings=False,
+)
+_IDEFICS_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "smolvlm")
+
+
+def tiny_config(family: str):
+    from transformers import AutoConfig
+
+    if family.startswith("qwen2"):
+        merge = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+        if family == "qwen2_5_vl":  # windowed attention in one of its two layers
+            sizes = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56)
+            vis = {**merge, **sizes, "fullatt_block_indexes": [1]}
+        else:
+            vis = {**merge, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+        text = {**_TEXT, "rope_parameters": _MROPE}
+        return AutoConfig.for_model(family, text_config=text, vision_config=vis, **_QWEN_IDS)
+    if family == "llava":
+        vis = dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projection_dim=32,
+        )
+        return AutoConfig.for_model(
+            family,
+            text_config={"model_type": "llama", **_TEXT},
+            vision_config=vis,
+            image_token_id=IMAGE_TOKEN,
+            vision_feature_layer=-1,
+            image_seq_length=4,
+        )
+    if family in ("idefics3", "smolvlm"):
+        return AutoConfig.for_model(
+            family,
+            text_config={"model_type": "llama", **_TEXT},
+            vision_config=_IDEFICS_VISION,
+            image_token_id=IMAGE_TOKEN,
+            scale_factor=2,
+        )
+    raise KeyError(f"unknown vision family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def tiny_vlm(family: str, seed: int = 0):
+    """A tiny random fp32 vision-language model of `family`, in eval mode; same seed, same weights."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(tiny_config(family), dtype=torch.float32)
+    _reinit(model, seed)
+    return model.eval()
+
+
+def image_processor(family: str):
+    """The family's image processor, sized for `tiny_config`'s vision tower."""
+    import transformers
+
+    if family.startswith("qwen2"):
+        return transformers.Qwen2VLImageProcessorPil(
+            min_pixels=56 * 56, max_pixels=4 * 56 * 56, patch_size=14, merge_size=2
+        )
+    if family == "llava":
+        return transformers.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    sizes = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    if family == "idefics3":
+        return transformers.Idefics3ImageProcessorPil(**sizes)
+    return transformers.SmolVLMImageProcessorPil(**sizes)
+
+
+def picture(seed: int, size: tuple[int, int] = (60, 50)):
+    """A PIL image of random pixels (height, width), the same for the same seed."""
+    from PIL import Image as PILImage
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return PILImage.fromarray(pixels)
+
+
+def image(family: str, seed: int) -> vision.Image:
+    """`picture(seed)` as `family`'s processor makes it."""
+    out = image_processor(family)(images=[picture(seed)], return_tensors="pt")
+    return vision.Image.of({k: v for k, v in out.items() if k in vision.FAMILIES[family].inputs})
+
+
+def placeholder_run(family: str, count: int) -> list[int]:
+    """An image's tokens in a prompt: `count` placeholders (within Qwen's start/end tokens)."""
+    if family.startswith("qwen2"):
+        return [VISION_START, *[IMAGE_TOKEN] * count, VISION_END]
+    return [IMAGE_TOKEN] * count
+
+
+def tokens_per_image(family: str) -> int:
+    return 20 if family in ("idefics3", "smolvlm") else 4
+
+
+def _inputs(model, family: str, ids: list[int], images: list[vision.Image]) -> dict:
+    kw = dict(vision.batch(images, vision.FAMILIES[family].inputs)) if images else {}
+    t = torch.tensor([ids])
+    if vision.FAMILIES[family].mrope:
+        kw["mm_token_type_ids"] = (t == IMAGE_TOKEN).int()
+    return {"input_ids": t, **kw}
+
+
+@torch.no_grad()
+def hf_greedy(model, family: str, ids: list[int], images: list[vision.Image], n: int) -> list[int]:
+    """transformers' greedy continuation (exactly n tokens) of a prompt with images."""
+    kw = _inputs(model, family, ids, images)
+    out = model.generate(**kw, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, family: str, ids: list[int], images: list[vision.Image], response: list[int]) -> torch.Tensor:
+    """Log-probs of `response` after the prompt from one transformers forward over both."""
+    kw = _inputs(model, family, ids + response, images)
+    logits = model(**kw).logits[0, len(ids) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]

@@ -1,0 +1,192 @@
+"""Images in prompts: what the engine and the trainer need to run a vision-language model.
+
+A prompt with images is its token ids, in which each image stands as a run of placeholder tokens
+(the model's `image_token_id`, as its processor expanded them), plus one `Image` per image in
+order: the tensors its image processor made. The model's vision tower turns an image into one
+feature row per placeholder (`features`), and those rows replace the placeholders' embeddings
+before the language model runs (`merge`); every family here merges the same way, in order.
+
+Positions: most families number an image's placeholders like text. Qwen2-VL and Qwen2.5-VL
+(`Family.mrope`) give each token three rotary positions (temporal, height, width): an image's
+tokens take their place in its grid, and the text after it continues from the image's largest
+position + 1, so from then on every position is the token's index plus one offset per sequence
+(`rope_positions` returns both); decoding continues with that offset.
+
+Images are keyed by their content (`Image.digest`, a SHA-256 of the processed tensors): the
+engine's prefix cache and its twin detection see an image's placeholders as that key
+(`token_keys`), so a group's samples share one image's K/V and two different images of the same
+size never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a vision-language family's engine and trainer need beyond its language model."""
+
+    inputs: tuple[str, ...]  # the image processor's outputs its vision tower reads
+    mrope: bool = False  # Qwen's 3-D rotary positions
+
+
+# model_type of the whole (vision + language) model -> its family
+FAMILIES: dict[str, Family] = {
+    "llava": Family(("pixel_values", "image_sizes")),
+    "idefics3": Family(("pixel_values", "pixel_attention_mask")),
+    "smolvlm": Family(("pixel_values", "pixel_attention_mask")),
+    "qwen2_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
+    "qwen2_5_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
+}
+# families transformers has that these paths do not run yet, and why
+NOT_RUN: dict[str, str] = {
+    "gemma3": "its image tokens attend to each other in both directions; the engine's attention is causal",
+    "qwen3_vl": "its vision features are also added into the first layers' hidden states (deepstack)",
+    "qwen3_vl_moe": "its vision features are also added into the first layers' hidden states (deepstack)",
+}
+
+
+class UnsupportedVisionModel(ValueError):
+    """A vision-language model these paths do not run; the message says why."""
+
+
+def family(config) -> Family | None:
+    """The vision-language family of a model config, None for a text-only model; raises
+    `UnsupportedVisionModel` for a vision-language model that is not run."""
+    kind = getattr(config, "model_type", None)
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    if kind in NOT_RUN:
+        raise UnsupportedVisionModel(f"{kind}: not run with images yet: {NOT_RUN[kind]}")
+    if getattr(config, "vision_config", None) is not None:
+        raise UnsupportedVisionModel(
+            f"{kind}: a vision-language model; the families run with images are {', '.join(FAMILIES)}"
+        )
+    return None
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The model of a Hugging Face folder: a vision-language model of `FAMILIES` whole (vision
+    tower, projector, language model and head); any other as transformers' causal LM of its type
+    (for some vision-language types, such as Qwen3.5's, that is their language model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = Path(path) / "config.json"
+    kind = json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+    auto = AutoModelForImageTextToText if kind in FAMILIES else AutoModelForCausalLM
+    return auto.from_pretrained(str(path), dtype=dtype)
+
+
+def language_config(config):
+    """The language model's config: `text_config` of a vision-language model, else `config`."""
+    return config.text_config if family(config) is not None else config
+
+
+def image_token(config) -> int:
+    """The placeholder token id an image's features replace."""
+    token = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    if not isinstance(token, int):
+        raise UnsupportedVisionModel(f"{config.model_type}: the config names no image_token_id")
+    return token
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """One image as its model's image processor made it: the tensors for this image alone (the
+    processor's batch of one), and a SHA-256 of them that keys it."""
+
+    tensors: dict[str, Tensor]
+    digest: str
+
+    @classmethod
+    def of(cls, tensors: dict[str, Tensor]) -> Image:
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            t = tensors[name].detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return cls(dict(tensors), h.hexdigest())
+
+    @property
+    def key(self) -> int:
+        """The prefix cache's stand-in for each of this image's placeholder tokens: a negative
+        number (no token id is) from the digest."""
+        return -1 - int(self.digest[:15], 16)
+
+
+def batch(images: list[Image], names: tuple[str, ...]) -> dict[str, Tensor]:
+    """The images' tensors as one processor batch: concatenated along the first dimension (the
+    images of Qwen's patch rows, llava's pixel batch, Idefics3's batch of tiled images)."""
+    out = {}
+    for name in names:
+        parts = [im.tensors[name] for im in images if name in im.tensors]
+        if parts:
+            out[name] = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out
+
+
+def features(model: nn.Module, fam: Family, image: Image) -> Tensor:
+    """One image's feature rows [placeholders, hidden]: the model's vision tower and projector,
+    as its own forward runs them (`get_image_features`)."""
+    inner = model.model if hasattr(model, "model") else model
+    param = next(inner.parameters())
+    kw = {
+        k: (v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device))
+        for k, v in batch([image], fam.inputs).items()
+    }
+    out = inner.get_image_features(**kw).pooler_output
+    parts = out if isinstance(out, (list, tuple)) else [out]
+    return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
+
+
+def placeholders(ids: list[int], token: int) -> list[int]:
+    """Indices of the image placeholder tokens in `ids`."""
+    return [i for i, t in enumerate(ids) if t == token]
+
+
+def check_counts(where: list[int], counts: list[int], what: str) -> None:
+    """Raise ValueError (naming `what`) unless the images fill exactly the placeholders."""
+    if sum(counts) != len(where):
+        raise ValueError(
+            f"{what}: the prompt has {len(where)} image placeholder tokens; its {len(counts)} image(s) "
+            f"give {sum(counts)} feature rows ({', '.join(map(str, counts)) or 'none'})"
+        )
+
+
+def token_keys(ids: list[int], where: list[int], counts: list[int], images: list[Image]) -> list[int]:
+    """`ids` with each image's placeholders replaced by the image's `key` (what the prefix cache
+    hashes and compares)."""
+    keys = list(ids)
+    n = 0
+    for image, count in zip(images, counts, strict=True):
+        for i in where[n : n + count]:
+            keys[i] = image.key
+        n += count
+    return keys
+
+
+def rope_positions(model: nn.Module, ids: list[int], where: list[int], images: list[Image]) -> tuple[Tensor, int]:
+    """Qwen's 3-D positions of a prompt [3, len(ids)] and the offset of every later position
+    (token index + offset in all three), from the model's own `get_rope_index`."""
+    inner = model.model if hasattr(model, "model") else model
+    input_ids = torch.tensor([ids])
+    kinds = torch.zeros_like(input_ids, dtype=torch.int32)
+    kinds[0, where] = 1
+    grid = batch(images, ("image_grid_thw",)).get("image_grid_thw")
+    pos, delta = inner.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid)
+    return pos[:, 0], int(delta.reshape(-1)[0])
+
+
+def merge(model: nn.Module, ids: Tensor, at: Tensor, rows: Tensor) -> Tensor:
+    """The input embeddings of `ids` [T] with rows `at` [K] replaced by image features [K, hidden]."""
+    embeds = model.get_input_embeddings()(ids)
+    return embeds.index_copy(0, at, rows.to(embeds.dtype))
