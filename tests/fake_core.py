@@ -42,6 +42,7 @@ class FakeCore:
     """A scripted, step-based core engine that records every call made to it."""
 
     partial_updates = False
+    takes_images = False
 
     def __init__(self, tokenizer, max_model_len: int = 64, step_delay: float = 0.0) -> None:
         self.tokenizer = tokenizer

@@ -150,3 +150,42 @@ def hf_logprobs(model, family: str, ids: list[int], images: list[vision.Image], 
     kw = _inputs(model, family, ids + response, images)
     logits = model(**kw).logits[0, len(ids) - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+# the byte tokenizer's specials from id 259: fillers up to the families' placeholder ids
+_QWEN_SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+_IDEFICS_SPECIALS = ["<image>", "<unused>", "<fake_token_around_image>", "<global-img>"]
+_PARTS = "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}" + _PARTS + "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def processor(family: str):
+    """The family's transformers processor over conftest's byte tokenizer, its placeholder token at
+    `IMAGE_TOKEN` as `tiny_config` has it, and a ChatML template that renders image parts as the
+    family's marker. (llava and Idefics3 only: the Qwen and SmolVLM processors need torchvision
+    or num2words, which tidal does not install.)"""
+    import transformers
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    specials = {"llava": _IDEFICS_SPECIALS, "idefics3": _IDEFICS_SPECIALS}[family]
+    fillers = [f"<|filler_{i}|>" for i in range(IMAGE_TOKEN - len(tok))]
+    tok.add_special_tokens({"additional_special_tokens": fillers + specials})
+    assert tok.convert_tokens_to_ids(specials[0]) == IMAGE_TOKEN
+    template = _TEMPLATE.replace("IMAGE", "<image>")
+    if family == "llava":
+        return transformers.LlavaProcessor(
+            image_processor=image_processor(family),
+            tokenizer=tok,
+            chat_template=template,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+        )
+    return transformers.Idefics3Processor(
+        image_processor=image_processor(family), tokenizer=tok, chat_template=template, image_seq_len=4
+    )

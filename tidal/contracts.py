@@ -187,10 +187,12 @@ class Engine(Protocol):
         *,
         request_id: str | None = None,
         group: Hashable | None = None,
+        images: Sequence[Any] | None = None,
     ) -> GenerationOutput:
         """Sample one response to `input_ids` with `sampling` (its own seed: the same seed gives the
         same tokens for the same weights and batch). `group`: requests sharing a prompt, which an
         engine with several servers keeps on one of them (its prefix cache holds the prompt).
+        `images`: a vision-language prompt's images (`tidal.vision.Image`), in placeholder order.
         An aborted request returns what it has so far with finish reason "abort"."""
         ...
 
@@ -248,10 +250,12 @@ class EngineCore(Protocol):
     tokenizer: Any
     max_model_len: int
     partial_updates: bool  # an update may name only the tensors that changed (`partial=True`)
+    takes_images: bool  # add_request(..., images=...) for a vision-language model
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
         """Queue a request; ValueError (naming it) when it cannot be served, `EngineUnavailable`
-        while the engine is asleep or holds no weights."""
+        while the engine is asleep or holds no weights. A core that `takes_images` takes
+        `images=[tidal.vision.Image, ...]` too (a vision-language prompt's)."""
         ...
 
     def step(self) -> list[RequestOutput]:

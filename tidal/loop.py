@@ -28,7 +28,7 @@ import torch
 
 from tidal.config import Config
 from tidal.convert import ensure_model, load_tokenizer
-from tidal.data.load import load_sft_data, prompt_source
+from tidal.data.load import image_reader, load_sft_data, prompt_source
 from tidal.data.source import DataSource
 from tidal.debug_rollout import rollout_for_step
 from tidal.eval import Evaluator, close_rewards
@@ -111,7 +111,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                 load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
             )
         else:
-            source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size)
+            images = image_reader(cfg.data, model_dir)  # a vision-language model's
+            source = prompt_source(cfg.data, tokenizer, cfg.rollout.rollout_batch_size, images)
         start, state = 0, {}
 
         roles = build_roles(cfg, model_dir, tokenizer, ckpt, sft)

@@ -120,6 +120,9 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     token_versions: list[int] = field(default_factory=list)
     routed_experts: RoutedExperts | None = None
+    # a vision-language prompt's images (`tidal.vision.Image`), in the order of their placeholder
+    # tokens; one list object shared by a group's samples
+    images: list = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -192,9 +195,10 @@ class Sample:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (routed experts as shape + base64 int16, see `RoutedExperts`)."""
-        d = asdict(dataclasses.replace(self, routed_experts=None))  # asdict would keep raw bytes, not JSON
+        d = asdict(dataclasses.replace(self, routed_experts=None, images=[]))  # asdict would keep raw bytes
         d["status"] = self.status.value
         d["routed_experts"] = None if self.routed_experts is None else self.routed_experts.to_dict()
+        d["images"] = [image.to_dict() for image in self.images]
         return d
 
     @classmethod
@@ -204,6 +208,10 @@ class Sample:
         routing = d.get("routed_experts")
         if isinstance(routing, dict):
             d["routed_experts"] = RoutedExperts.from_dict(routing)
+        if d.get("images"):
+            from tidal.vision import Image
+
+            d["images"] = [Image.from_dict(image) for image in d["images"]]
         return cls(**d)
 
     def validate(self) -> None:

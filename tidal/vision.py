@@ -20,6 +20,7 @@ size never do.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -72,15 +73,19 @@ def family(config) -> Family | None:
     return None
 
 
+def folder_family(path: str | Path) -> Family | None:
+    """The family of a Hugging Face model folder's config.json (None: not one of `FAMILIES`)."""
+    cfg = Path(path) / "config.json"
+    return FAMILIES.get(json.loads(cfg.read_text()).get("model_type")) if cfg.is_file() else None
+
+
 def load_pretrained(path: str | Path, dtype: torch.dtype) -> nn.Module:
     """The model of a Hugging Face folder: a vision-language model of `FAMILIES` whole (vision
     tower, projector, language model and head); any other as transformers' causal LM of its type
     (for some vision-language types, such as Qwen3.5's, that is their language model)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cfg = Path(path) / "config.json"
-    kind = json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
-    auto = AutoModelForImageTextToText if kind in FAMILIES else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if folder_family(path) is not None else AutoModelForCausalLM
     return auto.from_pretrained(str(path), dtype=dtype)
 
 
@@ -115,6 +120,30 @@ class Image:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return cls(dict(tensors), h.hexdigest())
+
+    def to_dict(self) -> dict:
+        """JSON-ready: each tensor as dtype, shape and base64 bytes."""
+        tensors = {
+            k: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode("ascii"),
+            }
+            for k, t in self.tensors.items()
+        }
+        return {"digest": self.digest, "tensors": tensors}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Image:
+        tensors = {}
+        for k, t in d["tensors"].items():
+            raw = bytearray(base64.b64decode(t["data"]))
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+            tensors[k] = flat.view(getattr(torch, t["dtype"])).reshape(t["shape"])
+        image = cls.of(tensors)
+        if image.digest != d["digest"]:
+            raise ValueError(f"image {d['digest'][:12]}: its tensors do not give its digest (corrupted)")
+        return image
 
     @property
     def key(self) -> int:
@@ -190,3 +219,63 @@ def merge(model: nn.Module, ids: Tensor, at: Tensor, rows: Tensor) -> Tensor:
     """The input embeddings of `ids` [T] with rows `at` [K] replaced by image features [K, hidden]."""
     embeds = model.get_input_embeddings()(ids)
     return embeds.index_copy(0, at, rows.to(embeds.dtype))
+
+
+def tower(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of a vision-language model outside its language model and output head:
+    the vision tower and the projector (or connector) into the language model's width."""
+    language = {id(p) for p in model.get_decoder().parameters()}
+    head = model.get_output_embeddings()
+    language |= {id(p) for p in head.parameters()} if head is not None else set()
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in language]
+
+
+def freeze_tower(model: nn.Module) -> None:
+    """Stop the vision tower and projector from training (`train.train_vision: false`)."""
+    for _, p in tower(model):
+        p.requires_grad_(False)
+
+
+def model_inputs(
+    model: nn.Module, ids: Tensor, lengths: list[int], prompts: list[int], images: list[list[Image]]
+) -> dict[str, Tensor]:
+    """A vision-language model's inputs for a right-padded batch `ids` [B, L] (row i: its first
+    `lengths[i]` tokens, of which the first `prompts[i]` are the prompt; its images `images[i]`):
+    `inputs_embeds` [B, L, hidden] with each image's features at its placeholders in the prompt
+    (one vision forward per distinct image in the batch), and for Qwen's families
+    `position_ids` [3, B, L]: the prompt's from `rope_positions`, every later token's its index +
+    the offset (0 on padding). A placeholder id the model sampled in a response is a plain token,
+    as the engine ran it. Gradients reach the vision tower where its parameters require them."""
+    fam = family(model.config)
+    token = image_token(model.config)
+    embeds = model.get_input_embeddings()(ids)
+    width = ids.shape[1]
+    distinct: dict[str, Tensor] = {}
+    at, rows = [], []
+    positions = torch.zeros(3, *ids.shape, dtype=torch.long, device=ids.device) if fam.mrope else None
+    for i, (n, p, row_images) in enumerate(zip(lengths, prompts, images, strict=True)):
+        prompt = ids[i, :p].tolist()
+        where = placeholders(prompt, token)
+        feats = []
+        for image in row_images:
+            if image.digest not in distinct:
+                distinct[image.digest] = features(model, fam, image)
+            feats.append(distinct[image.digest])
+        check_counts(where, [len(f) for f in feats], f"batch row {i}")
+        if feats:
+            at.extend(i * width + w for w in where)
+            rows.extend(feats)
+        if positions is not None:
+            positions[:, i, :n] = torch.arange(n, device=ids.device)
+            if row_images:
+                rope, delta = rope_positions(model, prompt, where, row_images)
+                positions[:, i, :p] = rope.to(ids.device)
+                positions[:, i, p:n] += delta
+    if at:
+        flat = embeds.reshape(-1, embeds.shape[-1])
+        index = torch.tensor(at, device=ids.device)
+        embeds = flat.index_copy(0, index, torch.cat(rows).to(flat.dtype)).view_as(embeds)
+    out = {"inputs_embeds": embeds}
+    if positions is not None:
+        out["position_ids"] = positions
+    return out

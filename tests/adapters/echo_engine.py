@@ -15,6 +15,7 @@ from tidal.engine.weights import read_safetensors_dir, weights_checksum
 
 class EchoCore:
     partial_updates = False
+    takes_images = False
 
     def __init__(self, model_dir: str | Path, tokenizer, dtype: str = "auto") -> None:
         self.model_dir, self.tokenizer = str(model_dir), tokenizer

@@ -133,13 +133,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         on_tokens: Callable[[list[int], list[float], list], None] | None = None,
+        images: Sequence | None = None,
     ) -> asyncio.Future:
         """Queue a request and return a future for its `RequestOutput`.
 
         Raises the core's ValueError (prompt too long, ...) here, so a server can tell a bad
         request from a failure while generating. Cancelling the returned future aborts the request.
         `on_tokens(ids, log_probs, top_logprobs)` is called on the engine thread with the tokens
-        each step added (for streaming), the last time before the future resolves.
+        each step added (for streaming), the last time before the future resolves. `images`: a
+        vision-language prompt's (`tidal.vision.Image`), for a core that runs them.
         """
         rid = request_id if request_id is not None else uuid.uuid4().hex
         done: cf.Future = cf.Future()
@@ -149,7 +151,10 @@ class AsyncEngine:
         if batch is None:  # the first request of this turn: the whole turn's requests go together
             batch = self._adds[loop] = []
             loop.call_soon(self._send_adds, loop)
-        batch.append((rid, list(prompt_ids), params, on_tokens, done, added))
+        if images and not self.core.takes_images:
+            raise ValueError(f"a prompt with images: {type(self.core).__name__} runs none (the tidal engine does)")
+        extra = {"images": list(images)} if images else {}  # cores without images keep their signature
+        batch.append((rid, list(prompt_ids), params, on_tokens, done, added, extra))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # it may still be added: this abort is queued after the add
@@ -162,11 +167,11 @@ class AsyncEngine:
         batch = self._adds.pop(loop, [])
 
         def add_all() -> None:
-            for rid, ids, params, on_tokens, done, added in batch:
+            for rid, ids, params, on_tokens, done, added, extra in batch:
                 try:
                     if rid in self._pending:
                         raise ValueError(f"request id {rid!r} is already in use")
-                    self.core.add_request(rid, ids, params)
+                    self.core.add_request(rid, ids, params, **extra)
                 except BaseException as e:  # this request's caller hears of it; the others go on
                     _resolve(added, exc=e)
                     continue
@@ -187,11 +192,12 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         group: Hashable | None = None,
+        images: Sequence | None = None,
     ) -> RequestOutput:
         """Generate one response (the `Engine` contract); returns the core's `RequestOutput`
         (finish_reason "abort" if aborted). `group` is for engines with several servers: one
         engine shares a group's prompt through its prefix cache anyway."""
-        return await (await self.add_request(input_ids, sampling, request_id))
+        return await (await self.add_request(input_ids, sampling, request_id, images=images))
 
     async def abort(self, request_id: str | None = None) -> list:
         """Abort one request (None = all); their `generate` calls resolve with the partial outputs."""

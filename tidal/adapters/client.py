@@ -654,9 +654,14 @@ class HttpEngine:
         *,
         request_id: str | None = None,
         group: Hashable | None = None,
+        images: Sequence | None = None,
     ) -> GenerationOutput:
         """One response; a failed server is taken out of service and the request sent again,
         unchanged, to another (see `Router`). Cancelling the call aborts it on its server."""
+        if images:
+            raise ValueError(
+                "a prompt with images: served engines do not carry images yet; engine.kind tidal (embedded) runs them"
+            )
         rid = request_id or uuid.uuid4().hex
         try:
             out = await self.router.generate(input_ids, sampling, group=group, rid=rid)

@@ -28,6 +28,7 @@ class HFEngine:
     """In-process engine over a transformers model (CPU or one GPU); meets `tidal.contracts.EngineCore`."""
 
     partial_updates = True  # update_weights_from_tensors(partial=True): only the changed tensors
+    takes_images = False  # prompts with images run in the tidal engine only
 
     def __init__(
         self,

@@ -160,6 +160,7 @@ class VLLMCore:
     """
 
     partial_updates = False
+    takes_images = False  # prompts with images run in the tidal engine only
 
     def __init__(
         self,

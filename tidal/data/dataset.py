@@ -31,6 +31,7 @@ class PromptRecord:
     exact string that was tokenized (after the chat template when one was applied) and `index`
     the row's 0-based position among the rows of the source. `messages` is the conversation the
     chat template rendered (the system prompt included), None when no template was applied.
+    `images`: the images of its messages as the model's processor made them (`tidal.data.images`).
     """
 
     index: int
@@ -40,6 +41,8 @@ class PromptRecord:
     label: Any = None
     metadata: dict = field(default_factory=dict)
     messages: list[dict] | None = None
+    # a vision-language prompt's images (`tidal.vision.Image`), in the order of their placeholders
+    images: list = field(default_factory=list)
 
 
 def _json_type_name(value: Any) -> str:
@@ -140,6 +143,21 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
     )
 
 
+IMAGE_TYPES = ("image", "image_url")  # content parts that are images (`tidal.data.images`)
+
+
+def has_images(messages: Any) -> bool:
+    """Whether a list of chat messages holds an image part."""
+    if not isinstance(messages, list):
+        return False
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in IMAGE_TYPES for p in m["content"])
+        for m in messages
+    )
+
+
 def _check_messages(messages: list, where: str) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -169,9 +187,11 @@ def build_prompt(
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     max_prompt_length: int | None = None,
+    images: Any = None,
 ) -> PromptRecord | None:
     """One row as a tokenized `PromptRecord` (`index`: its 0-based position in the source), or
-    None when it has more than `max_prompt_length` prompt tokens. Errors name `where`."""
+    None when it has more than `max_prompt_length` prompt tokens. Errors name `where`.
+    `images`: a vision-language model's `tidal.data.images.ImageReader`, for messages with images."""
     if input_key not in row:
         raise DataError(f"{where}: missing key {input_key!r} (set data.input_key to the field that holds the prompt)")
     prompt = row[input_key]
@@ -182,8 +202,14 @@ def build_prompt(
     if not isinstance(metadata, dict):
         raise DataError(f"{where}: {metadata_key!r} must be an object, got {_json_type_name(metadata)}")
 
-    messages = None
-    if isinstance(prompt, str):
+    messages, pictures, input_ids = None, [], None
+    if isinstance(prompt, list) and apply_chat_template and (images is not None or has_images(prompt)):
+        if images is None:
+            raise DataError(f"{where}: {input_key!r} holds images; the model takes none (a text-only model)")
+        _check_messages(prompt, where)
+        prompt, text, input_ids, pictures = images.prompt(prompt, f"{where}: {input_key!r}")
+        messages = prompt
+    elif isinstance(prompt, str):
         if apply_chat_template:
             messages = [{"role": "user", "content": prompt}]
             if system_prompt is not None:
@@ -202,7 +228,8 @@ def build_prompt(
 
     # The template already carries any special tokens the model expects; adding a BOS again
     # would make prompts differ from what the engine sees.
-    input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if input_ids is None:
+        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if max_prompt_length is not None and len(input_ids) > max_prompt_length:
         return None
     return PromptRecord(
@@ -213,6 +240,7 @@ def build_prompt(
         label=row.get(label_key),
         metadata=dict(metadata),
         messages=messages,
+        images=pictures,
     )
 
 

@@ -5,9 +5,12 @@ or every row over the length limit)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from tidal import vision
 from tidal.data.dataset import DataError, PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
+from tidal.data.images import ImageReader
 from tidal.data.options import DataConfig
 from tidal.data.sft import load_sft_samples
 from tidal.data.source import DataSource
@@ -17,9 +20,30 @@ from tidal.types import Sample
 log = logging.getLogger("tidal")
 
 
-def prompt_options(cfg: DataConfig) -> dict:
-    """The data group's keyword options of `build_prompt` (how a row becomes a prompt)."""
+def image_reader(cfg: DataConfig, model_dir: str | Path) -> ImageReader | None:
+    """For a vision-language model (`tidal.vision.FAMILIES`), what reads its prompts' images: the
+    model folder's processor (transformers' `AutoProcessor`); None for a text-only model."""
+    family = vision.folder_family(model_dir)
+    if family is None:
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_dir))
+    except (ImportError, OSError, ValueError, AttributeError) as e:
+        raise DataError(
+            f"train.model {model_dir}: its processor (images into tokens) does not load: {e} "
+            "(the Qwen-VL processors need torchvision, SmolVLM's num2words)"
+        ) from None
+    base = Path(cfg.path).parent if not cfg.path.startswith("env:") else Path.cwd()
+    return ImageReader(processor, family, base, cfg.max_image_pixels)
+
+
+def prompt_options(cfg: DataConfig, images: ImageReader | None = None) -> dict:
+    """The data group's keyword options of `build_prompt` (how a row becomes a prompt), with a
+    vision-language model's image reader."""
     return dict(
+        images=images,
         input_key=cfg.input_key,
         label_key=cfg.label_key,
         metadata_key=cfg.metadata_key,
@@ -29,19 +53,22 @@ def prompt_options(cfg: DataConfig) -> dict:
     )
 
 
-def prompt_source(cfg: DataConfig, tokenizer, batch_size: int) -> DataSource | StreamingSource:
+def prompt_source(
+    cfg: DataConfig, tokenizer, batch_size: int, images: ImageReader | None = None
+) -> DataSource | StreamingSource:
     """The run's prompt stream: the whole file or env in memory, or with `data.streaming` a file
-    read lazily through a shuffle buffer. Both hand out `batch_size` prompts at a time and resume."""
+    read lazily through a shuffle buffer. Both hand out `batch_size` prompts at a time and resume.
+    `images`: a vision-language model's (`image_reader`)."""
     if cfg.streaming:
         return StreamingSource(
-            cfg.path, tokenizer, batch_size, prompt_options(cfg), cfg.shuffle, cfg.seed, cfg.shuffle_buffer
+            cfg.path, tokenizer, batch_size, prompt_options(cfg, images), cfg.shuffle, cfg.seed, cfg.shuffle_buffer
         )
-    return DataSource(load_data(cfg, tokenizer), batch_size, cfg.shuffle, cfg.seed)
+    return DataSource(load_data(cfg, tokenizer, images), batch_size, cfg.shuffle, cfg.seed)
 
 
-def load_data(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
+def load_data(cfg: DataConfig, tokenizer, images: ImageReader | None = None) -> list[PromptRecord]:
     """Prompt records from a file or a built-in env, with over-long prompts dropped (and counted)."""
-    kw = prompt_options(cfg)
+    kw = prompt_options(cfg, images)
     if cfg.path.startswith("env:"):
         name = cfg.path[len("env:") :]
         records, dropped = build_prompts(make_env_rows(name, **cfg.env_args), tokenizer, source=cfg.path, **kw)

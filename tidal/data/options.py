@@ -19,6 +19,9 @@ class DataConfig:
     apply_chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
     system_prompt: str | None = opt(None, "system message prepended when the chat template is applied")
     max_prompt_length: int = opt(256, "prompts with more tokens are dropped (counted in the log)")
+    max_image_pixels: int = opt(
+        4096 * 4096, "a vision-language model's prompt images: one with more pixels stops the run, naming it"
+    )
     response_key: str = opt("response", "sft: field holding the response when rows are prompt/response pairs")
     messages_key: str = opt("messages", "sft: field holding a chat (list of role/content messages)")
     max_length: int = opt(1024, "sft: samples with more tokens are dropped (counted in the log)")
@@ -35,6 +38,7 @@ class DataConfig:
         if not self.path.startswith("env:"):
             need(Path(self.path).exists(), f"data.path: file {self.path!r} does not exist (or use env:arithmetic)")
         need(self.max_prompt_length >= 1, "data.max_prompt_length: must be >= 1")
+        need(self.max_image_pixels >= 1, "data.max_image_pixels: must be >= 1")
         need(self.shuffle_buffer >= 1, f"data.shuffle_buffer: must be >= 1, got {self.shuffle_buffer}")
         if self.streaming:
             need(

@@ -112,6 +112,7 @@ class LLMEngine:
     """Meets `tidal.contracts.EngineCore`; see the module docstring."""
 
     partial_updates = True  # update_weights_from_tensors(partial=True): only the changed tensors
+    takes_images = True  # add_request(..., images=...): a vision-language model's (`tidal.vision`)
 
     def __init__(
         self,
@@ -581,17 +582,23 @@ class LLMEngine:
         }
 
     # ---------------------------------------------------------------- batch convenience
-    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        images: list[list[vision.Image]] | None = None,
+    ) -> list[GenerationOutput]:
         """Run the given requests to completion, alone (nothing else may be queued): one output per
-        prompt, `params[i]` for `prompts[i]`. For tests and benchmarks; the rollout submits
-        requests one by one through `AsyncEngine`."""
+        prompt, `params[i]` (and `images[i]`, a vision-language model's) for `prompts[i]`. For
+        tests and benchmarks; the rollout submits requests one by one through `AsyncEngine`."""
         if len(prompts) != len(params):
             raise ValueError(f"generate_batch: {len(prompts)} prompts but {len(params)} sampling params")
+        images = images or [[] for _ in prompts]
         rids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
-            for p, sp in zip(prompts, params, strict=True):  # all or nothing: a bad one aborts the rest
-                rids.append(self.add_request(None, p, sp))
+            for p, sp, im in zip(prompts, params, images, strict=True):  # all or nothing: a bad one aborts the rest
+                rids.append(self.add_request(None, p, sp, images=im))
             while self.has_unfinished():
                 for out in self.step():
                     done[out.request_id] = out

@@ -95,7 +95,11 @@ class GenerateContext:
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        """Sample one response to `input_ids`: token ids, one log-prob per id, finish reason, version."""
+        """Sample one response to `input_ids`: token ids, one log-prob per id, finish reason, version.
+        The prompt's images (a vision-language model's) go with it."""
+        images = self.record.images if self.record is not None else None
+        if images:
+            return await self.engine.generate(input_ids, sampling, group=self.group, images=images)
         return await self.engine.generate(input_ids, sampling, group=self.group)
 
 

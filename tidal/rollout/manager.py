@@ -224,6 +224,7 @@ class RolloutManager:
                     group_index=g,
                     index=i,
                     metadata={**rec.metadata, "prompt_index": rec.index},
+                    images=rec.images,  # one list for the group
                 )
                 if wants_messages and rec.messages is not None:
                     sample.metadata["prompt_messages"] = rec.messages  # reward_model.MESSAGES_KEY

@@ -6,6 +6,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from tidal import vision
 from tidal.hardware import on_host
 from tidal.moe import routing_tensor
 from tidal.train.attention import NAME as PACKED_ATTENTION
@@ -30,6 +31,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, routing: bool = False) -
         ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         attn[i, : len(s.tokens)] = 1
     out = {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
+    if any(s.images for s in samples):  # a vision-language model's images, per row (`vision.model_inputs`)
+        out["images"] = [s.images for s in samples]
     if routing:  # sample i's position p is flattened token i * width + p
         slots = [i * width + torch.arange(max(len(s.tokens) - 1, 0)) for i, s in enumerate(samples)]
         out.update(routing_fields(samples, slots, b * width))
@@ -244,6 +247,8 @@ def supports_packing(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_causal", True):
         return False
+    if vision.family(config) is not None:  # images are merged per padded row (`vision.model_inputs`)
+        return False
     return _attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
 
 
@@ -296,13 +301,22 @@ def packed_response_hidden(
     return hidden[0].index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
 
 
+def model_inputs(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+    """A padded batch's token inputs: its ids, or with images the embeddings they make
+    (`vision.model_inputs`)."""
+    if "images" not in batch:
+        return {"input_ids": batch["input_ids"]}
+    lengths = batch["attention_mask"].sum(1).tolist()
+    prompts = batch["prompt_lengths"].tolist()
+    return vision.model_inputs(model, batch["input_ids"], lengths, prompts, batch["images"])
+
+
 def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Hidden states [B, R, H] that predict each response token, from a right-padded batch (see
     `collate`): response token j of row i sits at prompt_len_i + j and is predicted from the
     position before it. Entries past a row's response length are meaningless (mask them)."""
-    hidden = base_model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-    ).last_hidden_state
+    hidden = base_model(**model_inputs(base_model, batch), attention_mask=batch["attention_mask"], use_cache=False)
+    hidden = hidden.last_hidden_state
     r = batch["response_ids"].shape[1]
     pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=hidden.device)[None, :]
     pos = pos.clamp(max=hidden.shape[1] - 1)

@@ -23,6 +23,7 @@ from tidal.options import ConfigError
 from tidal.train import context, lora, parallel
 from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import packed_layout, use_packed_attention
+from tidal.train.batching import model_inputs
 from tidal.train.forward import Forward
 from tidal.train.options import TrainConfig
 from tidal.train.precision import Bf16Compute, to_bf16_params
@@ -62,6 +63,8 @@ class TrainedModel:
         keep_freed_memory(self.device)  # each micro-batch reuses the last one's large blocks
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
         self.master = module.float().to(self.device).train()
+        if vision.family(self.master.config) is not None and not cfg.train_vision:
+            vision.freeze_tower(self.master)
         self.lora = lora.enabled(cfg)
         if self.lora:
             lora.apply_lora(self.master, cfg, adapter, trainable)
@@ -209,9 +212,8 @@ class TrainedModel:
         r = batch["response_ids"].shape[1]
         pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
-        out = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos
-        )
+        inputs = model_inputs(model, batch)
+        out = model(**inputs, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos)
         return out.logits[valid], valid
 
     def _context_logits(self, batch: dict[str, Tensor], model: torch.nn.Module) -> tuple[Tensor, Tensor]:

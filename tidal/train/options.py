@@ -41,6 +41,11 @@ class TrainConfig:
         "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    train_vision: bool = opt(
+        False,
+        "a vision-language model's vision tower and projector train too (full fine-tuning); false: they stay "
+        "frozen and only the language model and its head train",
+    )
     offload_optimizer: bool = opt(
         False,
         "keep AdamW's moments in host memory between optimizer steps (on a GPU: 8 bytes per parameter freed "

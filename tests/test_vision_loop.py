@@ -1,0 +1,51 @@
+"""A GRPO run of a vision-language model through `tidal.loop.train`: a tiny llava folder with its
+processor, prompts whose messages hold image files, the embedded engine sampling with the images,
+the trainer scoring the same tokens with them (the recorded engine/trainer log-prob gap stays at
+fp32 rounding), weights synced to the engine every step, and the vision tower left as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import loop_config
+from safetensors.torch import load_file
+from vision_models import picture, processor, tiny_vlm
+
+import tidal.loop
+from tidal import vision
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llava")
+    tiny_vlm("llava").save_pretrained(folder)
+    processor("llava").save_pretrained(folder)
+    return folder
+
+
+def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, tmp_path):
+    (tmp_path / "data").mkdir()
+    rows = []
+    for i in range(6):
+        picture(i).save(tmp_path / "data" / f"{i}.png")
+        content = [{"type": "image", "image": f"{i}.png"}, {"type": "text", "text": f"what is {i}?"}]
+        rows.append(json.dumps({"prompt": [{"role": "user", "content": content}], "label": str(i)}))
+    (tmp_path / "data" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    data = str(tmp_path / "data" / "train.jsonl")
+    # one optimizer step per rollout: the trainer scores with the weights that sampled
+    over = {"data.path": data, "train.num_steps": 2, "rollout.max_new_tokens": 6, "train.global_batch_size": 16}
+    history = tidal.loop.train(loop_config(llava_dir, tmp_path / "run", **over))
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(
+        h["actor/rollout_logprob_abs_diff"] < 1e-5 for h in history
+    )  # scored with the images  # scored with the images
+    assert all(h["actor/grad_norm"] > 0 for h in history)
+    before = load_file(llava_dir / "model.safetensors")
+    after = load_file(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors")
+    tower = {n for n, _ in vision.tower(tiny_vlm("llava"))}
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and not moved & tower  # the language model trained; the vision tower is frozen

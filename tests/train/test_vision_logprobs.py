@@ -1,0 +1,95 @@
+"""The trainer scores a vision-language model's samples as the engine did: tiny random models of
+each family (`vision_models`) sample two groups of four in tidal's engine, one prompt with one
+image and one with two (a group's samples share one list of images), and the trainer's log-probs
+of the same tokens equal the engine's within 1e-4 in fp32. The vision tower stays frozen unless
+`train.train_vision`, and one training step then moves only what trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import record_step_grads
+from vision_models import FAMILIES, image, placeholder_run, tiny_vlm, tokens_per_image
+
+from tidal import vision
+from tidal.algo.options import AlgoConfig
+from tidal.contracts import SamplingParams
+from tidal.engine.llm_engine import LLMEngine
+from tidal.train.actor import Actor
+from tidal.train.options import TrainConfig
+from tidal.types import Sample
+
+GROUP = 4
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def prompts(family: str) -> list[tuple[list[int], list[vision.Image]]]:
+    run = placeholder_run(family, tokens_per_image(family))
+    return [
+        ([1, 5, 9, *run, 33, 70], [image(family, 0)]),
+        ([7, *run, 17, 250, *run, 99, 3], [image(family, 1), image(family, 2)]),
+    ]
+
+
+def engine_samples(family: str) -> list[Sample]:
+    engine = LLMEngine(tiny_vlm(family), None, dtype="float32", block_size=4, kv_cache_tokens=1024)
+    samples = []
+    for g, (ids, images) in enumerate(prompts(family)):
+        for j in range(GROUP):
+            i = g * GROUP + j
+            engine.add_request(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), images=images)
+            samples.append(Sample(tokens=list(ids), group_index=g, index=i, images=images))
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    for i, s in enumerate(samples):
+        o = outs[str(i)]
+        n = len(o.token_ids)
+        s.tokens += o.token_ids
+        s.response_length, s.loss_mask, s.rollout_log_probs = n, [1] * n, list(o.log_probs)
+    return samples
+
+
+def actor(family: str, **train) -> Actor:
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", lr=1e-2, **train)
+    return Actor(tiny_vlm(family), cfg, AlgoConfig(), temperature=1.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_trainer_scores_image_samples_as_the_engine_did(family):
+    samples = engine_samples(family)
+    assert samples[0].images is samples[GROUP - 1].images  # a group's images: one list
+    lp = actor(family).compute_log_probs(samples)
+    for i, s in enumerate(samples):
+        got = lp[i, : s.response_length]
+        torch.testing.assert_close(got, torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_the_vision_tower_trains_only_when_asked(train_vision):
+    family = "qwen2_5_vl"
+    samples = engine_samples(family)
+    a = actor(family, train_vision=train_vision)
+    tower = {n for n, _ in vision.tower(a.model)}
+    assert tower and all(p.requires_grad == train_vision for n, p in a.model.named_parameters() if n in tower)
+    grads = record_step_grads(a)
+    a.train_step(samples, torch.linspace(-1, 1, len(samples)))
+    got = dict(grads)
+    assert any(n in got for n in tower) == train_vision
+    # the image changes the loss's gradient only through the tower's output: it has one when trained
+    if train_vision:
+        assert any(float(got[n].abs().sum()) > 0 for n in tower if n in got)
+    assert any(float(g.abs().sum()) > 0 for n, g in got.items() if n not in tower)
+
+
+def test_a_sample_with_images_round_trips_through_json_and_a_corrupt_one_is_named():
+    import json
+
+    s = Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5], images=[image("llava", 0)])
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert [im.digest for im in back.images] == [s.images[0].digest]
+    assert all(torch.equal(back.images[0].tensors[k], v) for k, v in s.images[0].tensors.items())
+    d = s.to_dict()
+    d["images"][0]["digest"] = "0" * 64
+    with pytest.raises(ValueError, match="image 000000000000: its tensors do not give its digest"):
+        Sample.from_dict(d)
