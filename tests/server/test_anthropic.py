@@ -212,6 +212,9 @@ def test_a_streamed_tool_call(scripted):
     ]
 
 
+PNG_SOURCE = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -227,8 +230,19 @@ def test_a_streamed_tool_call(scripted):
             "messages[0].role: must be 'user' or 'assistant', got 'system'",
         ),
         (
-            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages[0].content[0].type: a user's blocks are text or tool_result, got 'image'",
+            {
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}],
+            },
+            "messages[0].content[0].source: only base64 image sources are taken (nothing is fetched), got 'url'",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": PNG_SOURCE}]}]},
+            "messages[0].content[0]: part type 'image_url' is not supported (text only: this model takes no images)",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
+            "messages[0].content[0].type: a user's blocks are text, image or tool_result, got 'document'",
         ),
         (
             {"max_tokens": 5, "messages": USER, "tools": [{"name": "f"}]},

@@ -111,18 +111,28 @@ def assistant_chat_message(blocks: list[dict], where: str = "content") -> dict:
 
 
 def user_chat_messages(blocks: list[dict], where: str) -> list[dict]:
-    """A user's content blocks as chat messages: runs of text as user messages, each tool_result
-    as a tool message, in their order."""
+    """A user's content blocks as chat messages: runs of text (and images) as user messages, each
+    tool_result as a tool message, in their order. An image block (`source` of type base64) becomes
+    OpenAI's image part with a data: URI."""
     out: list[dict] = []
-    texts: list[str] = []
+    parts: list[dict] = []
+
+    def flush() -> None:
+        if any(p["type"] != "text" for p in parts):
+            out.append({"role": "user", "content": list(parts)})
+        else:
+            out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
+        parts.clear()
+
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
-            texts.append(block_text([block], where))
+            parts.append({"type": "text", "text": block_text([block], where)})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": image_uri(block, f"{where}[{j}]")}})
         elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "".join(texts)})
-                texts = []
+            if parts:
+                flush()
             if not isinstance(block.get("tool_use_id"), str):
                 raise BadRequest(f"{where}[{j}].tool_use_id: must be a string")
             text = block_text(block.get("content", ""), f"{where}[{j}].content")
@@ -130,10 +140,21 @@ def user_chat_messages(blocks: list[dict], where: str) -> list[dict]:
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
-            raise BadRequest(f"{where}[{j}].type: a user's blocks are text or tool_result, got {kind!r}")
-    if texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
+            raise BadRequest(f"{where}[{j}].type: a user's blocks are text, image or tool_result, got {kind!r}")
+    if parts or not out:
+        flush()
     return out
+
+
+def image_uri(block: dict, where: str) -> str:
+    """An image block's picture as a data: URI (only base64 sources: nothing is fetched)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise BadRequest(f"{where}.source: only base64 image sources are taken (nothing is fetched), got {kind!r}")
+    if not isinstance(source.get("media_type"), str) or not isinstance(source.get("data"), str):
+        raise BadRequest(f"{where}.source: needs a string media_type and data")
+    return f"data:{source['media_type']};base64,{source['data']}"
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tidal.chat.errors import BadRequest
 from tidal.chat.text import encode
 from tidal.chat.tools import render_messages, template_takes_tools
+from tidal.data.dataset import DataError
+from tidal.data.images import ImageReader
+from tidal.vision import Image
 
 
 class TextEncoder(Protocol):
@@ -24,16 +28,48 @@ async def render_prompt(
     """The prompt ids of chat messages (OpenAI's form, as dicts) and tools: what every chat route
     (OpenAI's, Anthropic's, the agent door's) renders, so one conversation is one prompt whichever
     API it came through."""
+    ids, _ = await render_chat(tok, raw, tools, tool_choice, texts)
+    return ids
+
+
+async def render_chat(
+    tok: Any,
+    raw: list[dict],
+    tools: list[dict] | None,
+    tool_choice: Any,
+    texts: TextEncoder | None = None,
+    images: ImageReader | None = None,
+) -> tuple[list[int], list[Image]]:
+    """`render_prompt`, and for a vision-language model (`images`, its processor's reader) the
+    images of the user messages' image parts (`data:` URIs): the processor's template renders
+    them and expands each into its placeholder tokens; (ids, the images in order)."""
     if tok is None:
         raise BadRequest("messages: this engine has no tokenizer to apply a chat template")
+    found: list | None = [] if images is not None else None
     try:
-        messages, tools = render_messages(raw, tools, tool_choice, template_takes_tools(tok))
+        messages, tools = render_messages(raw, tools, tool_choice, template_takes_tools(tok), found)
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    template = images.processor if found else tok
     try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = template.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:
         raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+    if found:
+        return await asyncio.to_thread(_with_images, images, text, found)
     if texts is not None:  # `tidal serve`'s limits on text to tokenise
-        return (await texts.encode([text], "messages"))[0]
-    return (await encode(tok, [text], "messages"))[0]
+        return (await texts.encode([text], "messages"))[0], []
+    return (await encode(tok, [text], "messages"))[0], []
+
+
+def _with_images(reader: ImageReader, text: str, values: list) -> tuple[list[int], list[Image]]:
+    """The processor's ids of `text` with the images of `values` (data: URIs) expanded, and the images."""
+    for i, v in enumerate(values):  # a server reads no file and fetches no URL for a client
+        if not (isinstance(v, str) and v.startswith("data:")):
+            raise BadRequest(f"messages: image {i}: give the image as a data: URI (data:image/png;base64,...)")
+    try:
+        pictures = [reader.open(v, f"image {i}") for i, v in enumerate(values)]
+    except DataError as e:
+        raise BadRequest(f"messages: {e}") from None
+    ids = reader.processor(text=[text], images=[pictures], return_tensors="pt")["input_ids"][0].tolist()
+    return ids, [reader.one(p) for p in pictures]

@@ -97,19 +97,37 @@ def _system_text(tools: list[dict], tool_choice: Any) -> str:
     return text
 
 
-def flatten_content(content: Any, where: str) -> str:
-    """OpenAI content given as parts ([{"type": "text", "text": ...}]) joined into one string."""
+IMAGE_PARTS = ("image_url", "image")  # OpenAI's image part, and the form chat templates take
+
+
+def flatten_content(content: Any, where: str, images: list | None = None) -> str | list[dict]:
+    """OpenAI content given as parts ([{"type": "text", "text": ...}]) joined into one string.
+    `images`: for a vision-language model, where each image part's value (its `image_url.url`)
+    is put, in order; content with images is then kept as parts for the chat template (text
+    parts joined, each image as `{"type": "image"}`)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise ValueError(f"{where}: content must be a string or a list of parts")
-    out = []
+    out: list[dict] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS and images is not None:
+            url = part.get("image_url") if kind == "image_url" else part.get("image")
+            images.append(url.get("url") if isinstance(url, dict) else url)
+            out.append({"type": "image"})
+            continue
         if kind not in ("text", "input_text"):
-            raise ValueError(f"{where}.content[{i}]: part type {kind!r} is not supported (text only)")
-        out.append(str(part.get("text", "")))
-    return "".join(out)
+            served = "text and images" if images is not None else "text only: this model takes no images"
+            raise ValueError(f"{where}.content[{i}]: part type {kind!r} is not supported ({served})")
+        text = str(part.get("text", ""))
+        if out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + text}
+        else:
+            out.append({"type": "text", "text": text})
+    if any(p["type"] == "image" for p in out):
+        return out
+    return "".join(p["text"] for p in out)
 
 
 _JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
@@ -154,17 +172,23 @@ def tool_calls_of(message: dict, where: str) -> list[tuple[str, dict]]:
     return out
 
 
-def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice: Any, native: bool) -> tuple:
+def render_messages(
+    messages: list[dict], tools: list[dict] | None, tool_choice: Any, native: bool, images: list | None = None
+) -> tuple:
     """(messages, tools argument) for `apply_chat_template`. Content parts are flattened; with
     `native` the template renders tools itself, otherwise they are spelled out (module docstring).
     `tool_choice: "none"` renders no tools. An assistant's tool calls are checked either way
-    (ValueError naming the field of a malformed one)."""
+    (ValueError naming the field of a malformed one). `images`: a vision-language model's (see
+    `flatten_content`); a user's content with images stays as parts."""
     tools = tools if tools and tool_choice != "none" else None
     out: list[dict] = []
     for i, m in enumerate(messages):
         m = dict(m)
-        m["content"] = flatten_content(m.get("content"), f"messages[{i}]")
         role = m.get("role")
+        found = len(images) if images is not None else 0
+        m["content"] = flatten_content(m.get("content"), f"messages[{i}]", images)
+        if images is not None and len(images) > found and role != "user":
+            raise ValueError(f"messages[{i}]: images are taken in user messages only, not {role!r}")
         calls = tool_calls_of(m, f"messages[{i}]") if role == "assistant" else []
         if native:
             out.append(m)

@@ -56,6 +56,24 @@ class ImageReader:
     base_dir: Path
     max_pixels: int = 4096 * 4096
 
+    @classmethod
+    def for_model(cls, model_dir: str | Path, base_dir: Path, max_pixels: int = 4096 * 4096) -> ImageReader | None:
+        """The reader of a vision-language model folder (`tidal.vision.FAMILIES`): its processor
+        (transformers' `AutoProcessor`); None for a text-only model."""
+        family = vision.folder_family(model_dir)
+        if family is None:
+            return None
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        except (ImportError, OSError, ValueError, AttributeError) as e:
+            raise DataError(
+                f"model {model_dir}: its processor (images into tokens) does not load: {e} "
+                "(the Qwen-VL processors need torchvision, SmolVLM's num2words)"
+            ) from None
+        return cls(processor, family, base_dir, max_pixels)
+
     def open(self, value: Any, where: str):
         """A PIL image from a part's value, fully decoded (errors name `where`)."""
         from PIL import Image as PILImage

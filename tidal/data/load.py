@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tidal import vision
 from tidal.data.dataset import DataError, PromptRecord, build_prompts, load_prompts
 from tidal.data.envs import make_env_rows
 from tidal.data.images import ImageReader
@@ -21,22 +20,10 @@ log = logging.getLogger("tidal")
 
 
 def image_reader(cfg: DataConfig, model_dir: str | Path) -> ImageReader | None:
-    """For a vision-language model (`tidal.vision.FAMILIES`), what reads its prompts' images: the
-    model folder's processor (transformers' `AutoProcessor`); None for a text-only model."""
-    family = vision.folder_family(model_dir)
-    if family is None:
-        return None
-    from transformers import AutoProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(str(model_dir))
-    except (ImportError, OSError, ValueError, AttributeError) as e:
-        raise DataError(
-            f"train.model {model_dir}: its processor (images into tokens) does not load: {e} "
-            "(the Qwen-VL processors need torchvision, SmolVLM's num2words)"
-        ) from None
+    """For a vision-language model, what reads its prompts' images (relative paths from the data
+    file's folder); None for a text-only model."""
     base = Path(cfg.path).parent if not cfg.path.startswith("env:") else Path.cwd()
-    return ImageReader(processor, family, base, cfg.max_image_pixels)
+    return ImageReader.for_model(model_dir, base, cfg.max_image_pixels)
 
 
 def prompt_options(cfg: DataConfig, images: ImageReader | None = None) -> dict:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 
 from tidal.chat.anthropic import MESSAGES_ROUTE as ROUTE
 from tidal.chat.anthropic import MessagesBody, message, message_events, translate
-from tidal.chat.render import render_prompt
+from tidal.chat.render import render_chat
 from tidal.server.common import EventStream, check_budget, room_left, sampling_params
 from tidal.server.state import State
 
@@ -33,7 +33,7 @@ async def messages(body: MessagesBody, request: Request, s: State) -> Any:
     """Anthropic's `/v1/messages`: the request as chat, rendered, answered once, whole or streamed."""
     body.warn_unknown(ROUTE)
     chat, tools = translate(body)
-    prompt = await render_prompt(s.tok, chat, tools, None, s.texts)
+    prompt, images = await render_chat(s.tok, chat, tools, None, s.texts, s.images)
     stops = list(body.stop_sequences or [])
     params = sampling_params(
         temperature=body.temperature,
@@ -46,9 +46,9 @@ async def messages(body: MessagesBody, request: Request, s: State) -> Any:
     use_tools = tools is not None
     rids = [uuid.uuid4().hex]
     if not body.stream:
-        (out,) = await s.runner.run(request, [prompt], [params], rids)
+        (out,) = await s.runner.run(request, [prompt], [params], rids, images)
         return message(out, stops, stops, use_tools, s.model_name, len(prompt))
-    stream = await s.runner.stream([prompt], [params], rids)  # refused requests are answered as errors
+    stream = await s.runner.stream([prompt], [params], rids, images)  # refused requests are answered as errors
 
     def whole(out: Any) -> dict:
         return message(out, stops, stops, use_tools, s.model_name, len(prompt))

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.http_errors import add_error_handlers, error_for
 from tidal.contracts import EngineUnavailable
+from tidal.data.images import ImageReader
 from tidal.server import anthropic, openai, responses, sglang, sglang_weights
 from tidal.server.common import unavailable
 from tidal.server.options import API_KEY_ENV, ServerConfig
@@ -32,13 +33,16 @@ OPEN_ROUTES = ("/health",)
 WEIGHT_ROUTES = ("/update_weights_from_tensor",)  # chunks of weights: a limit of their own
 
 
-def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model_name`."""
+def build_app(
+    engine: AsyncEngine, model_name: str, config: ServerConfig | None = None, images: ImageReader | None = None
+) -> FastAPI:
+    """The FastAPI app serving `engine` under the name `model_name` (`images`: a vision-language
+    model's processor, for chats with images)."""
     cfg = config or ServerConfig()
     app = FastAPI(title="tidal engine", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
     app.add_exception_handler(EngineUnavailable, _on_unavailable)
-    app.state.served = Served.create(engine, model_name, cfg)  # what every route reads (`State`)
+    app.state.served = Served.create(engine, model_name, cfg, images)  # what every route reads (`State`)
     for family in (sglang, sglang_weights, openai, anthropic, responses):
         app.include_router(family.routes)
     app.add_middleware(Guard, cfg=cfg)
@@ -198,7 +202,9 @@ def serve(
     engine = AsyncEngine(core)
     try:
         with _sigterm_unwinds():
-            uvicorn.run(build_app(engine, model_name or str(model_dir), cfg), host=host, port=port, log_level=log_level)
+            images = ImageReader.for_model(model_dir, Path.cwd())  # a vision-language model's
+            app = build_app(engine, model_name or str(model_dir), cfg, images)
+            uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.close()
 

@@ -193,10 +193,10 @@ class Runner:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def _add(self, prompts, params, rids, on_tokens=None) -> list[asyncio.Future]:
+    async def _add(self, prompts, params, rids, on_tokens=None, images=None) -> list[asyncio.Future]:
         # Submit all at once: the engine thread takes every queued request in one go between steps.
         adds = [
-            self.engine.add_request(p, sp, rid, on_tokens[i] if on_tokens else None)
+            self.engine.add_request(p, sp, rid, on_tokens[i] if on_tokens else None, images=images)
             for i, (p, sp, rid) in enumerate(zip(prompts, params, rids, strict=True))
         ]
         added = await asyncio.gather(*adds, return_exceptions=True)
@@ -211,10 +211,16 @@ class Runner:
         return list(added)
 
     async def run(
-        self, request: Request, prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str]
+        self,
+        request: Request,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        rids: Sequence[str],
+        images: list | None = None,
     ) -> list[Any]:
-        """The engine's outputs of the requests, aborted if the client goes away meanwhile."""
-        gathered = asyncio.gather(*(await self._add(prompts, params, rids)))
+        """The engine's outputs of the requests, aborted if the client goes away meanwhile.
+        `images`: of every prompt (the samples of one chat with images)."""
+        gathered = asyncio.gather(*(await self._add(prompts, params, rids, images=images)))
         while True:
             done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
             if done:
@@ -224,7 +230,11 @@ class Runner:
                 return await gathered
 
     async def stream(
-        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str]
+        self,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        rids: Sequence[str],
+        images: list | None = None,
     ) -> Stream:
         """Submit the requests of a streamed answer and return their `Stream`. A request the
         engine refuses (a bad prompt, an engine asleep) raises here, before the response starts,
@@ -235,7 +245,7 @@ class Runner:
         def feeder(i: int):
             return lambda ids, lps, tops: loop.call_soon_threadsafe(queue.put_nowait, (i, ids, lps, tops, None))
 
-        futures = await self._add(prompts, params, rids, [feeder(i) for i in range(len(prompts))])
+        futures = await self._add(prompts, params, rids, [feeder(i) for i in range(len(prompts))], images)
         for i, fut in enumerate(futures):
             fut.add_done_callback(lambda f, i=i: queue.put_nowait((i, [], [], [], f)))
         return Stream(self.engine, rids, queue, len(futures))

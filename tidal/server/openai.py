@@ -35,7 +35,6 @@ from tidal.chat.openai import (
     OpenAIBody,
     chat_events,
     chat_max_tokens,
-    chat_prompt,
     check_chat,
     models_list,
     sse,
@@ -45,6 +44,7 @@ from tidal.chat.openai import (
     usage,
     uses_tools,
 )
+from tidal.chat.render import render_chat
 from tidal.chat.text import TextStream
 from tidal.contracts import SamplingParams
 from tidal.server.common import (
@@ -251,13 +251,14 @@ async def chat_completions(body: ChatBody, request: Request, s: State) -> Any:
     check_n(body, s.cfg, "/v1/chat/completions")
     check_chat(body)
     top = body.top_logprobs or 0
-    prompt = await chat_prompt(s.tok, body, texts=s.texts)
+    raw = [m.model_dump(exclude_none=True) for m in body.messages]
+    prompt, images = await render_chat(s.tok, raw, body.tools, body.tool_choice, s.texts, s.images)
     job = samples_for(s, body, [prompt], *chat_max_tokens(body), top)
     answer = ChatAnswer(s.tok, s.model_name, job.stops, uses_tools(body), body.logprobs, top)
-    if body.stream:
-        stream = await s.runner.stream(job.all_prompts, job.params, job.rids)  # refusals are answered as errors
+    if body.stream:  # refusals are answered as errors
+        stream = await s.runner.stream(job.all_prompts, job.params, job.rids, images)
         include = bool(body.stream_options and body.stream_options.include_usage)
         events = chat_events(answer, stream, len(job.all_prompts), job.prompts, include)
         return EventStream(events, s.engine, job.rids)
-    outs = await s.runner.run(request, job.all_prompts, job.params, job.rids)
+    outs = await s.runner.run(request, job.all_prompts, job.params, job.rids, images)
     return answer.whole(outs, job.prompts)

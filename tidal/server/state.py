@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.chat.responses import ResponseStore
+from tidal.data.images import ImageReader
 from tidal.server.common import Runner, Texts
 from tidal.server.options import ServerConfig
 from tidal.server.weight_group import WeightReceiver
@@ -28,13 +29,16 @@ class Served:
     runner: Runner
     receiver: WeightReceiver
     stored: ResponseStore  # `/v1/responses`' stored responses, for `previous_response_id`
+    images: ImageReader | None = None  # a vision-language model's processor: chats with images
 
     @classmethod
-    def create(cls, engine: AsyncEngine, model_name: str, cfg: ServerConfig) -> Served:
+    def create(
+        cls, engine: AsyncEngine, model_name: str, cfg: ServerConfig, images: ImageReader | None = None
+    ) -> Served:
         """The state of a new app serving `engine` as `model_name` within `cfg`'s limits."""
         texts = Texts(engine.tokenizer, engine.max_model_len, cfg)
         stored = ResponseStore(cfg.max_stored_responses, cfg.max_stored_response_chars)
-        return cls(engine, model_name, cfg, texts, Runner(engine), WeightReceiver(engine), stored)
+        return cls(engine, model_name, cfg, texts, Runner(engine), WeightReceiver(engine), stored, images)
 
     @property
     def tok(self) -> Any:
