@@ -24,6 +24,11 @@ with three of every four layers Gated DeltaNet (3 key / 6 value heads of 64, con
 instead of attention, and a shared expert beside the routed ones; tidal keeps the GDN layers'
 states in its state pool (`tidal.engine.states`), transformers in its cache.
 
+`--model vision` runs it on the llava of examples/vision_shapes (SmolLM2-135M-Instruct with a
+small random CLIP tower, built here once): the example's colour questions, one 32 x 32 picture
+each (16 image tokens), `generate` with the processor's pixel batch, tidal with each prompt's
+`vision.Image` (a group's samples share one prefill of the image).
+
 `--model moe` runs the same workload on a Qwen3-MoE of random weights built here once (no
 checkpoint to download): SmolLM2's tokenizer and vocabulary, hidden 576, 16 layers, 9 query / 3
 KV heads, 8 experts of width 768, top-2, renormalised (`MOE_CONFIG`), in the model cache beside
@@ -51,7 +56,7 @@ import torch
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 IMPLS = ("hf_generate", "tidal", "tidal_int8", "vllm")
-MODELS = ("smollm2", "moe", "hybrid")
+MODELS = ("smollm2", "moe", "hybrid", "vision")
 
 # a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
 MOE_CONFIG = {
@@ -116,10 +121,36 @@ def random_model(name: str) -> Path:
     return out
 
 
+def vision_example():
+    """examples/vision_shapes/build.py as a module (its model and picture builders)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "vision_shapes" / "build.py"
+    spec = importlib.util.spec_from_file_location("vision_shapes_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def vision_model() -> Path:
+    """`--model vision`: the llava of examples/vision_shapes (SmolLM2-135M-Instruct with a small
+    random CLIP tower, seed 0), built on first use beside the converted SmolLM2."""
+    from tidal.convert import default_cache_dir
+    from tidal.utils import atomic_directory
+
+    out = default_cache_dir() / "bench-llava-smollm2-seed0"
+    if not (out / "model" / "config.json").exists():
+        with atomic_directory(out) as tmp:
+            vision_example().build_model(tmp)
+    return out / "model"
+
+
 def bench_model(name: str) -> Path:
     """The local folder of `--model`."""
     from tidal.convert import ensure_model
 
+    if name == "vision":
+        return vision_model()
     return ensure_model("smollm2") if name == "smollm2" else random_model(name)
 
 
@@ -132,12 +163,29 @@ def _prompts(tokenizer, n_prompts: int, level: int) -> list[list[int]]:
     return [r.input_ids for r in records]
 
 
-def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
-    from transformers import AutoModelForCausalLM
+def _vision_prompts(tokenizer, n_prompts: int, model_dir: Path) -> tuple[list[list[int]], list]:
+    """`--model vision`: the example's colour questions, one 32 x 32 picture each (drawn in a
+    temporary folder): (prompt ids, each prompt's images)."""
+    import tempfile
 
+    from tidal.data.dataset import load_prompts
+    from tidal.data.images import ImageReader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = vision_example().write_data(Path(tmp), n_prompts, seed=7)
+        records, _ = load_prompts(data, tokenizer, images=ImageReader.for_model(model_dir, Path(tmp)))
+    return [r.input_ids for r in records], [r.images for r in records]
+
+
+def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype, images=None) -> dict:
+    from tidal import vision
     from tidal.hardware import TORCH_DTYPES
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype]).eval()
+    model = vision.load_pretrained(model_dir, TORCH_DTYPES[dtype]).eval()
+    pixels = {}
+    if images:  # one image per prompt: the processor's batch of them
+        family = vision.family(model.config)
+        pixels = vision.batch([im for ims in images for im in ims], family.inputs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad)
@@ -153,6 +201,7 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
+                **pixels,
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
@@ -169,7 +218,10 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype) -> dict:
         return useful, len(gen[0])
 
     with torch.inference_mode():  # warm-up: allocator, kernels
-        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad)
+        first = {k: v[:1] for k, v in pixels.items()}
+        model.generate(
+            input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad, **first
+        )
     t0 = time.perf_counter()
     useful, steps = once()
     return {"useful_tokens": useful, "seconds": time.perf_counter() - t0, "decode_steps": steps}
@@ -188,17 +240,21 @@ def _requests(prompts, n, max_new, seed) -> tuple[list[list[int]], list]:
     return batch, params
 
 
-def _run_tidal(model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens, quantization="none") -> dict:
+def _run_tidal(
+    model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens, quantization="none", images=None
+) -> dict:
     from tidal.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens, quantization=quantization)
     startup = time.perf_counter() - t0
     batch, params = _requests(prompts, n, max_new, seed)
-    engine.generate_batch(batch[:2], params[:2])  # warm-up
+    pictures = [ims for ims in (images or [[] for _ in prompts]) for _ in range(n)]  # a group shares its list
+    engine.generate_batch(batch[:2], params[:2], pictures[:2])  # warm-up
+    engine.flush_cache()  # the warm-up's prompt blocks and image features are not the batch's to reuse
     before = engine.stats()
     t0 = time.perf_counter()
-    outs = engine.generate_batch(batch, params)
+    outs = engine.generate_batch(batch, params, pictures)
     seconds = time.perf_counter() - t0
     st = engine.stats()
     return {
@@ -268,13 +324,15 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     model_dir = bench_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = _prompts(tok, args.prompts, args.level)
-    if args.impl == "hf_generate":
-        res = _run_hf(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype)
+    if args.model == "vision":
+        prompts, images = _vision_prompts(tok, args.prompts, model_dir)
     else:
-        run = _run_vllm if args.impl == "vllm" else _run_tidal
-        extra = ["int8"] if args.impl == "tidal_int8" else []
-        res = run(
+        prompts, images = _prompts(tok, args.prompts, args.level), None
+    if args.impl == "hf_generate":
+        res = _run_hf(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype, images)
+    elif args.impl in ("tidal", "tidal_int8"):
+        quantization = "int8" if args.impl == "tidal_int8" else "none"
+        res = _run_tidal(
             model_dir,
             tok,
             prompts,
@@ -283,8 +341,14 @@ def child(args) -> None:
             args.seed,
             args.dtype,
             args.kv_cache_tokens,
-            *extra,
+            quantization,
+            images,
         )
+    else:
+        if images:
+            raise SystemExit("bench engine --model vision: the vLLM run takes no images here")
+        n, kv = args.child_samples, args.kv_cache_tokens
+        res = _run_vllm(model_dir, tok, prompts, n, args.max_new_tokens, args.seed, args.dtype, kv)
     import transformers
 
     res.update(impl=args.impl, samples=args.child_samples, dtype=args.dtype, peak_rss_mb=peak_rss_mb())

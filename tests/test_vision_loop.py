@@ -49,3 +49,8 @@ def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, t
     tower = {n for n, _ in vision.tower(tiny_vlm("llava"))}
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved and not moved & tower  # the language model trained; the vision tower is frozen
+    # the checkpoint carries the processor: an engine and the data path read images with it
+    from tidal.data.images import ImageReader
+
+    reader = ImageReader.for_model(tmp_path / "run" / "checkpoints" / "step_2", tmp_path / "data")
+    assert reader is not None and reader.processor.tokenizer.convert_tokens_to_ids("<image>") == 300

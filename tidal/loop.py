@@ -106,6 +106,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
 
         model_dir = ensure_model(t_cfg.model)
         tokenizer = load_tokenizer(model_dir)
+        images = None
         if sft:
             source = DataSource(
                 load_sft_data(cfg.data, tokenizer), t_cfg.global_batch_size, cfg.data.shuffle, cfg.data.seed
@@ -170,7 +171,9 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                     if cfg.debug.rollout_only:  # nothing trained, nothing to save
                         continue
                     if (t_cfg.save_interval and done % t_cfg.save_interval == 0) or done == t_cfg.num_steps:
-                        save(done, cfg, roles, source, tokenizer, overlapped)
+                        # a vision-language model's checkpoints carry its processor (tokenizer within)
+                        files = images.processor if images is not None else tokenizer
+                        save(done, cfg, roles, source, files, overlapped)
             finally:
                 logger.close()
         finally:
@@ -182,7 +185,8 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
 
 
 def save(done: int, cfg: Config, roles: Roles, source, tokenizer, overlapped: OverlappedRollout | None) -> None:
-    """Checkpoint after step `done`: trainer (and critic), data position, the overlapped buffer."""
+    """Checkpoint after step `done`: trainer (and critic), data position, the overlapped buffer, and
+    beside the weights `tokenizer` (anything with `save_pretrained`: a vision-language model's processor)."""
     trainer_state = roles.trainer.state_dict()
     if roles.critic is not None:
         trainer_state["critic"] = roles.critic.state_dict()
