@@ -73,9 +73,13 @@ def test_one_and_two_images_give_transformers_tokens_and_log_probs(family):
     a, b = image(family, 0), image(family, 1)
     one = prompt(family, [5, 6, 7], 0, [8, 9, 10])
     two = prompt(family, [11], 0, [12, 13], 1, [14, 15, 16, 17])
-    outs = run(engine(family), [(one, [a]), (two, [a, b])])
+    eng = engine(family)
+    outs = run(eng, [(one, [a]), (two, [a, b])])
     assert_matches(family, one, [a], outs[0])
     assert_matches(family, two, [a, b], outs[1])
+    # decode steps of a Llama-shaped language model take the engine's decode path (its first step
+    # checked bit for bit against transformers' forward); Qwen's 3-D positions run transformers'
+    assert eng.runner.decode_path_checked == (not vision.FAMILIES[family].mrope)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
@@ -158,3 +162,15 @@ def test_a_vision_language_folder_loads_whole(tmp_path):
     ids, images = prompt(family, [5], 0, [6, 7]), [image(family, 3)]
     (out,) = run(eng, [(ids, images)])
     assert out.token_ids == hf_greedy(reference(family), family, ids, images, N_NEW)
+
+
+def test_static_decode_buffers_run_a_vision_language_model_as_usual():
+    """The GPU's decode steps (static buffers, here eager on the CPU) after a prefill with images."""
+    family = "llava"
+    eng = engine(family, max_num_seqs=4)
+    assert eng.runner.use_static_decode(4, eng.max_model_len, capture=False) is None
+    reqs = [(prompt(family, [5 + i], 0, [8, 9]), [image(family, i)]) for i in range(3)]
+    outs = run(eng, reqs)
+    assert eng.stats()["overlapped_steps"] > 0  # decode steps ran over the static buffers
+    for (ids, images), out in zip(reqs, outs, strict=True):
+        assert out.token_ids == hf_greedy(reference(family), family, ids, images, N_NEW)

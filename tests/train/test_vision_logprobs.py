@@ -93,3 +93,16 @@ def test_a_sample_with_images_round_trips_through_json_and_a_corrupt_one_is_name
     d["images"][0]["digest"] = "0" * 64
     with pytest.raises(ValueError, match="image 000000000000: its tensors do not give its digest"):
         Sample.from_dict(d)
+
+
+def test_lora_adapts_the_language_model_only_and_starts_from_the_engines_log_probs():
+    family = "llava"
+    samples = engine_samples(family)
+    a = actor(family, lora_rank=4)
+    adapted = {n.rpartition(".lora_")[0] for n, _ in a.model.named_parameters() if ".lora_" in n}
+    language = {n for n, _ in a.model.get_decoder().named_modules(prefix="model.language_model")}
+    assert adapted and adapted <= language  # q/k/v/o and MLP projections of the language model
+    assert not any("vision_tower" in n or "projector" in n for n in adapted)
+    lp = a.compute_log_probs(samples)  # B = 0: the base model's
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(lp[i, : s.response_length], torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)

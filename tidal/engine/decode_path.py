@@ -28,6 +28,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
+from tidal import vision
 from tidal.engine import fused_kernels, native
 from tidal.engine.quant import project
 from tidal.hardware import CPU
@@ -42,11 +43,17 @@ WINDOWS = {
 QK_NORM = ("qwen3",)  # per-head RMSNorm of q and k after their projections, before the rotary
 
 
+def family(model: nn.Module) -> str:
+    """The model type of `model`'s language model (a vision-language model's: its text config's)."""
+    return vision.language_config(model.config).model_type
+
+
 def supports(model: nn.Module) -> bool:
-    """Whether `model` has the Llama-shaped structure this path runs."""
-    inner = getattr(model, "model", None)
+    """Whether `model` has the Llama-shaped structure this path runs (a vision-language model:
+    its language model has; its images go in at prefill, which runs transformers' forward)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else None
     needed = ("embed_tokens", "rotary_emb", "norm", "layers")
-    if model.config.model_type not in WINDOWS or inner is None or not all(hasattr(inner, n) for n in needed):
+    if family(model) not in WINDOWS or inner is None or not all(hasattr(inner, n) for n in needed):
         return False
     parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -62,7 +69,7 @@ class DecodePath:
 
     def __init__(self, model: nn.Module, runner) -> None:
         self.model, self.runner = model, runner
-        inner = model.model
+        inner = self.decoder = model.get_decoder()  # a vision-language model's language model
         self.rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
         # the rotary embedding in one C pass (the family's function's bits: rotate-half layout)
         w = inner.embed_tokens.weight
@@ -76,9 +83,9 @@ class DecodePath:
         # on a GPU: q's and k's rotary embedding in one Triton kernel, where it computes what the
         # family's function computes (checked here on a sample)
         self.fused_rope = not self.native_rope and fused_kernels.available(w.device) and self._rope_agrees(w)
-        window = WINDOWS[model.config.model_type]
+        window = WINDOWS[family(model)]
         self.windows = [window(layer.self_attn) for layer in inner.layers]
-        self.qk_norm = model.config.model_type in QK_NORM
+        self.qk_norm = family(model) in QK_NORM
 
     def _rope_agrees(self, w: Tensor) -> bool:
         """Whether `fused_kernels.rotary` gives the family's rotary embedding bit for bit on a
@@ -87,7 +94,7 @@ class DecodePath:
         through a bf16 model one rounding apart in q and k grows past that check's tolerance (a
         GPU may fuse a float32 product into the sum; Triton's interpreter narrows to bf16 by
         truncation)."""
-        inner = self.model.model
+        inner = self.decoder
         attn = inner.layers[0].self_attn
         heads, d = attn.config.num_attention_heads, attn.head_dim
         kv = attn.config.num_key_value_heads
@@ -110,7 +117,7 @@ class DecodePath:
         # Modules are looked up at each call, and so are their `forward`s: the engine replaces
         # some after start-up (packed or quantized projections, fused norms, a trainer's LoRA
         # layers given to the engine). They are called without `__call__`'s hook machinery.
-        inner, b = self.model.model, plan.input_ids.shape[0]
+        inner, b = self.decoder, plan.input_ids.shape[0]
         x = inner.embed_tokens.forward(plan.input_ids)  # [B, hidden]
         cos, sin = inner.rotary_emb.forward(x[None], plan.positions[None])  # [1, B, D]
         cos_b, sin_b = cos[0], sin[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tidal import recurrent
+from tidal import recurrent, vision
 from tidal.train.options import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; tidal trains one adapter
@@ -89,6 +89,14 @@ def lora_config(cfg: TrainConfig, model: torch.nn.Module):
         raise LoraError(
             f"train.lora_target_modules: {', '.join(map(repr, missing))} name no linear layer of the model; "
             f"its linear layers are {', '.join(have)} (or use all-linear)"
+        )
+    if vision.family(model.config) is not None:  # a vision-language model: its language model's layers only
+        language = {id(m) for m in model.get_decoder().modules()}
+        wanted = set(targets)
+        targets = sorted(
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and id(m) in language and n.rpartition(".")[2] in wanted
         )
     return LoraConfig(
         r=cfg.lora_rank,
