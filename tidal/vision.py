@@ -107,19 +107,22 @@ def image_token(config) -> int:
 @dataclass(frozen=True, eq=False)
 class Image:
     """One image as its model's image processor made it: the tensors for this image alone (the
-    processor's batch of one), and a SHA-256 of them that keys it."""
+    processor's batch of one), and a SHA-256 of them that keys it. `source`: the encoded file it
+    was read from (PNG, JPEG...), what is sent to a served engine, whose processor reads it again
+    (empty where it was not kept)."""
 
     tensors: dict[str, Tensor]
     digest: str
+    source: bytes = b""
 
     @classmethod
-    def of(cls, tensors: dict[str, Tensor]) -> Image:
+    def of(cls, tensors: dict[str, Tensor], source: bytes = b"") -> Image:
         h = hashlib.sha256()
         for name in sorted(tensors):
             t = tensors[name].detach().cpu().contiguous()
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return cls(dict(tensors), h.hexdigest())
+        return cls(dict(tensors), h.hexdigest(), bytes(source))
 
     def to_dict(self) -> dict:
         """JSON-ready: each tensor as dtype, shape and base64 bytes."""
@@ -131,7 +134,10 @@ class Image:
             }
             for k, t in self.tensors.items()
         }
-        return {"digest": self.digest, "tensors": tensors}
+        out = {"digest": self.digest, "tensors": tensors}
+        if self.source:
+            out["source"] = base64.b64encode(self.source).decode("ascii")
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Image:
@@ -140,10 +146,16 @@ class Image:
             raw = bytearray(base64.b64decode(t["data"]))
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
             tensors[k] = flat.view(getattr(torch, t["dtype"])).reshape(t["shape"])
-        image = cls.of(tensors)
+        image = cls.of(tensors, base64.b64decode(d.get("source", "")))
         if image.digest != d["digest"]:
             raise ValueError(f"image {d['digest'][:12]}: its tensors do not give its digest (corrupted)")
         return image
+
+    def data_uri(self) -> str:
+        """`source` as a data: URI (what a served engine's `/generate` takes in `image_data`)."""
+        if not self.source:
+            raise ValueError(f"image {self.digest[:12]}: its file was not kept; a served engine cannot be sent it")
+        return "data:application/octet-stream;base64," + base64.b64encode(self.source).decode("ascii")
 
     @property
     def key(self) -> int:

@@ -123,3 +123,50 @@ def test_an_image_in_an_assistant_message_is_refused(served):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [image]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: images are taken in user messages only"):
         served.openai.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+
+
+def pictures_prompt(s: Served, seeds: list[int], question: str) -> tuple[str, list[int], list]:
+    """(the processor's text, its ids, the images) of a user message of the pictures and `question`."""
+    parts = [{"type": "image", "image": f"data:image/png;base64,{png_b64(i)}"} for i in seeds]
+    _, text, ids, images = s.reader.prompt(
+        [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}], "t"
+    )
+    return text, ids, images
+
+
+def test_sglang_generate_takes_image_data_with_ids_or_text(served):
+    import httpx
+
+    text, ids, images = pictures_prompt(served, [3, 4], "and now?")
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    expected = in_process(served, [3, 4, "and now?"], 6)
+    uris = [f"data:image/png;base64,{png_b64(3)}", png_b64(4)]  # a data: URI, and bare base64 as SGLang takes
+    for prompt in ({"input_ids": ids}, {"text": text}):
+        body = {**prompt, "image_data": uris, "sampling_params": greedy}
+        r = httpx.post(served.server.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == expected
+    r = httpx.post(served.server.url + "/generate", json={"input_ids": ids, "sampling_params": greedy}, timeout=60)
+    assert r.status_code == 400 and "its 0 image(s) give 0" in r.text  # placeholders without their images
+
+
+def test_the_rollouts_http_engine_sends_a_samples_images(served):
+    """What a rollout against served engines does: `HttpEngine.generate(ids, images=...)`, the
+    images sent as the files they were read from."""
+    import asyncio
+
+    from tidal.adapters.client import HttpEngine
+
+    _, ids, images = pictures_prompt(served, [5], "which?")
+    assert all(im.source for im in images)
+
+    async def ask():
+        remote = HttpEngine([served.server.url], timeout=60)
+        try:
+            params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+            return await remote.generate(ids, params, images=images)
+        finally:
+            await remote.aclose()
+
+    out = asyncio.run(ask())
+    assert out.token_ids == in_process(served, [5, "which?"], 6)

@@ -298,14 +298,18 @@ class EngineClient:
 
     # --------------------------------------------------------------- generation
     async def generate(
-        self, input_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: Sequence[int], params: SamplingParams, rid: str | None = None, images: Sequence = ()
     ) -> GenerationOutput:
-        """One response for `input_ids`, with the log-prob of every sampled token."""
+        """One response for `input_ids`, with the log-prob of every sampled token. `images`: a
+        vision-language prompt's (`tidal.vision.Image`), sent as the files they were read from
+        (`image_data`), which the server's processor reads again; the ids carry their placeholders."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params_to_dict(params),
             "return_logprob": True,
         }
+        if images:
+            payload["image_data"] = [image.data_uri() for image in images]
         if rid is not None:
             payload["rid"] = rid
         if params.return_routed_experts:
@@ -559,12 +563,17 @@ class Router:
         self.mark_up(index)
 
     async def generate(
-        self, input_ids: Sequence[int], params: SamplingParams, group: Hashable | None = None, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        group: Hashable | None = None,
+        rid: str | None = None,
+        images: Sequence = (),
     ) -> GenerationOutput:
         while True:
             index = self.acquire(group)
             try:
-                return await self.clients[index].generate(input_ids, params, rid)
+                return await self.clients[index].generate(input_ids, params, rid, images)
             except EngineError as e:
                 if not is_engine_failure(e):
                     raise
@@ -658,13 +667,9 @@ class HttpEngine:
     ) -> GenerationOutput:
         """One response; a failed server is taken out of service and the request sent again,
         unchanged, to another (see `Router`). Cancelling the call aborts it on its server."""
-        if images:
-            raise ValueError(
-                "a prompt with images: served engines do not carry images yet; engine.kind tidal (embedded) runs them"
-            )
         rid = request_id or uuid.uuid4().hex
         try:
-            out = await self.router.generate(input_ids, sampling, group=group, rid=rid)
+            out = await self.router.generate(input_ids, sampling, group=group, rid=rid, images=images or ())
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):  # best effort: the server may be gone
                 await asyncio.shield(self.abort(rid))

@@ -56,20 +56,31 @@ async def render_chat(
     except Exception as e:
         raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
     if found:
-        return await asyncio.to_thread(_with_images, images, text, found)
+        return await render_images(images, text, found, "messages")
     if texts is not None:  # `tidal serve`'s limits on text to tokenise
         return (await texts.encode([text], "messages"))[0], []
     return (await encode(tok, [text], "messages"))[0], []
 
 
-def _with_images(reader: ImageReader, text: str, values: list) -> tuple[list[int], list[Image]]:
-    """The processor's ids of `text` with the images of `values` (data: URIs) expanded, and the images."""
-    for i, v in enumerate(values):  # a server reads no file and fetches no URL for a client
+async def render_images(
+    reader: ImageReader, text: str | None, values: list, field: str
+) -> tuple[list[int] | None, list[Image]]:
+    """The images of `values` (data: URIs; a server reads no file and fetches no URL for a
+    client) and, given the prompt's `text`, its ids with each image marker expanded by the
+    processor; BadRequest naming `field` for an image that is not one."""
+    for i, v in enumerate(values):
         if not (isinstance(v, str) and v.startswith("data:")):
-            raise BadRequest(f"messages: image {i}: give the image as a data: URI (data:image/png;base64,...)")
+            raise BadRequest(f"{field}: image {i}: give the image as a data: URI (data:image/png;base64,...)")
+    return await asyncio.to_thread(_read_images, reader, text, values, field)
+
+
+def _read_images(reader: ImageReader, text: str | None, values: list, field: str):
     try:
-        pictures = [reader.open(v, f"image {i}") for i, v in enumerate(values)]
+        opened = [reader.open(v, f"image {i}") for i, v in enumerate(values)]
     except DataError as e:
-        raise BadRequest(f"messages: {e}") from None
-    ids = reader.processor(text=[text], images=[pictures], return_tensors="pt")["input_ids"][0].tolist()
-    return ids, [reader.one(p) for p in pictures]
+        raise BadRequest(f"{field}: {e}") from None
+    ids = None
+    if text is not None:
+        pictures = [picture for picture, _ in opened]
+        ids = reader.processor(text=[text], images=[pictures], return_tensors="pt")["input_ids"][0].tolist()
+    return ids, [reader.one(picture, raw) for picture, raw in opened]

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,7 @@ class EngineServer:
         from tidal.adapters.async_engine import AsyncEngine
         from tidal.adapters.factory import build_core
         from tidal.backends import engine_kind
+        from tidal.data.images import ImageReader
         from tidal.net import node_ip
         from tidal.server.app import BackgroundServer, build_app
         from tidal.server.options import ServerConfig
@@ -58,8 +60,10 @@ class EngineServer:
         self.device = getattr(self.core, "device", CPU)
         self.engine = AsyncEngine(self.core)
         host = node_ip()
-        # reachable from the network: only the run that started it knows the key
-        app = build_app(self.engine, model, ServerConfig(api_key=api_key))
+        # reachable from the network: only the run that started it knows the key; a vision-language
+        # model's processor reads the images the rollout sends
+        images = ImageReader.for_model(model, Path.cwd())
+        app = build_app(self.engine, model, ServerConfig(api_key=api_key), images)
         self.server = BackgroundServer(app, host=host, port=0).start()
         self.url = f"http://{host}:{self.server.port}"
         self.weight_group = None

@@ -74,8 +74,9 @@ class ImageReader:
             ) from None
         return cls(processor, family, base_dir, max_pixels)
 
-    def open(self, value: Any, where: str):
-        """A PIL image from a part's value, fully decoded (errors name `where`)."""
+    def open(self, value: Any, where: str) -> tuple[Any, bytes]:
+        """A part's value as (a PIL image, fully decoded; the bytes of its file), errors naming
+        `where`."""
         from PIL import Image as PILImage
         from PIL import UnidentifiedImageError
 
@@ -95,27 +96,27 @@ class ImageReader:
             path = Path(value) if Path(value).is_absolute() else self.base_dir / value
             if not path.is_file():
                 raise DataError(f"{where}: image file {path} not found")
-            source, name = path, str(path)
+            raw, name = path.read_bytes(), str(path)
         elif isinstance(value, (bytes, bytearray, memoryview)):
-            source, name = io.BytesIO(bytes(value)), "the image bytes"
+            raw, name = bytes(value), "the image bytes"
         else:
             kind = "null" if value is None else type(value).__name__
             raise DataError(f"{where}: an image part needs a path, a data: URI or bytes, got {kind}")
         try:
-            image = PILImage.open(source)
+            image = PILImage.open(io.BytesIO(raw))
             w, h = image.size
             if w * h > self.max_pixels:
                 raise DataError(
                     f"{where}: {name} is {w}x{h} pixels, more than data.max_image_pixels ({self.max_pixels})"
                 )
-            return image.convert("RGB")
+            return image.convert("RGB"), raw
         except (UnidentifiedImageError, OSError, PILImage.DecompressionBombError) as e:
             raise DataError(f"{where}: {name} is not an image ({e})") from None
 
     def prompt(self, messages: list[dict], where: str) -> tuple[list[dict], str, list[int], list[vision.Image]]:
         """(the messages with image parts as `{"type": "image"}`, the rendered text, its token ids
         with the images' placeholders expanded, the images in order)."""
-        plain, pictures = [], []
+        plain, pictures, files = [], [], []
         for i, m in enumerate(messages):
             content = m.get("content")
             if not isinstance(content, list):
@@ -124,7 +125,9 @@ class ImageReader:
             parts = []
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") in IMAGE_TYPES:
-                    pictures.append(self.open(_value(part), f"{where}: message {i} part {j}"))
+                    picture, raw = self.open(_value(part), f"{where}: message {i} part {j}")
+                    pictures.append(picture)
+                    files.append(raw)
                     parts.append({"type": "image"})
                 else:
                     parts.append(part)
@@ -132,10 +135,11 @@ class ImageReader:
         text = self.processor.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         given = {"images": [pictures]} if pictures else {}
         ids = self.processor(text=[text], return_tensors="pt", **given)["input_ids"][0].tolist()
-        images = [self.one(picture) for picture in pictures]
+        images = [self.one(picture, raw) for picture, raw in zip(pictures, files, strict=True)]
         return plain, text, ids, images
 
-    def one(self, picture) -> vision.Image:
-        """One PIL image as the model's image processor makes it, alone."""
+    def one(self, picture, source: bytes = b"") -> vision.Image:
+        """One PIL image as the model's image processor makes it, alone (`source`: the file it
+        was read from, kept for a served engine)."""
         out = self.processor.image_processor(images=[picture], return_tensors="pt")
-        return vision.Image.of({k: v for k, v in out.items() if k in self.family.inputs})
+        return vision.Image.of({k: v for k, v in out.items() if k in self.family.inputs}, source)

@@ -51,6 +51,7 @@ from tidal.adapters.client import TIDAL_SERVER, encode_routing
 from tidal.chat.body import Body
 from tidal.chat.errors import BadRequest
 from tidal.chat.http_errors import error_response
+from tidal.chat.render import render_images
 from tidal.chat.text import trim_stop
 from tidal.contracts import SamplingParams
 from tidal.server.common import EventStream, Stream, check_budget, sampling_params
@@ -90,6 +91,8 @@ class GenerateBody(Body):
     return_routed_experts: bool = False  # an MoE model's expert choices, as SGLang gives them
     rid: str | list[str] | None = None
     stream: bool = False
+    # a vision-language model's images of the (one) prompt, in order: data: URIs or base64 strings
+    image_data: str | list[str] | None = None
 
 
 class AbortBody(Body):
@@ -304,17 +307,36 @@ async def _prompts(s: Served, body: GenerateBody) -> tuple[list[list[int]], bool
     return ([list(p) for p in ids] if batched else [list(ids)]), batched  # type: ignore[arg-type]
 
 
+async def _with_images(s: Served, body: GenerateBody) -> tuple[list[list[int]], bool, list]:
+    """`_prompts`, and the images of `image_data` (one prompt's): with `text`, the model's
+    processor expands each image marker of the text into its placeholders; `input_ids` carry them
+    already (as the processor expanded them)."""
+    values = [body.image_data] if isinstance(body.image_data, str) else list(body.image_data or [])
+    if not values:
+        return (*await _prompts(s, body), [])
+    if s.images is None:
+        raise BadRequest("image_data: this model takes no images")
+    if isinstance(body.text, list) or (body.input_ids and isinstance(body.input_ids[0], list)):
+        raise BadRequest("image_data: give one prompt per request with images")
+    uris = [v if v.startswith("data:") else f"data:image;base64,{v}" for v in values]
+    if body.text is not None:
+        ids, images = await render_images(s.images, body.text, uris, "image_data")
+        return [ids], False, images
+    _, images = await render_images(s.images, None, uris, "image_data")
+    return [list(body.input_ids or [])], False, images
+
+
 @routes.post("/generate")
 async def generate(body: GenerateBody, request: Request, s: State) -> Any:
     """Sample every prompt of the body; one result, or a list for a batch or n > 1."""
     _check_generate(body)
-    prompts, batched = await _prompts(s, body)
+    prompts, batched, images = await _with_images(s, body)
     prompts, params, sps, rids = _samples(body, prompts, batched, s.cfg, s.engine.vocab_size)
     batched = batched or len(prompts) > 1  # n > 1 answers a list too, as SGLang does
-    if body.stream:
-        stream = await s.runner.stream(prompts, params, rids)  # refused requests are answered as errors
+    if body.stream:  # refused requests are answered as errors
+        stream = await s.runner.stream(prompts, params, rids, images)
         return EventStream(generate_events(s, body, stream, prompts, sps, rids), s.engine, rids)
-    outs = await s.runner.run(request, prompts, params, rids)
+    outs = await s.runner.run(request, prompts, params, rids, images)
     results = [result(s.tok, o, body, sp) for o, sp in zip(outs, sps, strict=True)]
     return results if batched else results[0]
 
