@@ -130,7 +130,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             overlapped = None
             if not sft:
                 roles.sync.push(start)  # the engines answer and take the weights (their key, their limits)
-                rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop)
+                rollout = RolloutManager.from_config(roles.engines.engine, cfg, tokenizer, roles.engines.loop, images)
                 # the reward's own resources (a local judge's server and engine, worker processes)
                 # end with the run; closers run in reverse, so after the overlapped worker stops
                 roles.closers.append(lambda: close_rewards(rollout))

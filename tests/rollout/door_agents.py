@@ -370,3 +370,12 @@ async def responses_short_agent(client, prompt, label):
     for _ in range(2):
         resp = await client.responses.create(model="policy", input=items, max_output_tokens=8)
         items += [*(o.model_dump(exclude_none=True) for o in resp.output), {"role": "user", "content": "again"}]
+
+
+async def picture_agent(client, prompt, label):
+    """Send the prompt's messages (a picture among them, as an `image_url` part) once; the reward
+    is whether the answer is non-empty."""
+    seen_urls.append(str(client.base_url))
+    resp = await client.chat.completions.create(model="policy", messages=prompt, max_tokens=6)
+    replies.append(resp.choices[0].message.model_dump(exclude_none=True))
+    return float(bool(resp.choices[0].message.content))

@@ -62,13 +62,12 @@ from tidal.chat.openai import (
     Outputs,
     chat_events,
     chat_max_tokens,
-    chat_prompt,
     check_chat,
     models_list,
     stops_of,
     uses_tools,
 )
-from tidal.chat.render import render_prompt
+from tidal.chat.render import render_chat, render_prompt
 from tidal.chat.responses import ResponseAnswer, ResponsesBody, ResponseStore, input_items, items_chat, response_events
 from tidal.chat.responses import translate as translate_items
 from tidal.contracts import GenerationOutput, SamplingParams
@@ -126,6 +125,23 @@ class Alignment:
     case: str
     keep: int
     env_ids: list[int]
+
+
+def with_image_urls(messages: list[dict], images: list) -> list[dict]:
+    """A vision-language prompt's messages for an agent: each `{"type": "image"}` part (the data
+    path keeps no pixels there) as OpenAI's `image_url` part with the image's file as a data: URI,
+    in order, which the door reads back into the same images."""
+    pending = iter(images)
+    out = []
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            parts = [
+                {"type": "image_url", "image_url": {"url": next(pending).data_uri()}} if p.get("type") == "image" else p
+                for p in m["content"]
+            ]
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
 
 def align(seen: list[int], prompt: list[int], decode: Any, max_drift: int) -> Alignment:
@@ -260,11 +276,11 @@ class Session:
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{field}: must be >= 1, got {max_tokens}")
         raw = [self.as_sampled(m.model_dump(exclude_none=True)) for m in body.messages]
-        prompt = await chat_prompt(self.ctx.tokenizer, body, raw)
+        prompt, images = await render_chat(self.ctx.tokenizer, raw, body.tools, body.tool_choice, None, self.ctx.images)
         stops = [*self.sampling.stop, *stops_of(body)]
         model = body.model or MODEL_NAME
         async with self.lock:
-            out, engine_ids = await self._call(prompt, max_tokens, stops, body.stop_token_ids or [])
+            out, engine_ids = await self._call(prompt, max_tokens, stops, body.stop_token_ids or [], images)
             cid = f"chatcmpl-{self.token[:8]}-{self.calls}"
             answer = ChatAnswer(self.ctx.tokenizer, model, stops, uses_tools(body), body.logprobs, 0, cid)
             message, _ = answer.message_of(0, out)
@@ -281,12 +297,12 @@ class Session:
         body.warn_unknown("agent door /v1/messages")
         chat, tools = translate(body)
         raw = [self.as_sampled(m) for m in chat]
-        prompt = await render_prompt(self.ctx.tokenizer, raw, tools, None)
+        prompt, images = await render_chat(self.ctx.tokenizer, raw, tools, None, None, self.ctx.images)
         requested = list(body.stop_sequences or [])
         stops = [*self.sampling.stop, *requested]
         use_tools, model = tools is not None, body.model or MODEL_NAME
         async with self.lock:
-            out, engine_ids = await self._call(prompt, body.max_tokens, stops, [])
+            out, engine_ids = await self._call(prompt, body.max_tokens, stops, [], images)
             answer = message(out, stops, requested, use_tools, model, len(engine_ids))
             # kept as the chat message its blocks translate to, so that sent back it is known
             self.answers.append((assistant_chat_message(answer["content"]), out.text))
@@ -325,10 +341,16 @@ class Session:
         return whole
 
     async def _call(
-        self, prompt: list[int], max_tokens: int | None, stops: list[str], stop_token_ids: list[int]
+        self,
+        prompt: list[int],
+        max_tokens: int | None,
+        stops: list[str],
+        stop_token_ids: list[int],
+        images: list | None = None,
     ) -> tuple[Any, list[int]]:
         """Sample an answer to `prompt` and record it on the session's samples; (the engine's
-        output, the ids the engine was given)."""
+        output, the ids the engine was given). `images`: the conversation's, in order (a
+        vision-language model's; the sample keeps them for the trainer)."""
         sample = self.samples[-1]
         # before anything is sampled there is nothing to realign: the dataset prompt is extended or replaced
         drift = self.ctx.agent.max_drift_tokens if self.trained() else 0
@@ -353,7 +375,10 @@ class Session:
         )
         self.calls += 1
         try:
-            out = await self.ctx.generate(engine_ids, sp)
+            if self.ctx.images is None:  # a text-only model
+                out = await self.ctx.generate(engine_ids, sp)
+            else:  # the conversation's images, none where it sent none (not the dataset prompt's)
+                out = await self.ctx.generate(engine_ids, sp, images or [])
         except asyncio.CancelledError:
             # the client went away (`while_connected`): the agent saw nothing, so nothing joins the sample
             gone = {"case": fit.case, "at": len(sample.tokens), "sampled": 0, "finish_reason": "abort"}
@@ -373,6 +398,7 @@ class Session:
         else:
             sample.append_env(fit.env_ids, self.decode(fit.env_ids))
             self.used += len(fit.env_ids)
+        sample.images = list(images or [])  # the whole conversation's: its prompt holds their placeholders
         at = len(sample.tokens)
         sample.append_policy(out.token_ids, out.log_probs, out.weight_version, out.text)
         keep_routing(sample, out)
@@ -518,6 +544,8 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling: Samplin
         base_url=door.base_url(session), api_key=session.token, max_retries=0, timeout=cfg.request_timeout
     )
     prompt = ctx.record.prompt if ctx.record is not None else sample.prompt
+    if ctx.record is not None and ctx.record.images:  # the agent sends the pictures back as OpenAI parts
+        prompt = with_image_urls(prompt, ctx.record.images)
     try:
         try:
             if cfg.command:  # an agent program (tidal.rollout.program): its output goes to reward.fn

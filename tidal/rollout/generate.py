@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from tidal.contracts import Engine, GenerationOutput, SamplingParams
 from tidal.data.dataset import PromptRecord
+from tidal.data.images import ImageReader
 from tidal.moe import routing_record
 from tidal.rollout.options import AgentConfig, RolloutConfig, ToolsConfig
 from tidal.types import Sample, Status
@@ -93,11 +94,15 @@ class GenerateContext:
     index: int = 0  # the sample's position in this rollout call
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    images: ImageReader | None = None  # a vision-language model's processor (the agent door's images)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, images: list | None = None
+    ) -> GenerationOutput:
         """Sample one response to `input_ids`: token ids, one log-prob per id, finish reason, version.
-        The prompt's images (a vision-language model's) go with it."""
-        images = self.record.images if self.record is not None else None
+        A vision-language prompt's images go with it: `images`, by default the record's."""
+        if images is None:
+            images = self.record.images if self.record is not None else None
         if images:
             return await self.engine.generate(input_ids, sampling, group=self.group, images=images)
         return await self.engine.generate(input_ids, sampling, group=self.group)

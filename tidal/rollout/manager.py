@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from tidal.aio import LoopThread
 from tidal.contracts import Engine, SamplingParams
 from tidal.data.dataset import PromptRecord
+from tidal.data.images import ImageReader
 from tidal.reward.checks import GroupScoreFn, ScoreFn
 from tidal.reward.failures import ErrorLog
 from tidal.reward.options import JudgeConfig, RewardConfig, RewardModelConfig
@@ -146,8 +147,11 @@ class RolloutManager:
         rm: RewardModelConfig | None = None,
         tools: ToolsConfig | None = None,
         agent: AgentConfig | None = None,
+        images: ImageReader | None = None,
     ) -> None:
+        """`images`: a vision-language model's processor, for the images an agent sends its door."""
         self.engine = engine
+        self.images = images
         self.routed_experts = routed_experts  # ask the engine for MoE routing (algo.routing_replay)
         self.rollout = rollout
         self.sampling = sampling or SamplingConfig()
@@ -168,7 +172,9 @@ class RolloutManager:
         self._rollouts = itertools.count()
 
     @classmethod
-    def from_config(cls, engine: Engine, cfg, tokenizer=None, loop: LoopThread | None = None) -> RolloutManager:
+    def from_config(
+        cls, engine: Engine, cfg, tokenizer=None, loop: LoopThread | None = None, images: ImageReader | None = None
+    ) -> RolloutManager:
         """The manager of a run's `tidal.config.Config`: its rollout, sampling, reward, judge, rm, tools
         and agent groups; MoE routing asked for with `algo.routing_replay`."""
         return cls(
@@ -183,6 +189,7 @@ class RolloutManager:
             rm=cfg.rm,
             tools=cfg.tools,
             agent=cfg.agent,
+            images=images,
         )
 
     def sampling_params(self, seed: int) -> SamplingParams:
@@ -239,6 +246,7 @@ class RolloutManager:
                     i,
                     self.tools,
                     self.agent,
+                    self.images,
                 )
                 params = self.sampling_params(sample_seed(self.sampling.seed, step, first_index + i))
                 jobs.append((fn, ctx, sample, params))
