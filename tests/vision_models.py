@@ -32,20 +32,23 @@ _IDEFICS_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "smolvlm")
 
 
 def tiny_config(family: str):
     from transformers import AutoConfig
 
-    if family.startswith("qwen2"):
+    if family.startswith("qwen"):
         merge = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-        if family == "qwen2_5_vl":  # windowed attention in one of its two layers
-            sizes = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56)
-            vis = {**merge, **sizes, "fullatt_block_indexes": [1]}
+        sizes = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64)
+        text = {**_TEXT, "rope_parameters": _MROPE}
+        if family == "qwen3_vl":  # interleaved 3-D rotary, q/k norms; layer 0's vision features join layer 0
+            vis = {**merge, **sizes, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+            text = {**_TEXT, "rope_parameters": {**_MROPE, "mrope_interleaved": True}, "head_dim": 16}
+        elif family == "qwen2_5_vl":  # windowed attention in one of its two layers
+            vis = {**merge, **sizes, "window_size": 56, "fullatt_block_indexes": [1]}
         else:
             vis = {**merge, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
-        text = {**_TEXT, "rope_parameters": _MROPE}
         return AutoConfig.for_model(family, text_config=text, vision_config=vis, **_QWEN_IDS)
     if family == "llava":
         vis = dict(
@@ -91,7 +94,7 @@ def image_processor(family: str):
     """The family's image processor, sized for `tiny_config`'s vision tower."""
     import transformers
 
-    if family.startswith("qwen2"):
+    if family.startswith("qwen"):
         return transformers.Qwen2VLImageProcessorPil(
             min_pixels=56 * 56, max_pixels=4 * 56 * 56, patch_size=14, merge_size=2
         )
@@ -119,7 +122,7 @@ def image(family: str, seed: int) -> vision.Image:
 
 def placeholder_run(family: str, count: int) -> list[int]:
     """An image's tokens in a prompt: `count` placeholders (within Qwen's start/end tokens)."""
-    if family.startswith("qwen2"):
+    if family.startswith("qwen"):
         return [VISION_START, *[IMAGE_TOKEN] * count, VISION_END]
     return [IMAGE_TOKEN] * count
 

@@ -36,6 +36,9 @@ class Family:
 
     inputs: tuple[str, ...]  # the image processor's outputs its vision tower reads
     mrope: bool = False  # Qwen's 3-D rotary positions
+    # Qwen3-VL: features of some vision layers are also added to the hidden states at the image
+    # tokens after each of the first language layers (`visual_pos_masks`, `deepstack_visual_embeds`)
+    deepstack: bool = False
 
 
 # model_type of the whole (vision + language) model -> its family
@@ -45,12 +48,12 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": Family(("pixel_values", "pixel_attention_mask")),
     "qwen2_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
     "qwen2_5_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
+    "qwen3_vl": Family(("pixel_values", "image_grid_thw"), mrope=True, deepstack=True),
 }
 # families transformers has that these paths do not run yet, and why
 NOT_RUN: dict[str, str] = {
     "gemma3": "its image tokens attend to each other in both directions; the engine's attention is causal",
-    "qwen3_vl": "its vision features are also added into the first layers' hidden states (deepstack)",
-    "qwen3_vl_moe": "its vision features are also added into the first layers' hidden states (deepstack)",
+    "qwen3_vl_moe": "its MoE language model with deepstack features is not tested here",
 }
 
 
@@ -176,16 +179,25 @@ def batch(images: list[Image], names: tuple[str, ...]) -> dict[str, Tensor]:
 
 
 def features(model: nn.Module, fam: Family, image: Image) -> Tensor:
-    """One image's feature rows [placeholders, hidden]: the model's vision tower and projector,
-    as its own forward runs them (`get_image_features`)."""
+    """One image's feature rows [placeholders, 1 + deepstack layers, hidden]: the model's vision
+    tower and projector, as its own forward runs them (`get_image_features`); row [:, 0] replaces
+    the placeholders' embeddings, [:, 1 + k] is added after language layer k (`Family.deepstack`)."""
     inner = model.model if hasattr(model, "model") else model
     param = next(inner.parameters())
     kw = {
         k: (v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device))
         for k, v in batch([image], fam.inputs).items()
     }
-    out = inner.get_image_features(**kw).pooler_output
-    parts = out if isinstance(out, (list, tuple)) else [out]
+    out = inner.get_image_features(**kw)
+    rows = [_flat(out.pooler_output)]
+    if fam.deepstack:
+        rows += [_flat(layer) for layer in out.deepstack_features]
+    return torch.stack(rows, dim=1)
+
+
+def _flat(parts) -> Tensor:
+    """Feature rows [n, hidden] of a tensor or a list of them (per image or tile)."""
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
     return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
 
 
@@ -228,9 +240,18 @@ def rope_positions(model: nn.Module, ids: list[int], where: list[int], images: l
 
 
 def merge(model: nn.Module, ids: Tensor, at: Tensor, rows: Tensor) -> Tensor:
-    """The input embeddings of `ids` [T] with rows `at` [K] replaced by image features [K, hidden]."""
+    """The input embeddings of `ids` [T] with rows `at` [K] replaced by image features
+    [K, 1 + deepstack layers, hidden] (their first)."""
     embeds = model.get_input_embeddings()(ids)
-    return embeds.index_copy(0, at, rows.to(embeds.dtype))
+    return embeds.index_copy(0, at, rows[:, 0].to(embeds.dtype))
+
+
+def deepstack_inputs(at: Tensor, rows: Tensor, shape: tuple[int, ...]) -> dict:
+    """A deepstack language model's extra inputs: `visual_pos_masks` (True at the image tokens `at`
+    of a batch of `shape`, flattened) and `deepstack_visual_embeds` (per layer, the rows in order)."""
+    mask = torch.zeros(shape, dtype=torch.bool, device=at.device)
+    mask.view(-1)[at] = True
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": [rows[:, k] for k in range(1, rows.shape[1])]}
 
 
 def tower(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -283,11 +304,24 @@ def model_inputs(
                 rope, delta = rope_positions(model, prompt, where, row_images)
                 positions[:, i, :p] = rope.to(ids.device)
                 positions[:, i, p:n] += delta
+    out = {}
     if at:
         flat = embeds.reshape(-1, embeds.shape[-1])
         index = torch.tensor(at, device=ids.device)
-        embeds = flat.index_copy(0, index, torch.cat(rows).to(flat.dtype)).view_as(embeds)
-    out = {"inputs_embeds": embeds}
+        stacked = torch.cat(rows).to(flat.dtype)
+        embeds = flat.index_copy(0, index, stacked[:, 0]).view_as(embeds)
+        if fam.deepstack:
+            out.update(deepstack_inputs(index, stacked, tuple(ids.shape)))
+    out["inputs_embeds"] = embeds
     if positions is not None:
         out["position_ids"] = positions
     return out
+
+
+def hidden_states(model: nn.Module, inputs: dict, **kw) -> Tensor:
+    """The last hidden states of a base vision-language model (`model.base_model`) for
+    `model_inputs`' inputs: a deepstack family's through its language model, which takes the
+    deepstack inputs (its own forward makes them from pixels only)."""
+    if "deepstack_visual_embeds" in inputs:
+        return model.language_model(**inputs, **kw).last_hidden_state
+    return model(**inputs, **kw).last_hidden_state

@@ -82,7 +82,7 @@ def test_one_and_two_images_give_transformers_tokens_and_log_probs(family):
     assert eng.runner.decode_path_checked == (not vision.FAMILIES[family].mrope)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
 def test_an_image_in_a_second_turn_continues_the_first_from_the_prefix_cache(family):
     eng = engine(family)
     a, b = image(family, 0), image(family, 1)

@@ -89,6 +89,7 @@ FAMILIES = {
     # wrap one of the families above)
     "qwen2_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
     "qwen2_5_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
+    "qwen3_vl_text": "interleaved M-RoPE, q/k norm, vision features added after the first layers (deepstack)",
 }
 
 
@@ -689,6 +690,13 @@ class ModelRunner:
     def _call_model(self, plan: BatchPlan, kw: dict) -> Tensor:
         if plan.image_at is not None:  # image placeholders: their embeddings are the image's features
             kw["inputs_embeds"] = vision.merge(self.model, plan.input_ids, plan.image_at, plan.image_rows)[None]
+            if self.vision.deepstack:  # and more of them join the first layers' hidden states
+                shape = (1, plan.input_ids.shape[0])
+                kw.update(vision.deepstack_inputs(plan.image_at, plan.image_rows, shape))
+                last = kw.pop("logits_to_keep")
+                kw.pop(self.cache_kw, None)
+                hidden = self.model.model.language_model(**kw).last_hidden_state
+                return self.model.lm_head(hidden[0, last])
         else:
             kw["input_ids"] = plan.input_ids[None]
         if self.routes is None:

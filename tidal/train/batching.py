@@ -315,8 +315,8 @@ def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.T
     """Hidden states [B, R, H] that predict each response token, from a right-padded batch (see
     `collate`): response token j of row i sits at prompt_len_i + j and is predicted from the
     position before it. Entries past a row's response length are meaningless (mask them)."""
-    hidden = base_model(**model_inputs(base_model, batch), attention_mask=batch["attention_mask"], use_cache=False)
-    hidden = hidden.last_hidden_state
+    inputs = model_inputs(base_model, batch)
+    hidden = vision.hidden_states(base_model, inputs, attention_mask=batch["attention_mask"], use_cache=False)
     r = batch["response_ids"].shape[1]
     pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=hidden.device)[None, :]
     pos = pos.clamp(max=hidden.shape[1] - 1)

@@ -213,6 +213,8 @@ class TrainedModel:
         pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
         inputs = model_inputs(model, batch)
+        if "deepstack_visual_embeds" in inputs:
+            raise NotImplementedError(f"{model.config.model_type} with images on FSDP2 ranks: not run yet")
         out = model(**inputs, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos)
         return out.logits[valid], valid
 
