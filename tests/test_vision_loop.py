@@ -38,8 +38,13 @@ def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, t
     data = str(tmp_path / "data" / "train.jsonl")
     # one optimizer step per rollout: the trainer scores with the weights that sampled
     over = {"data.path": data, "train.num_steps": 2, "rollout.max_new_tokens": 6, "train.global_batch_size": 16}
-    history = tidal.loop.train(loop_config(llava_dir, tmp_path / "run", **over))
-    assert [h["step"] for h in history] == [1, 2]
+    # an eval set of image prompts too: read with the processor, scored on the engine
+    held = {"name": "held", "path": data, "n": 1, "temperature": 0.0, "max_new_tokens": 4}
+    over |= {"eval.interval": 2, "eval.datasets": [held]}
+    rows = tidal.loop.train(loop_config(llava_dir, tmp_path / "run", **over))
+    assert [h["step"] for h in rows] == [0, 1, 2]  # the eval before any training, then the steps
+    assert "eval/held/mean_reward" in rows[0] and "eval/held/mean_reward" in rows[2]
+    history = rows[1:]
     assert all(
         h["actor/rollout_logprob_abs_diff"] < 1e-5 for h in history
     )  # scored with the images  # scored with the images

@@ -40,7 +40,8 @@ from tidal.aio import LoopThread
 from tidal.config import Config
 from tidal.contracts import Engine
 from tidal.data.dataset import PromptRecord
-from tidal.data.load import load_data
+from tidal.data.images import ImageReader
+from tidal.data.load import image_reader, load_data
 from tidal.eval_sets import EvalSet
 from tidal.model_source import ModelSource, locate_model, model_folder
 from tidal.options import ConfigError
@@ -116,9 +117,11 @@ def evaluate_set(
     return metrics
 
 
-def set_manager(cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: LoopThread) -> RolloutManager:
+def set_manager(
+    cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: LoopThread, images: ImageReader | None = None
+) -> RolloutManager:
     """The run's rollout (generate function, reward, stop strings) with the eval set's sampling and
-    the eval seed (`eval.seed`)."""
+    the eval seed (`eval.seed`); `images`: a vision-language model's processor (the agent door's)."""
     rollout = dataclasses.replace(cfg.rollout, n_samples_per_prompt=s.n, max_new_tokens=s.max_new_tokens)
     sampling = dataclasses.replace(cfg.sampling, temperature=s.temperature, top_p=s.top_p, seed=cfg.eval.seed)
     return RolloutManager(
@@ -132,6 +135,7 @@ def set_manager(cfg: Config, s: EvalSet, engine: Engine, tokenizer: Any, loop: L
         rm=cfg.rm,
         tools=cfg.tools,
         agent=cfg.agent,
+        images=images,
     )
 
 
@@ -144,9 +148,10 @@ def close_rewards(manager: RolloutManager) -> None:
             close()
 
 
-def load_set(s: EvalSet, tokenizer: Any) -> list[PromptRecord]:
-    """The set's prompts in file order (the first `num_prompts` when set)."""
-    records = load_data(s.data, tokenizer)
+def load_set(s: EvalSet, tokenizer: Any, images: ImageReader | None = None) -> list[PromptRecord]:
+    """The set's prompts in file order (the first `num_prompts` when set), their images read by a
+    vision-language model's `images`."""
+    records = load_data(s.data, tokenizer, images)
     return records[: s.num_prompts] if s.num_prompts else records
 
 
@@ -155,7 +160,16 @@ class Evaluator:
     `run(step)` scores every set with the engine's current weights and returns
     `eval/<name>/<metric>` entries. Sets are read once, up front."""
 
-    def __init__(self, run: Config, tokenizer: Any, engine: Engine, loop: LoopThread | None = None) -> None:
+    def __init__(
+        self,
+        run: Config,
+        tokenizer: Any,
+        engine: Engine,
+        loop: LoopThread | None = None,
+        model_dir: str | Path | None = None,
+    ) -> None:
+        """`model_dir`: the trained model's folder (a vision-language model's processor reads the
+        sets' images)."""
         self.cfg = cfg = run.eval
         self.reward_key = run.reward.key
         self.sets = []
@@ -163,8 +177,9 @@ class Evaluator:
         self.loop = loop if loop is not None else LoopThread("tidal-eval")
         if cfg.interval:
             for s in cfg.sets(run.data, run.rollout, run.sampling):
-                manager = set_manager(run, s, engine, tokenizer, self.loop)
-                self.sets.append((s.name, manager, load_set(s, tokenizer)))
+                images = image_reader(s.data, model_dir) if model_dir is not None else None
+                manager = set_manager(run, s, engine, tokenizer, self.loop, images)
+                self.sets.append((s.name, manager, load_set(s, tokenizer, images)))
 
     def due(self, step: int) -> bool:
         """Whether the weights after `step` steps (0: the initial ones) are to be evaluated."""
@@ -322,7 +337,8 @@ def evaluate(cfg: Config, model: str | ModelSource, num_prompts: int | None = No
         log.info("evaluating %s", source.describe())
         tokenizer = load_tokenizer(model_dir)
         sets = standalone_sets(cfg, num_prompts, **sampling)
-        loaded = [(s, load_set(s, tokenizer)) for s in sets]
+        readers = [image_reader(s.data, model_dir) for s in sets]  # a vision-language model's
+        loaded = [(s, load_set(s, tokenizer, r)) for s, r in zip(sets, readers, strict=True)]
         # KV cache sized for the largest call of any set; bigger calls still run, just queued
         longest = dataclasses.replace(cfg.rollout, max_new_tokens=max(s.max_new_tokens for s in sets))
         kv_tokens = cfg.engine.cache_tokens(
@@ -335,8 +351,8 @@ def evaluate(cfg: Config, model: str | ModelSource, num_prompts: int | None = No
         engine = make_engine(cfg.engine, model_dir, tokenizer, kv_tokens, device)
         with LoopThread("tidal-eval") as loop:
             try:
-                for s, records in loaded:
-                    manager = set_manager(cfg, s, engine, tokenizer, loop)
+                for (s, records), images in zip(loaded, readers, strict=True):
+                    manager = set_manager(cfg, s, engine, tokenizer, loop, images)
                     try:
                         metrics = evaluate_set(
                             manager, records, s.name, cfg.eval.pass_k, cfg.eval.correct_threshold, cfg.reward.key

@@ -139,7 +139,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                         cfg.overlap, cfg.algo, t_cfg.num_steps, source, rollout, start, state.get("overlap")
                     )
                     roles.closers.append(overlapped.close)
-                evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop)
+                evaluator = Evaluator(cfg, tokenizer, roles.engines.engine, roles.engines.loop, model_dir)
             folder.start({**cfg.to_dict(), "resolved": precision})  # every check passed: the folder is this run's
             logger = MetricsLogger(
                 cfg.log.dir or out_dir,
