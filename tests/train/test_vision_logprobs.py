@@ -106,3 +106,12 @@ def test_lora_adapts_the_language_model_only_and_starts_from_the_engines_log_pro
     lp = a.compute_log_probs(samples)  # B = 0: the base model's
     for i, s in enumerate(samples):
         torch.testing.assert_close(lp[i, : s.response_length], torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+
+
+def test_fsdp2_ranks_refuse_a_vision_language_model_by_name():
+    from tidal.options import ConfigError
+    from tidal.train.model import TrainedModel
+
+    trained = TrainedModel(tiny_vlm("llava"), TrainConfig(dtype="float32"))
+    with pytest.raises(ConfigError, match=r"cluster.trainers: llava \(a vision-language model\) trains in one process"):
+        trained.shard()

@@ -96,6 +96,13 @@ class TrainedModel:
         row's tokens between them (`tidal.train.context`); `mesh` then spans them too."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
 
+        if vision.family(self.master.config) is not None:
+            # the images' features are merged before the model's forward, where FSDP2 has not
+            # gathered the embedding and the vision tower yet
+            raise ConfigError(
+                f"cluster.trainers: {self.master.config.model_type} (a vision-language model) trains in one "
+                "process for now; FSDP2 ranks do not merge its images yet"
+            )
         if cp_group is not None:
             self._check_context_parallel()
             self.cp_group = self.fwd.cp_group = cp_group
@@ -213,8 +220,6 @@ class TrainedModel:
         pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
         inputs = model_inputs(model, batch)
-        if "deepstack_visual_embeds" in inputs:
-            raise NotImplementedError(f"{model.config.model_type} with images on FSDP2 ranks: not run yet")
         out = model(**inputs, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos)
         return out.logits[valid], valid
 
