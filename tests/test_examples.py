@@ -24,9 +24,10 @@ CONFIGS = sorted(ROOT.glob("examples/*/config.yaml"))
 # examples laid out as a user's own project: run from their folder, user code found from there
 RUN_IN_OWN_FOLDER = {"reverse_word"}
 REVERSE_WORD = ROOT / "examples" / "reverse_word"
-# folders an example's own script writes before its run (examples/reward_model: build_rm.py writes
-# the reward model), stood in for by an empty folder: the config is checked, not run
-BUILT_FIRST = {"reward_model": ("rm.path",)}
+# what an example's own script writes before its run (examples/reward_model: build_rm.py writes the
+# reward model; examples/vision_shapes: build.py the model and the pictures' data file), stood in
+# for by an empty folder or file: the config is checked, not run
+BUILT_FIRST = {"reward_model": {"rm.path": "folder"}, "vision_shapes": {"train.model": "folder", "data.path": "file"}}
 
 
 def forget_user_package(name: str = "myrl") -> None:
@@ -51,7 +52,11 @@ def enter(folder: Path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.parent.name for p in CONFIGS])
 def test_every_example_config_is_valid_and_its_user_code_loads(config, monkeypatch, tmp_path):
-    built = {key: str(tmp_path) for key in BUILT_FIRST.get(config.parent.name, ())}
+    built = {}
+    for key, kind in BUILT_FIRST.get(config.parent.name, {}).items():
+        path = tmp_path / key
+        path.mkdir() if kind == "folder" else path.write_text("")
+        built[key] = str(path)
     if config.parent.name in RUN_IN_OWN_FOLDER:
         enter(config.parent, monkeypatch)
         check_user_code(build_config(config.name, built))
