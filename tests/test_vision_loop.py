@@ -59,3 +59,13 @@ def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, t
 
     reader = ImageReader.for_model(tmp_path / "run" / "checkpoints" / "step_2", tmp_path / "data")
     assert reader is not None and reader.processor.tokenizer.convert_tokens_to_ids("<image>") == 300
+    # `tidal export` writes the whole model with its processor: transformers and the engine load it
+    from transformers import AutoModelForImageTextToText
+
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.train.checkpoint import export_checkpoint
+
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")
+    assert type(AutoModelForImageTextToText.from_pretrained(out)).__name__ == "LlavaForConditionalGeneration"
+    assert ImageReader.for_model(out, tmp_path) is not None
+    assert LLMEngine(out, None, dtype="float32", kv_cache_tokens=256).vision is vision.FAMILIES["llava"]

@@ -21,6 +21,7 @@ size never do.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -286,13 +287,16 @@ def model_inputs(
     distinct: dict[str, Tensor] = {}
     at, rows = [], []
     positions = torch.zeros(3, *ids.shape, dtype=torch.long, device=ids.device) if fam.mrope else None
+    # a frozen tower (`train.train_vision: false`) keeps no activations for a backward
+    frozen = not any(p.requires_grad for _, p in tower(model))
     for i, (n, p, row_images) in enumerate(zip(lengths, prompts, images, strict=True)):
         prompt = ids[i, :p].tolist()
         where = placeholders(prompt, token)
         feats = []
         for image in row_images:
             if image.digest not in distinct:
-                distinct[image.digest] = features(model, fam, image)
+                with torch.no_grad() if frozen else contextlib.nullcontext():
+                    distinct[image.digest] = features(model, fam, image)
             feats.append(distinct[image.digest])
         check_counts(where, [len(f) for f in feats], f"batch row {i}")
         if feats:
