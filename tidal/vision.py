@@ -77,6 +77,12 @@ def family(config) -> Family | None:
     return None
 
 
+def runs(config) -> Family | None:
+    """The family of a config these paths run with images, None for any other (a text model, or a
+    vision-language model trained and served without images); never raises, unlike `family`."""
+    return FAMILIES.get(getattr(config, "model_type", None))
+
+
 def folder_family(path: str | Path) -> Family | None:
     """The family of a Hugging Face model folder's config.json (None: not one of `FAMILIES`)."""
     cfg = Path(path) / "config.json"

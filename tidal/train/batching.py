@@ -247,7 +247,7 @@ def supports_packing(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_causal", True):
         return False
-    if vision.family(config) is not None:  # images are merged per padded row (`vision.model_inputs`)
+    if vision.runs(config) is not None:  # images are merged per padded row (`vision.model_inputs`)
         return False
     return _attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
 

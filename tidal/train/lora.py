@@ -90,7 +90,7 @@ def lora_config(cfg: TrainConfig, model: torch.nn.Module):
             f"train.lora_target_modules: {', '.join(map(repr, missing))} name no linear layer of the model; "
             f"its linear layers are {', '.join(have)} (or use all-linear)"
         )
-    if vision.family(model.config) is not None:  # a vision-language model: its language model's layers only
+    if vision.runs(model.config) is not None:  # a vision-language model: its language model's layers only
         language = {id(m) for m in model.get_decoder().modules()}
         wanted = set(targets)
         targets = sorted(

@@ -63,7 +63,7 @@ class TrainedModel:
         keep_freed_memory(self.device)  # each micro-batch reuses the last one's large blocks
         self.dtype = dtype or resolve_dtype(cfg.dtype, "train.dtype", self.device.type).dtype
         self.master = module.float().to(self.device).train()
-        if vision.family(self.master.config) is not None and not cfg.train_vision:
+        if vision.runs(self.master.config) is not None and not cfg.train_vision:
             vision.freeze_tower(self.master)
         self.lora = lora.enabled(cfg)
         if self.lora:
@@ -96,7 +96,7 @@ class TrainedModel:
         row's tokens between them (`tidal.train.context`); `mesh` then spans them too."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
 
-        if vision.family(self.master.config) is not None:
+        if vision.runs(self.master.config) is not None:
             # the images' features are merged before the model's forward, where FSDP2 has not
             # gathered the embedding and the vision tower yet
             raise ConfigError(
