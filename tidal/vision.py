@@ -276,44 +276,57 @@ def freeze_tower(model: nn.Module) -> None:
         p.requires_grad_(False)
 
 
-def model_inputs(
-    model: nn.Module, ids: Tensor, lengths: list[int], prompts: list[int], images: list[list[Image]]
-) -> dict[str, Tensor]:
-    """A vision-language model's inputs for a right-padded batch `ids` [B, L] (row i: its first
-    `lengths[i]` tokens, of which the first `prompts[i]` are the prompt; its images `images[i]`):
-    `inputs_embeds` [B, L, hidden] with each image's features at its placeholders in the prompt
-    (one vision forward per distinct image in the batch), and for Qwen's families
-    `position_ids` [3, B, L]: the prompt's from `rope_positions`, every later token's its index +
-    the offset (0 on padding). A placeholder id the model sampled in a response is a plain token,
-    as the engine ran it. Gradients reach the vision tower where its parameters require them."""
+@dataclass(frozen=True)
+class PromptSpan:
+    """Where a prompt with images sits in a batch of token rows: row `row`, columns
+    [start, start + length), and `tails`, the column ranges [a, b) in the same row of the tokens
+    that follow it (its samples' responses: after it in a padded row, later in a packed row whose
+    samples share one copy of the prompt). Qwen's positions of the tails continue the prompt's."""
+
+    row: int
+    start: int
+    length: int
+    images: list[Image]
+    tails: tuple[tuple[int, int], ...] = ()
+
+
+def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
+    """A vision-language model's inputs for token rows `ids` [B, L] (right-padded or packed) whose
+    text positions are `positions` [B, L], with the prompts that carry images at `prompts`:
+    `inputs_embeds` [B, L, hidden] with each image's features at its prompt's placeholders (one
+    vision forward per distinct image), and for Qwen's families `position_ids` [3, B, L]: a
+    prompt's from `rope_positions`, its tails' their text position + the prompt's offset, any
+    other token's its text position in all three. A placeholder id the model sampled in a
+    response is a plain token, as the engine ran it. Gradients reach the vision tower where its
+    parameters require them."""
     fam = family(model.config)
     token = image_token(model.config)
     embeds = model.get_input_embeddings()(ids)
     width = ids.shape[1]
     distinct: dict[str, Tensor] = {}
     at, rows = [], []
-    positions = torch.zeros(3, *ids.shape, dtype=torch.long, device=ids.device) if fam.mrope else None
+    rope3 = positions[None].repeat(3, 1, 1) if fam.mrope else None
     # a frozen tower (`train.train_vision: false`) keeps no activations for a backward
     frozen = not any(p.requires_grad for _, p in tower(model))
-    for i, (n, p, row_images) in enumerate(zip(lengths, prompts, images, strict=True)):
-        prompt = ids[i, :p].tolist()
+    for span in prompts:
+        prompt = ids[span.row, span.start : span.start + span.length].tolist()
         where = placeholders(prompt, token)
         feats = []
-        for image in row_images:
+        for image in span.images:
             if image.digest not in distinct:
                 with torch.no_grad() if frozen else contextlib.nullcontext():
                     distinct[image.digest] = features(model, fam, image)
             feats.append(distinct[image.digest])
-        check_counts(where, [len(f) for f in feats], f"batch row {i}")
+        check_counts(where, [len(f) for f in feats], f"batch row {span.row} (columns from {span.start})")
         if feats:
-            at.extend(i * width + w for w in where)
+            at.extend(span.row * width + span.start + w for w in where)
             rows.extend(feats)
-        if positions is not None:
-            positions[:, i, :n] = torch.arange(n, device=ids.device)
-            if row_images:
-                rope, delta = rope_positions(model, prompt, where, row_images)
-                positions[:, i, :p] = rope.to(ids.device)
-                positions[:, i, p:n] += delta
+        if rope3 is not None and span.images:
+            rope, delta = rope_positions(model, prompt, where, span.images)
+            base = positions[span.row, span.start]
+            rope3[:, span.row, span.start : span.start + span.length] = rope.to(ids.device) + base
+            for a, b in span.tails:
+                rope3[:, span.row, a:b] += delta
     out = {}
     if at:
         flat = embeds.reshape(-1, embeds.shape[-1])
@@ -323,8 +336,8 @@ def model_inputs(
         if fam.deepstack:
             out.update(deepstack_inputs(index, stacked, tuple(ids.shape)))
     out["inputs_embeds"] = embeds
-    if positions is not None:
-        out["position_ids"] = positions
+    if rope3 is not None:
+        out["position_ids"] = rope3
     return out
 
 

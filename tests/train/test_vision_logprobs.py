@@ -6,6 +6,8 @@ of the same tokens equal the engine's within 1e-4 in fp32. The vision tower stay
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import record_step_grads
@@ -31,10 +33,11 @@ def prompts(family: str) -> list[tuple[list[int], list[vision.Image]]]:
     ]
 
 
-def engine_samples(family: str) -> list[Sample]:
+def engine_samples(family: str, groups: list | None = None) -> list[Sample]:
+    """Four samples of each (ids, images) of `groups` (default `prompts(family)`) from the engine."""
     engine = LLMEngine(tiny_vlm(family), None, dtype="float32", block_size=4, kv_cache_tokens=1024)
     samples = []
-    for g, (ids, images) in enumerate(prompts(family)):
+    for g, (ids, images) in enumerate(prompts(family) if groups is None else groups):
         for j in range(GROUP):
             i = g * GROUP + j
             engine.add_request(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), images=images)
@@ -51,18 +54,72 @@ def engine_samples(family: str) -> list[Sample]:
 
 
 def actor(family: str, **train) -> Actor:
-    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", lr=1e-2, **train)
+    cfg = TrainConfig(**{"micro_batch_size": 4, "global_batch_size": 8, "dtype": "float32", "lr": 1e-2, **train})
     return Actor(tiny_vlm(family), cfg, AlgoConfig(), temperature=1.0)
 
 
+LAYOUTS = {  # how a micro-batch's rows are laid out -> the train options that give it
+    "packed, shared prompts": {},
+    "packed": {"share_prompts": False},
+    "padded": {"packing": False},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_trainer_scores_image_samples_as_the_engine_did(family):
+def test_the_trainer_scores_image_samples_as_the_engine_did(family, layout):
     samples = engine_samples(family)
     assert samples[0].images is samples[GROUP - 1].images  # a group's images: one list
-    lp = actor(family).compute_log_probs(samples)
+    a = actor(family, **LAYOUTS[layout])
+    assert a.fwd.packing == (layout != "padded") and a.fwd.share_prompts == (layout == "packed, shared prompts")
+    batch = a.fwd.collate(samples[:4])
+    if layout == "packed, shared prompts":  # the group's prompt and its image stored once in the row
+        prompt = len(samples[0].tokens) - samples[0].response_length
+        assert batch["input_ids"].shape[1] == prompt + sum(s.response_length for s in samples[:4])
+        assert len(batch["image_prompts"]) == 1 and len(batch["image_prompts"][0].tails) == 4
+    lp = a.compute_log_probs(samples)
     for i, s in enumerate(samples):
         got = lp[i, : s.response_length]
         torch.testing.assert_close(got, torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+def test_the_same_tokens_with_another_image_are_another_prompt_in_a_packed_row(family):
+    run = placeholder_run(family, tokens_per_image(family))
+    ids = [1, 5, 9, *run, 33, 70]
+    samples = engine_samples(family, [(ids, [image(family, 0)]), (ids, [image(family, 3)])])
+    a = actor(family, micro_batch_size=8)
+    batch = a.fwd.collate(samples)
+    assert [len(span.tails) for span in batch["image_prompts"]] == [GROUP, GROUP]
+    assert batch["input_ids"].shape[1] == 2 * len(ids) + sum(s.response_length for s in samples)
+    # a token budget charges each picture's prompt once: one token less than the row splits it
+    row = batch["input_ids"].shape[1]
+    assert len(actor(family, max_tokens_per_micro_batch=row).fwd.plan(samples)) == 1
+    assert len(actor(family, max_tokens_per_micro_batch=row - 1).fwd.plan(samples)) == 2
+    lp = a.compute_log_probs(samples)
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(lp[i, : s.response_length], torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+    # the picture matters: the second group's answers scored after the first group's picture differ
+    swapped = [dataclasses.replace(s, images=samples[0].images) for s in samples]
+    wrong = a.compute_log_probs(swapped)
+    s = samples[GROUP]
+    assert (wrong[GROUP, : s.response_length] - torch.tensor(s.rollout_log_probs)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3"])
+def test_a_packed_step_moves_the_weights_as_a_padded_one(family):
+    samples = engine_samples(family)
+    advantages = torch.linspace(-1, 1, len(samples))
+    steps = {}
+    for layout in ("packed, shared prompts", "padded"):
+        a = actor(family, train_vision=True, **LAYOUTS[layout])
+        grads = record_step_grads(a)
+        a.train_step(samples, advantages)
+        steps[layout] = dict(grads)
+    packed, padded = steps.values()
+    assert packed.keys() == padded.keys() and any(n for n, _ in vision.tower(tiny_vlm(family)) if n in packed)
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
 @pytest.mark.parametrize("train_vision", [False, True])

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tidal import recurrent
+from tidal import recurrent, vision
 from tidal.attend import attend, causal_mask
 from tidal.hardware import CPU, on_host
 from tidal.train.context import ContextSplit, gather_keys
@@ -168,17 +168,26 @@ AttentionInterface.register(NAME, packed_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the fallback path gets sdpa's masks
 
 
-def use_packed_attention(model: torch.nn.Module) -> bool:
-    """Switch an sdpa or eager model (and its submodels) to `packed_attention`; True if it now
-    uses it. Eager models are those whose attention sdpa cannot compute (Gemma 2's soft-capping),
-    which `attend` does. Other implementations (flash, custom) are left alone."""
+def implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation of `model`'s language model (a vision-language model's vision
+    tower keeps its own, and packed rows never reach it)."""
     config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
+    if config is not None and vision.runs(config) is not None:
+        config = config.text_config
+    return getattr(config, "_attn_implementation", None)
+
+
+def use_packed_attention(model: torch.nn.Module) -> bool:
+    """Switch an sdpa or eager model (and its submodels; a vision-language model's language model
+    only) to `packed_attention`; True if it now uses it. Eager models are those whose attention
+    sdpa cannot compute (Gemma 2's soft-capping), which `attend` does. Other implementations
+    (flash, custom) are left alone."""
+    impl = implementation(model)
     if impl == NAME:
         recurrent.wrap(model)
         return True
     if impl not in ("sdpa", "eager"):
         return False
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation({"text_config": NAME} if vision.runs(model.config) is not None else NAME)
     recurrent.wrap(model)  # a hybrid model's recurrent layers read the same layout
-    return model.config._attn_implementation == NAME
+    return implementation(model) == NAME

@@ -10,6 +10,7 @@ from tidal import vision
 from tidal.hardware import on_host
 from tidal.moe import routing_tensor
 from tidal.train.attention import NAME as PACKED_ATTENTION
+from tidal.train.attention import implementation as attn_implementation
 from tidal.train.attention import packed_layout, shared_prefix_layout
 from tidal.types import Sample
 
@@ -31,8 +32,13 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, routing: bool = False) -
         ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         attn[i, : len(s.tokens)] = 1
     out = {"input_ids": ids, "attention_mask": attn, **response_fields(samples, pad_id)}
-    if any(s.images for s in samples):  # a vision-language model's images, per row (`vision.model_inputs`)
-        out["images"] = [s.images for s in samples]
+    spans = []
+    for i, s in enumerate(samples):
+        if s.images:  # row i: the prompt at its start, the response after it
+            p = len(s.tokens) - s.response_length
+            spans.append(vision.PromptSpan(i, 0, p, s.images, ((p, len(s.tokens)),)))
+    if spans:  # a vision-language model's prompts with images (`model_inputs`)
+        out["image_prompts"] = spans
     if routing:  # sample i's position p is flattened token i * width + p
         slots = [i * width + torch.arange(max(len(s.tokens) - 1, 0)) for i, s in enumerate(samples)]
         out.update(routing_fields(samples, slots, b * width))
@@ -159,28 +165,33 @@ def collate_packed(
     pos: list[int] = []
     rows: list[list[int]] = []  # per sample: its tokens' row positions
     owned: list[list[int]] = []  # per sample: offsets into rows[i] whose outputs it provides
-    prompts: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> their row positions
+    prompts: dict[tuple, list[int]] = {}  # prompt (tokens, images) -> its tokens' row positions
+    spans: dict[tuple, list] = {}  # prompt with images -> [start, length, images, tails]
     resp_index = torch.zeros((b, resp), dtype=torch.long)
     for i, s in enumerate(samples):
         n, r = len(s.tokens), s.response_length
         if r and n - r < 1:
             raise ValueError(f"collate_packed: sample {s.index} has a response but no prompt token to predict it")
-        key = tuple(s.tokens[: n - r])
+        # the same tokens with other images are another prompt (an image is a run of placeholders)
+        key = (tuple(s.tokens[: n - r]), tuple(image.digest for image in s.images))
         shared = prompts.get(key) if share_prompts else None
+        start = len(ids)
         if shared is None:
-            start = len(ids)
             row = list(range(start, start + n))
             ids.extend(s.tokens)
             pos.extend(range(n))
             owned.append(list(range(n)))
             if share_prompts:
                 prompts[key] = row[: n - r]
+            if s.images:
+                spans[key if share_prompts else (i,)] = [start, n - r, s.images, []]
         else:
-            start = len(ids)
             row = shared + list(range(start, start + r))
             ids.extend(s.tokens[n - r :])
             pos.extend(range(n - r, n))
             owned.append(list(range(n - r, n)))
+        if s.images:  # its response: the last r tokens appended, numbered after its prompt
+            spans[key if share_prompts else (i,)][3].append((len(ids) - r, len(ids)))
         rows.append(row)
         if r:
             resp_index[i, :r] = torch.tensor(row[n - r - 1 : n - 1])
@@ -192,6 +203,8 @@ def collate_packed(
     }
     if share_prompts:
         out["layout"] = shared_prefix_layout(rows, owned, len(ids))
+    if spans:  # a vision-language model's prompts with images (`model_inputs`)
+        out["image_prompts"] = [vision.PromptSpan(0, a, n, im, tuple(tails)) for a, n, im, tails in spans.values()]
     if routing:
         slots = []
         for i, s in enumerate(samples):  # a position sample i does not own is computed by another sample
@@ -237,19 +250,13 @@ def token_budget_batches(
     return bins
 
 
-def _attn_implementation(model: torch.nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
-
-
 def supports_packing(model: torch.nn.Module) -> bool:
     """Whether `model` (a causal LM or its base model) computes a packed row exactly: its attention
     implementation is one whose transformers mask builder detects packed `position_ids`."""
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_causal", True):
         return False
-    if vision.runs(config) is not None:  # images are merged per padded row (`vision.model_inputs`)
-        return False
-    return _attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
+    return attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
 
 
 def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -280,19 +287,15 @@ def packed_response_hidden(
     `tidal.train.attention` gets the row's layout and ignores the mask.
     """
     kwargs = {}
-    if "layout" in batch and _attn_implementation(base_model) != PACKED_ATTENTION:
+    if "layout" in batch and attn_implementation(base_model) != PACKED_ATTENTION:
         raise ValueError("packed_response_hidden: a row with shared prompts needs the tidal_packed attention")
-    if _attn_implementation(base_model) == PACKED_ATTENTION:
+    if attn_implementation(base_model) == PACKED_ATTENTION:
         kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
     if explicit_mask:
-        dtype = None if _attn_implementation(base_model) == "sdpa" else base_model.get_input_embeddings().weight.dtype
+        dtype = None if attn_implementation(base_model) == "sdpa" else base_model.get_input_embeddings().weight.dtype
         kwargs["attention_mask"] = packed_attention_mask(batch["position_ids"], dtype)
-    hidden = base_model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        use_cache=False,  # an (empty) cache turns off transformers' packed-sequence detection
-        **kwargs,
-    ).last_hidden_state
+    # use_cache=False: an (empty) cache turns off transformers' packed-sequence detection
+    hidden = vision.hidden_states(base_model, model_inputs(base_model, batch), use_cache=False, **kwargs)
     # index_select, not hidden[0, index]: with shared prompts a group's samples all read their
     # prompt's last position, and the indexing's backward (an accumulating index_put) adds those
     # gradients from several threads at once in float32, in an order that varies from run to run;
@@ -302,13 +305,23 @@ def packed_response_hidden(
 
 
 def model_inputs(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-    """A padded batch's token inputs: its ids, or with images the embeddings they make
-    (`vision.model_inputs`)."""
-    if "images" not in batch:
-        return {"input_ids": batch["input_ids"]}
-    lengths = batch["attention_mask"].sum(1).tolist()
-    prompts = batch["prompt_lengths"].tolist()
-    return vision.model_inputs(model, batch["input_ids"], lengths, prompts, batch["images"])
+    """A batch's token inputs (padded, or a packed row with its `position_ids`): its ids, or with
+    images the embeddings they make and Qwen's 3-D positions (`vision.model_inputs`). A packed
+    row's 3-D positions lead with its text positions ([4, 1, S]), from which transformers' mask
+    (and `packed_attention`'s layout) learn where each sample starts, as for a text row."""
+    packed = "position_ids" in batch
+    if "image_prompts" not in batch:
+        return {"input_ids": batch["input_ids"], **({"position_ids": batch["position_ids"]} if packed else {})}
+    ids = batch["input_ids"]
+    if packed:
+        text = batch["position_ids"]
+    else:  # right-padded: 0 on the padding, as transformers numbers it
+        text = torch.arange(ids.shape[1], device=ids.device)[None, :] * batch["attention_mask"]
+    inputs = vision.model_inputs(model, ids, text, batch["image_prompts"])
+    if packed:
+        rope = inputs.get("position_ids")
+        inputs["position_ids"] = text if rope is None else torch.cat([text[None], rope])
+    return inputs
 
 
 def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

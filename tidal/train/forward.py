@@ -59,8 +59,12 @@ class Forward:
         if self.cfg.max_tokens_per_micro_batch:
             prompts = None
             if self.share_prompts:
+                # keyed as `collate_packed` shares them: the same tokens with other images differ
                 prompts = [
-                    (tuple(s.tokens[: len(s.tokens) - s.response_length]), len(s.tokens) - s.response_length)
+                    (
+                        (tuple(s.tokens[: len(s.tokens) - s.response_length]), tuple(im.digest for im in s.images)),
+                        len(s.tokens) - s.response_length,
+                    )
                     for s in samples
                 ]
             return token_budget_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_micro_batch, prompts)

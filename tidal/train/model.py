@@ -22,6 +22,7 @@ from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.options import ConfigError
 from tidal.train import context, lora, parallel
 from tidal.train.attention import NAME as PACKED_ATTENTION
+from tidal.train.attention import implementation as attn_implementation
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.batching import model_inputs
 from tidal.train.forward import Forward
@@ -122,7 +123,7 @@ class TrainedModel:
 
     def _check_context_parallel(self) -> None:
         kind = self.master.config.model_type
-        if not self.fwd.packing or getattr(self.master.config, "_attn_implementation", None) != PACKED_ATTENTION:
+        if not self.fwd.packing or attn_implementation(self.master) != PACKED_ATTENTION:
             raise ConfigError(
                 f"cluster.cp_size: splits packed rows; {kind} does not train packed here (train.packing, and an "
                 "sdpa or eager attention that tidal's packed attention replaces)"
@@ -206,7 +207,7 @@ class TrainedModel:
             return self._context_logits(batch, model)
         if "position_ids" in batch:  # packed row
             kwargs = {}
-            if self.fwd.packing and getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION:
+            if self.fwd.packing and attn_implementation(model) == PACKED_ATTENTION:
                 kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
             out = model(
                 input_ids=batch["input_ids"],
