@@ -16,6 +16,9 @@ import torch
 from families import _BASE, _reinit
 
 from tidal import vision
+from tidal.contracts import SamplingParams
+from tidal.engine.llm_engine import LLMEngine
+from tidal.types import Sample
 
 IMAGE_TOKEN = 300
 VISION_START, VISION_END = 302, 303
@@ -192,3 +195,35 @@ def processor(family: str):
     return transformers.Idefics3Processor(
         image_processor=image_processor(family), tokenizer=tok, chat_template=template, image_seq_len=4
     )
+
+
+GROUP = 4  # samples per prompt in `engine_samples`
+
+
+def prompts(family: str) -> list[tuple[list[int], list[vision.Image]]]:
+    """Two prompts: one with one image, one with two."""
+    run = placeholder_run(family, tokens_per_image(family))
+    return [
+        ([1, 5, 9, *run, 33, 70], [image(family, 0)]),
+        ([7, *run, 17, 250, *run, 99, 3], [image(family, 1), image(family, 2)]),
+    ]
+
+
+def engine_samples(family: str, groups: list | None = None) -> list[Sample]:
+    """Four samples of each (ids, images) of `groups` (default `prompts(family)`) from the engine."""
+    engine = LLMEngine(tiny_vlm(family), None, dtype="float32", block_size=4, kv_cache_tokens=1024)
+    samples = []
+    for g, (ids, images) in enumerate(prompts(family) if groups is None else groups):
+        for j in range(GROUP):
+            i = g * GROUP + j
+            engine.add_request(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), images=images)
+            samples.append(Sample(tokens=list(ids), group_index=g, index=i, images=images))
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    for i, s in enumerate(samples):
+        o = outs[str(i)]
+        n = len(o.token_ids)
+        s.tokens += o.token_ids
+        s.response_length, s.loss_mask, s.rollout_log_probs = n, [1] * n, list(o.log_probs)
+    return samples

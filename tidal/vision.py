@@ -290,27 +290,42 @@ class PromptSpan:
     tails: tuple[tuple[int, int], ...] = ()
 
 
-def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
-    """A vision-language model's inputs for token rows `ids` [B, L] (right-padded or packed) whose
-    text positions are `positions` [B, L], with the prompts that carry images at `prompts`:
-    `inputs_embeds` [B, L, hidden] with each image's features at its prompt's placeholders (one
-    vision forward per distinct image), and for Qwen's families `position_ids` [3, B, L]: a
-    prompt's from `rope_positions`, its tails' their text position + the prompt's offset, any
-    other token's its text position in all three. A placeholder id the model sampled in a
-    response is a plain token, as the engine ran it. Gradients reach the vision tower where its
-    parameters require them."""
+def rope_rows(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> Tensor | None:
+    """Qwen's 3-D positions [3, B, L] of token rows `ids` [B, L] whose text positions are
+    `positions` [B, L]: a prompt's from `rope_positions`, its tails' their text position + the
+    prompt's offset, any other token's its text position in all three; None for the other
+    families. Reads the config only (no parameter)."""
+    if not family(model.config).mrope:
+        return None
+    token = image_token(model.config)
+    rope3 = positions[None].repeat(3, 1, 1)
+    for span in prompts:
+        if not span.images:
+            continue
+        prompt = ids[span.row, span.start : span.start + span.length].tolist()
+        rope, delta = rope_positions(model, prompt, placeholders(prompt, token), span.images)
+        rope3[:, span.row, span.start : span.start + span.length] = (
+            rope.to(ids.device) + positions[span.row, span.start]
+        )
+        for a, b in span.tails:
+            rope3[:, span.row, a:b] += delta
+    return rope3
+
+
+def image_rows(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]) -> tuple[Tensor, Tensor] | None:
+    """Where the images of `prompts` go in token rows `ids` [B, L] (flat indices [K] of their
+    placeholders) and their feature rows [K, 1 + deepstack layers, hidden]; None without images.
+    One vision forward per distinct image; a frozen tower's without autograd. A placeholder id
+    the model sampled in a response is a plain token, as the engine ran it."""
     fam = family(model.config)
     token = image_token(model.config)
-    embeds = model.get_input_embeddings()(ids)
     width = ids.shape[1]
     distinct: dict[str, Tensor] = {}
     at, rows = [], []
-    rope3 = positions[None].repeat(3, 1, 1) if fam.mrope else None
     # a frozen tower (`train.train_vision: false`) keeps no activations for a backward
     frozen = not any(p.requires_grad for _, p in tower(model))
     for span in prompts:
-        prompt = ids[span.row, span.start : span.start + span.length].tolist()
-        where = placeholders(prompt, token)
+        where = placeholders(ids[span.row, span.start : span.start + span.length].tolist(), token)
         feats = []
         for image in span.images:
             if image.digest not in distinct:
@@ -318,27 +333,75 @@ def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list
                     distinct[image.digest] = features(model, fam, image)
             feats.append(distinct[image.digest])
         check_counts(where, [len(f) for f in feats], f"batch row {span.row} (columns from {span.start})")
-        if feats:
-            at.extend(span.row * width + span.start + w for w in where)
-            rows.extend(feats)
-        if rope3 is not None and span.images:
-            rope, delta = rope_positions(model, prompt, where, span.images)
-            base = positions[span.row, span.start]
-            rope3[:, span.row, span.start : span.start + span.length] = rope.to(ids.device) + base
-            for a, b in span.tails:
-                rope3[:, span.row, a:b] += delta
+        at.extend(span.row * width + span.start + w for w in where)
+        rows.extend(feats)
+    if not at:
+        return None
+    return torch.tensor(at, device=ids.device), torch.cat(rows)
+
+
+def _merge_rows(embeds: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+    """`embeds` [B, L, hidden] with the flat positions `index` replaced by `rows[:, 0]`."""
+    flat = embeds.reshape(-1, embeds.shape[-1])
+    return flat.index_copy(0, index, rows[:, 0].to(flat.dtype)).view_as(embeds)
+
+
+def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
+    """A vision-language model's inputs for token rows `ids` [B, L] (right-padded or packed) whose
+    text positions are `positions` [B, L], with the prompts that carry images at `prompts`:
+    `inputs_embeds` [B, L, hidden] with each image's features at its prompt's placeholders
+    (`image_rows`), a deepstack family's `deepstack_inputs`, and for Qwen's families
+    `position_ids` [3, B, L] (`rope_rows`). Gradients reach the vision tower where its parameters
+    require them."""
+    embeds = model.get_input_embeddings()(ids)
     out = {}
-    if at:
-        flat = embeds.reshape(-1, embeds.shape[-1])
-        index = torch.tensor(at, device=ids.device)
-        stacked = torch.cat(rows).to(flat.dtype)
-        embeds = flat.index_copy(0, index, stacked[:, 0]).view_as(embeds)
-        if fam.deepstack:
-            out.update(deepstack_inputs(index, stacked, tuple(ids.shape)))
+    merged = image_rows(model, ids, prompts)
+    if merged is not None:
+        embeds = _merge_rows(embeds, *merged)
+        if family(model.config).deepstack:
+            out.update(deepstack_inputs(merged[0], merged[1], tuple(ids.shape)))
     out["inputs_embeds"] = embeds
+    rope3 = rope_rows(model, ids, positions, prompts)
     if rope3 is not None:
         out["position_ids"] = rope3
     return out
+
+
+@contextlib.contextmanager
+def merged_in_forward(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]):
+    """A context in which `model`'s own forward on `ids` (the whole model's, called with
+    `input_ids` and `rope_rows`' positions) merges the images of `prompts` as `model_inputs`
+    does: a hook on the input embedding runs the vision tower and replaces the placeholders'
+    rows, and a deepstack family's language model gets `deepstack_inputs`. For FSDP2, whose root
+    module gathers the embedding and the tower only inside its forward.
+
+    A trained tower's parameters all get a gradient, zero where this batch did not use them (no
+    image in it, a layer past the one llava reads): FSDP2 reduces a unit's gradients in one
+    collective whose size every rank must agree on."""
+    inner = model.model if hasattr(model, "model") else model
+    state: dict = {}
+
+    def embed(module, args, output):
+        state["merged"] = merged = image_rows(model, ids, prompts)
+        trained = [p for _, p in tower(model) if p.requires_grad]  # gathered now, inside the forward
+        if trained:
+            output = output + sum(p.reshape(-1)[:1].sum() for p in trained) * 0
+        return output if merged is None else _merge_rows(output, *merged)
+
+    def language(module, args, kwargs):
+        merged = state.get("merged")
+        if merged is None:
+            return None
+        return args, {**kwargs, **deepstack_inputs(merged[0], merged[1], tuple(ids.shape))}
+
+    hooks = [model.get_input_embeddings().register_forward_hook(embed)]
+    if family(model.config).deepstack:
+        hooks.append(inner.language_model.register_forward_pre_hook(language, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def hidden_states(model: nn.Module, inputs: dict, **kw) -> Tensor:

@@ -11,46 +11,15 @@ import dataclasses
 import pytest
 import torch
 from conftest import record_step_grads
-from vision_models import FAMILIES, image, placeholder_run, tiny_vlm, tokens_per_image
+from vision_models import FAMILIES, GROUP, engine_samples, image, placeholder_run, tiny_vlm, tokens_per_image
 
 from tidal import vision
 from tidal.algo.options import AlgoConfig
-from tidal.contracts import SamplingParams
-from tidal.engine.llm_engine import LLMEngine
 from tidal.train.actor import Actor
 from tidal.train.options import TrainConfig
 from tidal.types import Sample
 
-GROUP = 4
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def prompts(family: str) -> list[tuple[list[int], list[vision.Image]]]:
-    run = placeholder_run(family, tokens_per_image(family))
-    return [
-        ([1, 5, 9, *run, 33, 70], [image(family, 0)]),
-        ([7, *run, 17, 250, *run, 99, 3], [image(family, 1), image(family, 2)]),
-    ]
-
-
-def engine_samples(family: str, groups: list | None = None) -> list[Sample]:
-    """Four samples of each (ids, images) of `groups` (default `prompts(family)`) from the engine."""
-    engine = LLMEngine(tiny_vlm(family), None, dtype="float32", block_size=4, kv_cache_tokens=1024)
-    samples = []
-    for g, (ids, images) in enumerate(prompts(family) if groups is None else groups):
-        for j in range(GROUP):
-            i = g * GROUP + j
-            engine.add_request(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), images=images)
-            samples.append(Sample(tokens=list(ids), group_index=g, index=i, images=images))
-    outs = {}
-    while engine.has_unfinished():
-        outs.update({o.request_id: o for o in engine.step()})
-    for i, s in enumerate(samples):
-        o = outs[str(i)]
-        n = len(o.token_ids)
-        s.tokens += o.token_ids
-        s.response_length, s.loss_mask, s.rollout_log_probs = n, [1] * n, list(o.log_probs)
-    return samples
 
 
 def actor(family: str, **train) -> Actor:
@@ -165,10 +134,12 @@ def test_lora_adapts_the_language_model_only_and_starts_from_the_engines_log_pro
         torch.testing.assert_close(lp[i, : s.response_length], torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
 
 
-def test_fsdp2_ranks_refuse_a_vision_language_model_by_name():
+def test_splitting_a_vision_language_models_rows_or_layers_is_refused_by_name():
+    """FSDP2 ranks train one (tests/cluster/test_fsdp_vision.py); context and tensor parallel not."""
     from tidal.options import ConfigError
     from tidal.train.model import TrainedModel
 
     trained = TrainedModel(tiny_vlm("llava"), TrainConfig(dtype="float32"))
-    with pytest.raises(ConfigError, match=r"cluster.trainers: llava \(a vision-language model\) trains in one process"):
-        trained.shard()
+    for kw, what in (({"cp_group": object()}, "cluster.cp_size"), ({"tp_mesh": object()}, "cluster.tp_size")):
+        with pytest.raises(ConfigError, match=rf"{what}: llava \(a vision-language model\) trains on FSDP2 ranks"):
+            trained.shard(**kw)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -304,24 +306,49 @@ def packed_response_hidden(
     return hidden[0].index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
 
 
+def _text_positions(batch: dict) -> torch.Tensor:
+    """Each token's text position [B, L]: a packed row's own, or in a right-padded batch its index
+    (0 on the padding, as transformers numbers it)."""
+    if "position_ids" in batch:
+        return batch["position_ids"]
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] * batch["attention_mask"]
+
+
+def _with_rope(batch: dict, rope: torch.Tensor | None, text: torch.Tensor) -> torch.Tensor | None:
+    """The positions to pass with Qwen's 3-D `rope` [3, B, L]: a packed row's lead with its text
+    positions ([4, 1, S]), from which transformers' mask (and `packed_attention`'s layout) learn
+    where each sample starts, as for a text row; other models' packed rows their text positions."""
+    if "position_ids" not in batch:
+        return rope
+    return text if rope is None else torch.cat([text[None], rope])
+
+
 def model_inputs(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     """A batch's token inputs (padded, or a packed row with its `position_ids`): its ids, or with
-    images the embeddings they make and Qwen's 3-D positions (`vision.model_inputs`). A packed
-    row's 3-D positions lead with its text positions ([4, 1, S]), from which transformers' mask
-    (and `packed_attention`'s layout) learn where each sample starts, as for a text row."""
-    packed = "position_ids" in batch
+    images the embeddings they make and Qwen's 3-D positions (`vision.model_inputs`)."""
     if "image_prompts" not in batch:
-        return {"input_ids": batch["input_ids"], **({"position_ids": batch["position_ids"]} if packed else {})}
-    ids = batch["input_ids"]
-    if packed:
-        text = batch["position_ids"]
-    else:  # right-padded: 0 on the padding, as transformers numbers it
-        text = torch.arange(ids.shape[1], device=ids.device)[None, :] * batch["attention_mask"]
-    inputs = vision.model_inputs(model, ids, text, batch["image_prompts"])
-    if packed:
-        rope = inputs.get("position_ids")
-        inputs["position_ids"] = text if rope is None else torch.cat([text[None], rope])
-    return inputs
+        return {k: batch[k] for k in ("input_ids", "position_ids") if k in batch}
+    text = _text_positions(batch)
+    inputs = vision.model_inputs(model, batch["input_ids"], text, batch["image_prompts"])
+    positions = _with_rope(batch, inputs.pop("position_ids", None), text)
+    return inputs if positions is None else {**inputs, "position_ids": positions}
+
+
+def root_inputs(model: torch.nn.Module, batch: dict) -> tuple[dict[str, torch.Tensor], AbstractContextManager]:
+    """A batch's inputs for the whole model's own forward (FSDP2's root: it gathers the embedding
+    only inside that forward): its ids and positions, and a context in which that forward merges
+    the batch's images (`vision.merged_in_forward`; a no-op for other models)."""
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids") if k in batch}
+    if vision.runs(model.config) is None:
+        return inputs, contextlib.nullcontext()
+    # a micro-batch without images merges none, but its trained tower still gets (zero) gradients
+    text = _text_positions(batch)
+    prompts = batch.get("image_prompts", [])
+    positions = _with_rope(batch, vision.rope_rows(model, batch["input_ids"], text, prompts), text)
+    if positions is not None:
+        inputs["position_ids"] = positions
+    return inputs, vision.merged_in_forward(model, batch["input_ids"], prompts)
 
 
 def padded_response_hidden(base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

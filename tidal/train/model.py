@@ -24,7 +24,7 @@ from tidal.train import context, lora, parallel
 from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import implementation as attn_implementation
 from tidal.train.attention import packed_layout, use_packed_attention
-from tidal.train.batching import model_inputs
+from tidal.train.batching import root_inputs
 from tidal.train.forward import Forward
 from tidal.train.options import TrainConfig
 from tidal.train.precision import Bf16Compute, to_bf16_params
@@ -97,12 +97,11 @@ class TrainedModel:
         row's tokens between them (`tidal.train.context`); `mesh` then spans them too."""
         import torch.distributed  # noqa: F401  (the process group is the caller's)
 
-        if vision.runs(self.master.config) is not None:
-            # the images' features are merged before the model's forward, where FSDP2 has not
-            # gathered the embedding and the vision tower yet
+        if vision.runs(self.master.config) is not None and (cp_group is not None or tp_mesh is not None):
+            what = "cluster.cp_size" if cp_group is not None else "cluster.tp_size"
             raise ConfigError(
-                f"cluster.trainers: {self.master.config.model_type} (a vision-language model) trains in one "
-                "process for now; FSDP2 ranks do not merge its images yet"
+                f"{what}: {self.master.config.model_type} (a vision-language model) trains on FSDP2 ranks "
+                "that each hold whole rows; splitting its rows or layers is not done yet (set it to 1)"
             )
         if cp_group is not None:
             self._check_context_parallel()
@@ -205,23 +204,19 @@ class TrainedModel:
         valid = batch["response_valid"]
         if self.cp_group is not None:
             return self._context_logits(batch, model)
+        inputs, merging = root_inputs(model, batch)  # a vision-language model's images merge inside
         if "position_ids" in batch:  # packed row
             kwargs = {}
             if self.fwd.packing and attn_implementation(model) == PACKED_ATTENTION:
                 kwargs["tidal_layout"] = batch.get("layout") or packed_layout(batch["position_ids"])
-            out = model(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-                logits_to_keep=batch["response_index"][valid],
-                **kwargs,
-            )
+            with merging:
+                out = model(**inputs, use_cache=False, logits_to_keep=batch["response_index"][valid], **kwargs)
             return out.logits[0], valid
         r = batch["response_ids"].shape[1]
         pos = batch["prompt_lengths"][:, None] - 1 + torch.arange(r, device=self.device)[None, :]
         pos = pos.clamp(max=batch["input_ids"].shape[1] - 1)
-        inputs = model_inputs(model, batch)
-        out = model(**inputs, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos)
+        with merging:
+            out = model(**inputs, attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=pos)
         return out.logits[valid], valid
 
     def _context_logits(self, batch: dict[str, Tensor], model: torch.nn.Module) -> tuple[Tensor, Tensor]:
@@ -302,6 +297,10 @@ def _fully_shard(model: torch.nn.Module, mesh, bf16: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    for layer in getattr(getattr(model, "base_model", model), "layers", []):
+    # a vision-language model's vision tower and projector stay in the root's unit: a rank runs
+    # the tower once per distinct image of its micro-batch (`vision.merged_in_forward`), a number
+    # the other ranks do not share, so the tower cannot gather its own shards per call
+    decoder = model.get_decoder() if vision.runs(model.config) is not None else getattr(model, "base_model", model)
+    for layer in getattr(decoder, "layers", []):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
