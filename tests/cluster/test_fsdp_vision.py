@@ -3,12 +3,9 @@ score the engine's samples with images (packed rows, a group's prompt and pictur
 and take the single process's step, the vision tower trained too. Qwen3-VL (3-D positions and
 deepstack features) and llava (a CLIP tower and a projector)."""
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import assert_first_step_close, record_step_grads
+from conftest import assert_first_step_close, record_step_grads, spawn_ranks
 from vision_models import engine_samples, prompts, tiny_vlm
 
 from tidal import vision
@@ -24,13 +21,7 @@ ALGO = AlgoConfig()
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, init: str, model_dir: str, samples_file: str, out: str) -> None:
+def _rank_main(rank: int, world: int, init: str, out: str, model_dir: str, samples_file: str) -> None:
     from tidal.cluster.trainers import TrainerRank
 
     tr = TrainerRank(rank, world, init, TRAIN, ALGO, model_dir, model_dir, 1.0, 0, 16, 1, 60)
@@ -46,8 +37,7 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, samples_file: s
         "policy": tr.compute_log_probs(samples, "policy"),
         "weights": tr.full_weights(None),
     }
-    if rank == 0:
-        torch.save(result, out)
+    torch.save(result, f"{out}.{rank}")
     torch.distributed.barrier()  # no rank tears gloo down while the other still uses it
     tr.close()
 
@@ -61,10 +51,8 @@ def ranks(request, tmp_path_factory):
     groups = [prompts(family)[0], ([7, 17, 250, 99, 3], [])] if family == "llava" else None
     samples = engine_samples(family, groups)
     torch.save(samples, folder / "samples.pt")
-    out = str(folder / "rank0.pt")
-    init = f"tcp://127.0.0.1:{_port()}"
-    mp.spawn(_rank_main, args=(2, init, str(folder), str(folder / "samples.pt"), out), nprocs=2, join=True)
-    return family, folder, samples, torch.load(out, weights_only=False)
+    got = spawn_ranks(_rank_main, 2, str(folder / "rank"), str(folder), str(folder / "samples.pt"))[0]
+    return family, folder, samples, got
 
 
 def test_two_ranks_score_the_engines_samples_and_take_the_single_process_step(ranks):
