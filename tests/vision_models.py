@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from families import _BASE, _reinit
 
-from tidal import vision
+from tidal import moe, vision
 from tidal.contracts import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.types import Sample
@@ -35,7 +35,7 @@ _IDEFICS_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3", "smolvlm")
 
 
 def tiny_config(family: str):
@@ -45,9 +45,11 @@ def tiny_config(family: str):
         merge = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
         sizes = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64)
         text = {**_TEXT, "rope_parameters": _MROPE}
-        if family == "qwen3_vl":  # interleaved 3-D rotary, q/k norms; layer 0's vision features join layer 0
+        if family.startswith("qwen3_vl"):  # interleaved 3-D rotary, q/k norms; layer 0's vision features join layer 0
             vis = {**merge, **sizes, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
             text = {**_TEXT, "rope_parameters": {**_MROPE, "mrope_interleaved": True}, "head_dim": 16}
+            if family == "qwen3_vl_moe":  # layer 1: 4 experts, top-2 (layer 0 a dense MLP)
+                text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
         elif family == "qwen2_5_vl":  # windowed attention in one of its two layers
             vis = {**merge, **sizes, "window_size": 56, "fullatt_block_indexes": [1]}
         else:
@@ -209,14 +211,16 @@ def prompts(family: str) -> list[tuple[list[int], list[vision.Image]]]:
     ]
 
 
-def engine_samples(family: str, groups: list | None = None) -> list[Sample]:
-    """Four samples of each (ids, images) of `groups` (default `prompts(family)`) from the engine."""
+def engine_samples(family: str, groups: list | None = None, routing: bool = False) -> list[Sample]:
+    """Four samples of each (ids, images) of `groups` (default `prompts(family)`) from the engine;
+    `routing`: with the engine's record of an MoE model's experts (`algo.routing_replay`)."""
     engine = LLMEngine(tiny_vlm(family), None, dtype="float32", block_size=4, kv_cache_tokens=1024)
     samples = []
     for g, (ids, images) in enumerate(prompts(family) if groups is None else groups):
         for j in range(GROUP):
             i = g * GROUP + j
-            engine.add_request(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), images=images)
+            params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=i, return_routed_experts=routing)
+            engine.add_request(str(i), ids, params, images=images)
             samples.append(Sample(tokens=list(ids), group_index=g, index=i, images=images))
     outs = {}
     while engine.has_unfinished():
@@ -226,4 +230,6 @@ def engine_samples(family: str, groups: list | None = None) -> list[Sample]:
         n = len(o.token_ids)
         s.tokens += o.token_ids
         s.response_length, s.loss_mask, s.rollout_log_probs = n, [1] * n, list(o.log_probs)
+        if routing:
+            s.set_routed_experts(moe.routing_record(o.routed_experts))
     return samples

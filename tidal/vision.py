@@ -50,11 +50,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
     "qwen2_5_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
     "qwen3_vl": Family(("pixel_values", "image_grid_thw"), mrope=True, deepstack=True),
+    "qwen3_vl_moe": Family(("pixel_values", "image_grid_thw"), mrope=True, deepstack=True),
 }
 # families transformers has that these paths do not run yet, and why
 NOT_RUN: dict[str, str] = {
     "gemma3": "its image tokens attend to each other in both directions; the engine's attention is causal",
-    "qwen3_vl_moe": "its MoE language model with deepstack features is not tested here",
 }
 
 

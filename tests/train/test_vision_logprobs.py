@@ -13,7 +13,7 @@ import torch
 from conftest import record_step_grads
 from vision_models import FAMILIES, GROUP, engine_samples, image, placeholder_run, tiny_vlm, tokens_per_image
 
-from tidal import vision
+from tidal import moe, vision
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
 from tidal.train.options import TrainConfig
@@ -50,6 +50,38 @@ def test_the_trainer_scores_image_samples_as_the_engine_did(family, layout):
     for i, s in enumerate(samples):
         got = lp[i, : s.response_length]
         torch.testing.assert_close(got, torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_moe_vision_language_model_replays_the_engines_routing(layout):
+    """Qwen3-VL-MoE with `algo.routing_replay`: the engine records each sample's experts, with the
+    images, and the trainer routes every token as the engine did (its log-probs); replaying other
+    experts changes them, so the record is what routes."""
+    family = "qwen3_vl_moe"
+    samples = engine_samples(family, routing=True)
+    layers, top_k = 1, 2  # `vision_models`: one MoE layer of 4 experts, top-2
+    for s in samples:
+        assert moe.routing_tensor(s.routed_experts).shape == (len(s.tokens) - 1, layers, top_k)
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="float32", **LAYOUTS[layout])
+    a = Actor(tiny_vlm(family), cfg, AlgoConfig(routing_replay=True), temperature=1.0)
+    lp = a.compute_log_probs(samples)
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(lp[i, : s.response_length], torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=0)
+    other = [dataclasses.replace(s) for s in samples]
+    for s in other:  # the experts the engine did not choose at every position
+        chosen = moe.routing_tensor(s.routed_experts).long()
+        rest = torch.stack(
+            [torch.tensor([e for e in range(4) if e not in row]) for row in chosen.view(-1, top_k).tolist()]
+        )
+        s.set_routed_experts(moe.routing_record(rest.view(chosen.shape)))
+    moved = a.compute_log_probs(other)
+    assert (
+        max(
+            float((moved[i, : s.response_length] - lp[i, : s.response_length]).abs().max())
+            for i, s in enumerate(samples)
+        )
+        > 1e-2
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "llava"])

@@ -90,6 +90,7 @@ FAMILIES = {
     "qwen2_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
     "qwen2_5_vl_text": "3-D rotary positions of image tokens (M-RoPE)",
     "qwen3_vl_text": "interleaved M-RoPE, q/k norm, vision features added after the first layers (deepstack)",
+    "qwen3_vl_moe_text": "as qwen3_vl_text, MoE: softmax top-k, renormalised",
 }
 
 
@@ -688,24 +689,27 @@ class ModelRunner:
         return self._call_model(plan, kw)
 
     def _call_model(self, plan: BatchPlan, kw: dict) -> Tensor:
-        if plan.image_at is not None:  # image placeholders: their embeddings are the image's features
-            kw["inputs_embeds"] = vision.merge(self.model, plan.input_ids, plan.image_at, plan.image_rows)[None]
-            if self.vision.deepstack:  # and more of them join the first layers' hidden states
-                shape = (1, plan.input_ids.shape[0])
-                kw.update(vision.deepstack_inputs(plan.image_at, plan.image_rows, shape))
-                last = kw.pop("logits_to_keep")
-                kw.pop(self.cache_kw, None)
-                hidden = self.model.model.language_model(**kw).last_hidden_state
-                return self.model.lm_head(hidden[0, last])
-        else:
-            kw["input_ids"] = plan.input_ids[None]
+        """The step's logits [rows kept, vocab]; an MoE model's routing written to `routes`."""
         if self.routes is None:
-            out = self.model(**kw)
-        else:
-            with moe.capture(self.model) as routing:
-                out = self.model(**kw)
-            self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
-        return out.logits[0]
+            return self._forward(plan, kw)
+        with moe.capture(self.model) as routing:
+            logits = self._forward(plan, kw)
+        self.routes.index_copy_(0, plan.slots, routing.take().to(self.routes.dtype))
+        return logits
+
+    def _forward(self, plan: BatchPlan, kw: dict) -> Tensor:
+        if plan.image_at is None:
+            return self.model(input_ids=plan.input_ids[None], **kw).logits[0]
+        # image placeholders: their embeddings are the image's features
+        embeds = vision.merge(self.model, plan.input_ids, plan.image_at, plan.image_rows)[None]
+        if not self.vision.deepstack:
+            return self.model(inputs_embeds=embeds, **kw).logits[0]
+        # more of them join the first layers' hidden states, which the language model takes
+        kw.update(vision.deepstack_inputs(plan.image_at, plan.image_rows, (1, plan.input_ids.shape[0])))
+        last = kw.pop("logits_to_keep")
+        kw.pop(self.cache_kw, None)
+        hidden = self.model.model.language_model(inputs_embeds=embeds, **kw).last_hidden_state
+        return self.model.lm_head(hidden[0, last])
 
     @torch.inference_mode()
     def copy_twins(self, twins: list[Sequence]) -> None:
