@@ -4,9 +4,10 @@ transformers' own greedy tokens and log-probs of prompts with images to compare 
 
 Language models as in `families`: vocabulary 320, hidden 64, 2 layers, weights redrawn from a
 seeded normal with std 0.2 (well separated greedy choices). Vision towers: 2 layers of width 32.
-Placeholder token 300 for every family; Qwen's vision start/end tokens 302/303. Images of 60x50
-pixels become 4 placeholders (Qwen: a 4x4 patch grid merged 2x2; llava: a 28-pixel crop in 14-pixel
-patches) or 20 (Idefics3 / SmolVLM: 4 tiles and a global view of 4 tokens each).
+Placeholder token 300 for every family; Qwen's vision start/end tokens 302/303, Gemma 3's
+begin/end of image 304/305. Images of 60x50 pixels become 4 placeholders (Qwen: a 4x4 patch grid
+merged 2x2; llava: a 28-pixel crop in 14-pixel patches; Gemma 3: resized to 28x28, 2x2 patches)
+or 20 (Idefics3 / SmolVLM: 4 tiles and a global view of 4 tokens each).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tidal.types import Sample
 
 IMAGE_TOKEN = 300
 VISION_START, VISION_END = 302, 303
+GEMMA_BOI, GEMMA_EOI = 304, 305  # Gemma 3's begin/end of image
 _TEXT = {k: v for k, v in _BASE.items() if k != "tie_word_embeddings"}  # `families`' language models
 _MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
 _QWEN_IDS = dict(
@@ -35,7 +37,7 @@ _IDEFICS_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3", "smolvlm", "gemma3")
 
 
 def tiny_config(family: str):
@@ -82,6 +84,29 @@ def tiny_config(family: str):
             image_token_id=IMAGE_TOKEN,
             scale_factor=2,
         )
+    if family == "gemma3":  # families' Gemma 3 language model (sliding window 6); 4 tokens an image
+        from families import _CONFIGS, WINDOW
+
+        text = {**_TEXT, **_CONFIGS["gemma3_text"], "sliding_window": WINDOW}
+        vis = dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return AutoConfig.for_model(
+            family,
+            text_config={"model_type": "gemma3_text", **text},
+            vision_config=vis,
+            mm_tokens_per_image=4,
+            boi_token_index=GEMMA_BOI,
+            eoi_token_index=GEMMA_EOI,
+            image_token_index=IMAGE_TOKEN,
+            tie_word_embeddings=False,
+        )
     raise KeyError(f"unknown vision family {family!r}; known: {', '.join(FAMILIES)}")
 
 
@@ -103,6 +128,8 @@ def image_processor(family: str):
         return transformers.Qwen2VLImageProcessorPil(
             min_pixels=56 * 56, max_pixels=4 * 56 * 56, patch_size=14, merge_size=2
         )
+    if family == "gemma3":
+        return transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
     if family == "llava":
         return transformers.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     sizes = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
@@ -129,6 +156,8 @@ def placeholder_run(family: str, count: int) -> list[int]:
     """An image's tokens in a prompt: `count` placeholders (within Qwen's start/end tokens)."""
     if family.startswith("qwen"):
         return [VISION_START, *[IMAGE_TOKEN] * count, VISION_END]
+    if family == "gemma3":
+        return [GEMMA_BOI, *[IMAGE_TOKEN] * count, GEMMA_EOI]
     return [IMAGE_TOKEN] * count
 
 
@@ -141,6 +170,8 @@ def _inputs(model, family: str, ids: list[int], images: list[vision.Image]) -> d
     t = torch.tensor([ids])
     if vision.FAMILIES[family].mrope:
         kw["mm_token_type_ids"] = (t == IMAGE_TOKEN).int()
+    if vision.FAMILIES[family].bidirectional:  # which tokens attend within their image both ways
+        kw["token_type_ids"] = (t == IMAGE_TOKEN).long()
     return {"input_ids": t, **kw}
 
 

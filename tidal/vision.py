@@ -40,6 +40,9 @@ class Family:
     # Qwen3-VL: features of some vision layers are also added to the hidden states at the image
     # tokens after each of the first language layers (`visual_pos_masks`, `deepstack_visual_embeds`)
     deepstack: bool = False
+    # Gemma 3: an image's tokens attend to each other both ways (each still sees every earlier
+    # token, and a sliding window still hides those too far back); text attends causally
+    bidirectional: bool = False
 
 
 # model_type of the whole (vision + language) model -> its family
@@ -51,10 +54,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(("pixel_values", "image_grid_thw"), mrope=True),
     "qwen3_vl": Family(("pixel_values", "image_grid_thw"), mrope=True, deepstack=True),
     "qwen3_vl_moe": Family(("pixel_values", "image_grid_thw"), mrope=True, deepstack=True),
-}
-# families transformers has that these paths do not run yet, and why
-NOT_RUN: dict[str, str] = {
-    "gemma3": "its image tokens attend to each other in both directions; the engine's attention is causal",
+    "gemma3": Family(("pixel_values",), bidirectional=True),
 }
 
 
@@ -68,8 +68,6 @@ def family(config) -> Family | None:
     kind = getattr(config, "model_type", None)
     if kind in FAMILIES:
         return FAMILIES[kind]
-    if kind in NOT_RUN:
-        raise UnsupportedVisionModel(f"{kind}: not run with images yet: {NOT_RUN[kind]}")
     if getattr(config, "vision_config", None) is not None:
         raise UnsupportedVisionModel(
             f"{kind}: a vision-language model; the families run with images are {', '.join(FAMILIES)}"
@@ -213,6 +211,37 @@ def placeholders(ids: list[int], token: int) -> list[int]:
     return [i for i, t in enumerate(ids) if t == token]
 
 
+def image_blocks(where: list[int]) -> list[tuple[int, int]]:
+    """The contiguous runs [a, b) of the sorted indices `where`: one per image (a family whose
+    image tokens attend both ways keeps text between two images, as Gemma 3's begin and end of
+    image tokens; transformers groups them the same way)."""
+    out: list[tuple[int, int]] = []
+    for i in where:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def within_images(mask: Tensor, first: int, blocks: list[tuple[int, int]], window: int | None = None) -> Tensor:
+    """A causal `mask` [queries, keys] (query i at position `first` + i, key j at position j)
+    with each image's tokens also seeing that image's later tokens (`Family.bidirectional`), less
+    those a sliding `window` hides (a query at position i sees keys j > i - window), as transformers
+    composes Gemma 3's masks: window AND (causal OR same image). `blocks`: the images' runs [a, b)
+    of positions. Changes and returns `mask`."""
+    for a, b in blocks:
+        q0, q1 = max(a, first), min(b, first + mask.shape[0])
+        if q0 >= q1:
+            continue
+        seen = torch.ones(q1 - q0, b - a, dtype=torch.bool, device=mask.device)
+        if window:
+            qpos = torch.arange(q0, q1, device=mask.device)[:, None]
+            seen &= torch.arange(a, b, device=mask.device)[None, :] > qpos - window
+        mask[q0 - first : q1 - first, a:b] |= seen
+    return mask
+
+
 def check_counts(where: list[int], counts: list[int], what: str) -> None:
     """Raise ValueError (naming `what`) unless the images fill exactly the placeholders."""
     if sum(counts) != len(where):
@@ -312,6 +341,22 @@ def rope_rows(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[Pr
     return rope3
 
 
+def token_types(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]) -> Tensor | None:
+    """Gemma 3's `token_type_ids` [B, L] of token rows `ids` (`Family.bidirectional`): 1 at the
+    image placeholders of `prompts` (from which transformers makes each image's tokens attend
+    both ways), 0 elsewhere, a placeholder id sampled in a response included; None for the other
+    families. Reads the config only."""
+    if not family(model.config).bidirectional:
+        return None
+    token = image_token(model.config)
+    types = torch.zeros_like(ids)
+    for span in prompts:
+        if span.images:
+            part = ids[span.row, span.start : span.start + span.length]
+            types[span.row, span.start : span.start + span.length] = (part == token).long()
+    return types
+
+
 def image_rows(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]) -> tuple[Tensor, Tensor] | None:
     """Where the images of `prompts` go in token rows `ids` [B, L] (flat indices [K] of their
     placeholders) and their feature rows [K, 1 + deepstack layers, hidden]; None without images.
@@ -350,9 +395,9 @@ def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list
     """A vision-language model's inputs for token rows `ids` [B, L] (right-padded or packed) whose
     text positions are `positions` [B, L], with the prompts that carry images at `prompts`:
     `inputs_embeds` [B, L, hidden] with each image's features at its prompt's placeholders
-    (`image_rows`), a deepstack family's `deepstack_inputs`, and for Qwen's families
-    `position_ids` [3, B, L] (`rope_rows`). Gradients reach the vision tower where its parameters
-    require them."""
+    (`image_rows`), a deepstack family's `deepstack_inputs`, for Qwen's families
+    `position_ids` [3, B, L] (`rope_rows`), and Gemma 3's `token_type_ids` (`token_types`).
+    Gradients reach the vision tower where its parameters require them."""
     embeds = model.get_input_embeddings()(ids)
     out = {}
     merged = image_rows(model, ids, prompts)
@@ -364,6 +409,9 @@ def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list
     rope3 = rope_rows(model, ids, positions, prompts)
     if rope3 is not None:
         out["position_ids"] = rope3
+    types = token_types(model, ids, prompts)
+    if types is not None:
+        out["token_type_ids"] = types
     return out
 
 

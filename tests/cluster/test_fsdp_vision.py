@@ -1,7 +1,8 @@
 """FSDP2 trainer ranks train a vision-language model as one process does: two ranks over gloo
 score the engine's samples with images (packed rows, a group's prompt and pictures stored once)
 and take the single process's step, the vision tower trained too. Qwen3-VL (3-D positions and
-deepstack features) and llava (a CLIP tower and a projector)."""
+deepstack features), llava (a CLIP tower and a projector) and Gemma 3 (images attended both
+ways; it trains padded)."""
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _rank_main(rank: int, world: int, init: str, out: str, model_dir: str, sampl
     tr.close()
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "llava", "gemma3"])
 def ranks(request, tmp_path_factory):
     family = request.param
     folder = tmp_path_factory.mktemp(f"vlm_{family}")

@@ -77,12 +77,12 @@ def test_one_and_two_images_give_transformers_tokens_and_log_probs(family):
     outs = run(eng, [(one, [a]), (two, [a, b])])
     assert_matches(family, one, [a], outs[0])
     assert_matches(family, two, [a, b], outs[1])
-    # decode steps of a Llama-shaped language model take the engine's decode path (its first step
-    # checked bit for bit against transformers' forward); Qwen's 3-D positions run transformers'
-    assert eng.runner.decode_path_checked == (not vision.FAMILIES[family].mrope)
+    # decode steps of a Llama language model take the engine's decode path (its first step checked
+    # bit for bit against transformers' forward); Qwen's 3-D positions and Gemma 3 run transformers'
+    assert eng.runner.decode_path_checked == (family in ("llava", "idefics3", "smolvlm"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
 def test_an_image_in_a_second_turn_continues_the_first_from_the_prefix_cache(family):
     eng = engine(family)
     a, b = image(family, 0), image(family, 1)
@@ -95,7 +95,7 @@ def test_an_image_in_a_second_turn_continues_the_first_from_the_prefix_cache(fam
     assert_matches(family, second, [a, b], again)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "smolvlm", "gemma3"])
 def test_a_group_computes_its_image_once_and_different_images_never_share(family, monkeypatch):
     eng = engine(family)
     calls = []
@@ -113,6 +113,18 @@ def test_a_group_computes_its_image_once_and_different_images_never_share(family
     assert_matches(family, ids, [b], other)
     (same,) = run(eng, [(ids, [a])])
     assert same.cached_tokens == (len(ids) - 1) // 4 * 4 and same.token_ids == group[0].token_ids
+
+
+def test_gemma3_image_tokens_after_a_cache_hit_still_see_the_whole_image():
+    """Gemma 3's image tokens attend to their whole image: a prefix-cache hit that ends inside an
+    image leaves queries whose image has keys before the hit (cached) and after it (this step)."""
+    family = "gemma3"
+    eng = engine(family)
+    ids = prompt(family, [1], 0, [5])  # the image's tokens at 2-5: the hit's first block ends at 4
+    (first,) = run(eng, [(ids, [image(family, 0)])])
+    (again,) = run(eng, [(ids, [image(family, 0)])])
+    assert again.cached_tokens == 4 and again.token_ids == first.token_ids
+    assert_matches(family, ids, [image(family, 0)], again)
 
 
 def test_preemption_recomputes_with_the_images():
@@ -149,8 +161,11 @@ def test_a_text_model_takes_no_images(tiny_model):
 def test_vision_families_not_run_are_refused_by_name():
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("gemma3")
-    with pytest.raises(model_runner.UnsupportedModelError, match="gemma3: not run with images yet: its image tokens"):
+    cfg = AutoConfig.for_model("paligemma")
+    with pytest.raises(
+        model_runner.UnsupportedModelError,
+        match=r"paligemma: a vision-language model; the families run with images are llava, idefics3, ",
+    ):
         model_runner.check_supported(cfg)
 
 

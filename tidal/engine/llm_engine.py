@@ -248,6 +248,8 @@ class LLMEngine:
         seq = SeqImages(images, where, torch.cat(rows), vision.token_keys(ids, where, [len(r) for r in rows], images))
         if self.vision.mrope:
             seq.rope, seq.delta = vision.rope_positions(self.model, ids, where, images)
+        if self.vision.bidirectional:
+            seq.blocks = vision.image_blocks(where)
         return seq
 
     @torch.inference_mode()

@@ -162,6 +162,9 @@ class BatchPlan:
     image_at: Tensor | None = None
     image_rows: Tensor | None = None
     rope: Tensor | None = None
+    # Gemma 3: per entry of `multi`, the runs [a, b) of positions of its images, whose tokens
+    # attend both ways (`vision.within_images`); None when no prefill has one
+    blocks: list[list[tuple[int, int]]] | None = None
 
     @staticmethod
     def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
@@ -184,11 +187,13 @@ class BatchPlan:
         )
 
     def to(self, device: torch.device) -> BatchPlan:
-        skip = ("multi", "multi_union", "windowed", "only_single")
+        skip = ("multi", "multi_union", "windowed", "only_single", "blocks")
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name not in skip}
         multi = [(start, end, ctx.to(device, non_blocking=True), cached) for start, end, ctx, cached in self.multi]
         multi_union = [ctx.to(device, non_blocking=True) for ctx in self.multi_union]
-        return BatchPlan(**moved, multi=multi, multi_union=multi_union, only_single=self.only_single)
+        return BatchPlan(
+            **moved, multi=multi, multi_union=multi_union, only_single=self.only_single, blocks=self.blocks
+        )
 
     def decode_mask(self, window: int | None) -> Tensor:
         """The single tokens' context mask, less the keys a sliding window of `window` hides (a
@@ -429,6 +434,7 @@ class ModelRunner:
         ids, pos, slots, last = [], [], [], []
         single_tok, single_len, single_tables, multi, multi_tables = [], [], [], [], []
         image_at, image_rows = [], []
+        blocks: list[list[tuple[int, int]]] = []
         flat = 0
         for seq in seqs:
             start, end = seq.num_cached, seq.num_tokens
@@ -453,6 +459,7 @@ class ModelRunner:
                 slots.extend(ctx[start:].tolist())
                 multi.append((flat, flat + end - start, ctx, start))
                 multi_tables.append(table)
+                blocks.append([(a, b) for a, b in seq.images.blocks if b > start] if seq.images is not None else [])
             flat += end - start
             last.append(flat - 1)
         tables = None
@@ -480,7 +487,8 @@ class ModelRunner:
             single_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
             single_qpos = torch.zeros(0, dtype=torch.long)
         prefill = None
-        if multi and self.device_tables:
+        blocks = blocks if any(blocks) else None
+        if multi and self.device_tables and blocks is None:  # the kernel's masks are causal
             width = max(len(t) for t in multi_tables)
             news = [end - start for start, end, _, _ in multi]
             prefill = paged_kernel.PrefillBatch(
@@ -505,6 +513,7 @@ class ModelRunner:
             image_at=torch.tensor(image_at, dtype=torch.long) if image_at else None,
             image_rows=torch.cat(image_rows) if image_at else None,
             rope=rope,
+            blocks=blocks,
             input_ids=torch.tensor(ids),
             positions=torch.tensor(pos),
             slots=torch.tensor(slots),
@@ -613,11 +622,13 @@ class ModelRunner:
         if plan.prefill is not None and self.kernel:  # every prefilled sequence in one kernel
             paged_kernel.prefill_attention(q, out, kc, vc, plan.prefill, self.block_size, scale, window, softcap)
             return out
-        for (start, end, _, cached), ctx in zip(plan.multi, multi_src, strict=True):
+        for i, ((start, end, _, cached), ctx) in enumerate(zip(plan.multi, multi_src, strict=True)):
             qs = q[start:end].transpose(0, 1)[None]  # [1, H, L, D]
             ks = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, Hkv, C, D]
             vs = vc.index_select(0, ctx).transpose(0, 1)[None]
             mask = causal_mask(end - start, len(ctx), cached, window, q.device)  # query i at cached + i
+            if plan.blocks is not None and plan.blocks[i]:
+                mask = vision.within_images(mask, cached, plan.blocks[i], window)
             out[start:end] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
         return out
 

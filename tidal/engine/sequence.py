@@ -30,6 +30,8 @@ class SeqImages:
     keys: list[int]  # the prompt's ids with each image's placeholders as its key (the prefix cache's)
     rope: Tensor | None = None  # [3, prompt length]: Qwen's 3-D positions of the prompt
     delta: int = 0  # and of any later token: its index + delta
+    # Gemma 3's: each image's run [a, b) of prompt indices, whose tokens attend both ways
+    blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

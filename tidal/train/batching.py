@@ -258,6 +258,9 @@ def supports_packing(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_causal", True):
         return False
+    fam = vision.runs(config)
+    if fam is not None and fam.bidirectional:  # an image attends both ways: its mask is transformers'
+        return False
     return attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
 
 
@@ -348,6 +351,9 @@ def root_inputs(model: torch.nn.Module, batch: dict) -> tuple[dict[str, torch.Te
     positions = _with_rope(batch, vision.rope_rows(model, batch["input_ids"], text, prompts), text)
     if positions is not None:
         inputs["position_ids"] = positions
+    types = vision.token_types(model, batch["input_ids"], prompts)
+    if types is not None:
+        inputs["token_type_ids"] = types
     return inputs, vision.merged_in_forward(model, batch["input_ids"], prompts)
 
 
