@@ -93,7 +93,8 @@ def test_graphs_are_off_where_the_decode_path_is():
     engine = LLMEngine(tiny_model("gemma2"), None, dtype="float32", kv_cache_tokens=256)
     why = engine.runner.use_static_decode(8, 64, capture=False)
     assert why == (
-        "gemma2 steps run transformers' forward (the decode path covers llama, mistral, qwen2, qwen3, without MoE)"
+        "gemma2 steps run transformers' forward (the decode path covers llama, mistral, qwen2, qwen3, "
+        "qwen2_vl_text, qwen2_5_vl_text, qwen3_vl_text, without MoE)"
     )
     assert engine.runner.graphs is None and not engine.runner.device_tables
 

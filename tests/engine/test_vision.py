@@ -77,9 +77,9 @@ def test_one_and_two_images_give_transformers_tokens_and_log_probs(family):
     outs = run(eng, [(one, [a]), (two, [a, b])])
     assert_matches(family, one, [a], outs[0])
     assert_matches(family, two, [a, b], outs[1])
-    # decode steps of a Llama language model take the engine's decode path (its first step checked
-    # bit for bit against transformers' forward); Qwen's 3-D positions and Gemma 3 run transformers'
-    assert eng.runner.decode_path_checked == (family in ("llava", "idefics3", "smolvlm"))
+    # decode steps of a Llama- or Qwen-shaped language model take the engine's decode path (its first
+    # step checked bit for bit against transformers' forward); Gemma 3 and an MoE run transformers'
+    assert eng.runner.decode_path_checked == (family not in ("gemma3", "qwen3_vl_moe"))
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
@@ -179,9 +179,10 @@ def test_a_vision_language_folder_loads_whole(tmp_path):
     assert out.token_ids == hf_greedy(reference(family), family, ids, images, N_NEW)
 
 
-def test_static_decode_buffers_run_a_vision_language_model_as_usual():
-    """The GPU's decode steps (static buffers, here eager on the CPU) after a prefill with images."""
-    family = "llava"
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
+def test_static_decode_buffers_run_a_vision_language_model_as_usual(family):
+    """The GPU's decode steps (static buffers, here eager on the CPU) after a prefill with images;
+    Qwen's rotary positions continue from the image's offset there too."""
     eng = engine(family, max_num_seqs=4)
     assert eng.runner.use_static_decode(4, eng.max_model_len, capture=False) is None
     reqs = [(prompt(family, [5 + i], 0, [8, 9]), [image(family, i)]) for i in range(3)]

@@ -64,21 +64,25 @@ class DecodeGraphs:
         block_size: int,
         pad_block: int,
         capture: bool,
+        rope_offsets: Callable[[list[Sequence]], list[int]] | None = None,
     ) -> None:
         self.forward, self.plan_of, self.bindings = forward, plan_of, bindings
+        # Qwen's vision-language models: each sequence's rotary position is its position plus an
+        # offset its images set (`vision.rope_positions`); fed as row 4 of the buffers
+        self.rope_offsets = rope_offsets
         self.device, self.block_size, self.pad_block = device, block_size, pad_block
         self.sizes = bucket_sizes(max_seqs)
         n = self.sizes[-1]
         pin = self.pinned = is_cuda(device)
         # the host writes the pinned buffers only once the last step's copies have read them
         self.copied: torch.cuda.Event | None = None
-        # ids, positions, slots, context lengths ([4, n]) and block tables ([n, width])
-        self.host_vec = torch.zeros(4, n, dtype=torch.long, device=CPU, pin_memory=pin)
+        # ids, positions, slots, context lengths, rotary positions ([5, n]) and block tables ([n, width])
+        self.host_vec = torch.zeros(5, n, dtype=torch.long, device=CPU, pin_memory=pin)
         self.host_tab = torch.zeros(n, width, dtype=torch.int32, device=CPU, pin_memory=pin)
-        self.pad_column = torch.tensor([[0], [0], [pad_block * block_size], [1]], device=CPU)
+        self.pad_column = torch.tensor([[0], [0], [pad_block * block_size], [1], [0]], device=CPU)
         # per staged table row: (the sequence's block table list, how many of its entries)
         self.staged: list[tuple[list[int], int] | None] = [None] * n
-        self.vec = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.vec = torch.zeros(5, n, dtype=torch.long, device=device)
         self.tab = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.capture = capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -113,6 +117,7 @@ class DecodeGraphs:
             slots=self.vec[2, :size],
             lens=self.vec[3, :size],
             tables=self.tab[:size],
+            rotary=self.vec[4, :size] if self.rope_offsets is not None else None,
         )
 
     def fill(self, seqs: list[Sequence], size: int, ids: Tensor | None = None, known: list[int] | None = None) -> None:
@@ -137,6 +142,8 @@ class DecodeGraphs:
         vec[1, :b] = pos
         vec[2, :b] = self.host_tab.numpy()[np.arange(b), pos // bs] * bs + pos % bs
         vec[3, :b] = lens
+        if self.rope_offsets is not None:
+            vec[4, :b] = pos + np.array(self.rope_offsets(seqs), np.int64)
         if ids is None:
             vec[0, :b] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         self._pad(b, size)

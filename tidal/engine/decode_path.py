@@ -16,9 +16,10 @@ keeps transformers' path for good if they differ.
 
 Families: those whose decoder layer is Llama's (pre-norm attention and MLP with residuals): llama,
 mistral (the config's sliding window on every layer), qwen2 (each layer's own window) and qwen3
-(qwen2's, with a per-head RMSNorm of q and k before the rotary embedding); their
-forwards were read for this, transformers 5.x. Steps with a prefill, other families, and models
-with hooks (MoE routing capture) run transformers' forward.
+(qwen2's, with a per-head RMSNorm of q and k before the rotary embedding), and the language
+models of Qwen2-VL, Qwen2.5-VL (qwen2's) and Qwen3-VL (qwen3's), whose 3-D rotary positions are
+one position in a decode step; their forwards were read for this, transformers 5.x. Steps with a
+prefill, other families, and models with hooks (MoE routing capture) run transformers' forward.
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ WINDOWS = {
     "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
     "qwen2": lambda attn: attn.sliding_window,
     "qwen3": lambda attn: attn.sliding_window,
+    # the language models of Qwen's vision-language families: after the prompt their three rotary
+    # positions are equal (index + the sequence's offset, `BatchPlan.rope`), where M-RoPE's cos
+    # and sin are 1-D RoPE's at that position
+    "qwen2_vl_text": lambda attn: attn.sliding_window,
+    "qwen2_5_vl_text": lambda attn: attn.sliding_window,
+    "qwen3_vl_text": lambda attn: None,
 }
-QK_NORM = ("qwen3",)  # per-head RMSNorm of q and k after their projections, before the rotary
+QK_NORM = ("qwen3", "qwen3_vl_text")  # per-head RMSNorm of q and k after their projections, before the rotary
 
 
 def family(model: nn.Module) -> str:
@@ -119,7 +126,8 @@ class DecodePath:
         # layers given to the engine). They are called without `__call__`'s hook machinery.
         inner, b = self.decoder, plan.input_ids.shape[0]
         x = inner.embed_tokens.forward(plan.input_ids)  # [B, hidden]
-        cos, sin = inner.rotary_emb.forward(x[None], plan.positions[None])  # [1, B, D]
+        rotary = plan.positions if plan.rope is None else plan.rope[0]  # Qwen's: all three rows equal
+        cos, sin = inner.rotary_emb.forward(x[None], rotary[None])  # [1, B, D]
         cos_b, sin_b = cos[0], sin[0]
         for layer, window in zip(inner.layers, self.windows, strict=True):
             attn, d = layer.self_attn, layer.self_attn.head_dim

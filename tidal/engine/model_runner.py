@@ -167,8 +167,11 @@ class BatchPlan:
     blocks: list[list[tuple[int, int]]] | None = None
 
     @staticmethod
-    def decode(input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor) -> BatchPlan:
-        """A pure decode step's plan from device tensors (`DecodeGraphs`' static buffers)."""
+    def decode(
+        input_ids: Tensor, positions: Tensor, slots: Tensor, lens: Tensor, tables: Tensor, rotary: Tensor | None = None
+    ) -> BatchPlan:
+        """A pure decode step's plan from device tensors (`DecodeGraphs`' static buffers);
+        `rotary`: Qwen's rotary positions (each token's three are equal), where they differ."""
         empty = torch.zeros(0, 1, dtype=torch.long, device=input_ids.device)
         return BatchPlan(
             input_ids=input_ids,
@@ -184,6 +187,7 @@ class BatchPlan:
             multi=[],
             only_single=True,
             tables=tables,
+            rope=rotary.expand(3, -1) if rotary is not None else None,
         )
 
     def to(self, device: torch.device) -> BatchPlan:
@@ -385,6 +389,7 @@ class ModelRunner:
             self.block_size,
             self.pad_block,
             capture,
+            self._rope_offsets if self.vision is not None and self.vision.mrope else None,
         )
         if capture:
             self.graphs.capture_all()
@@ -530,6 +535,11 @@ class ModelRunner:
             prefill=prefill,
             **latent,
         )
+
+    @staticmethod
+    def _rope_offsets(seqs: list[Sequence]) -> list[int]:
+        """Each sequence's offset of its rotary positions past its prompt (Qwen's images)."""
+        return [s.images.delta if s.images is not None else 0 for s in seqs]
 
     @staticmethod
     def _rope(seqs: list[Sequence], positions: Tensor) -> Tensor:
