@@ -194,6 +194,7 @@ def hf_logprobs(model, family: str, ids: list[int], images: list[vision.Image], 
 # the byte tokenizer's specials from id 259: fillers up to the families' placeholder ids
 _QWEN_SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
 _IDEFICS_SPECIALS = ["<image>", "<unused>", "<fake_token_around_image>", "<global-img>"]
+_GEMMA_SPECIALS = ["<image_soft_token>", "<unused0>", "<unused1>", "<unused2>", "<start_of_image>", "<end_of_image>"]
 _PARTS = "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
 _TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -205,17 +206,27 @@ _TEMPLATE = (
 def processor(family: str):
     """The family's transformers processor over conftest's byte tokenizer, its placeholder token at
     `IMAGE_TOKEN` as `tiny_config` has it, and a ChatML template that renders image parts as the
-    family's marker. (llava and Idefics3 only: the Qwen and SmolVLM processors need torchvision
-    or num2words, which tidal does not install.)"""
+    family's marker. (llava, Idefics3 and Gemma 3 only: the Qwen and SmolVLM processors need
+    torchvision or num2words, which tidal does not install.)"""
     import transformers
     from conftest import make_tokenizer
 
     tok = make_tokenizer()
-    specials = {"llava": _IDEFICS_SPECIALS, "idefics3": _IDEFICS_SPECIALS}[family]
+    specials = {"llava": _IDEFICS_SPECIALS, "idefics3": _IDEFICS_SPECIALS, "gemma3": _GEMMA_SPECIALS}[family]
     fillers = [f"<|filler_{i}|>" for i in range(IMAGE_TOKEN - len(tok))]
     tok.add_special_tokens({"additional_special_tokens": fillers + specials})
     assert tok.convert_tokens_to_ids(specials[0]) == IMAGE_TOKEN
     template = _TEMPLATE.replace("IMAGE", "<image>")
+    if family == "gemma3":  # its processor reads these names off the tokenizer
+        names = {"image_token": specials[0], "boi_token": specials[4], "eoi_token": specials[5]}
+        tok._set_model_specific_special_tokens(special_tokens=names)
+        assert tok.boi_token_id == GEMMA_BOI and tok.eoi_token_id == GEMMA_EOI
+        return transformers.Gemma3Processor(
+            image_processor=image_processor(family),
+            tokenizer=tok,
+            chat_template=_TEMPLATE.replace("IMAGE", names["boi_token"]),
+            image_seq_length=4,
+        )
     if family == "llava":
         return transformers.LlavaProcessor(
             image_processor=image_processor(family),

@@ -40,7 +40,7 @@ def write_jsonl(path, prompts: list) -> None:
     path.write_text("".join(json.dumps({"prompt": p, "label": "x"}) + "\n" for p in prompts))
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "gemma3"])
 def test_images_from_a_path_and_a_data_uri_run_as_transformers_runs_the_processor_batch(family, tmp_path):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "a.png").write_bytes(png(0))
@@ -60,7 +60,8 @@ def test_images_from_a_path_and_a_data_uri_run_as_transformers_runs_the_processo
     for r, pics in zip(records, [[picture(0)], [picture(1), picture(0)]], strict=True):
         batch = proc(text=[r.text], images=[pics], return_tensors="pt")
         assert r.input_ids == batch["input_ids"][0].tolist() and IMAGE_TOKEN in r.input_ids
-        kw = {k: v for k, v in batch.items() if k in vision.FAMILIES[family].inputs}
+        # Gemma 3's token types: which tokens attend within their image both ways
+        kw = {k: v for k, v in batch.items() if k in (*vision.FAMILIES[family].inputs, "token_type_ids")}
         with torch.no_grad():
             want = model.generate(batch["input_ids"], **kw, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
