@@ -79,8 +79,5 @@ def _read_images(reader: ImageReader, text: str | None, values: list, field: str
         opened = [reader.open(v, f"image {i}") for i, v in enumerate(values)]
     except DataError as e:
         raise BadRequest(f"{field}: {e}") from None
-    ids = None
-    if text is not None:
-        pictures = [picture for picture, _ in opened]
-        ids = reader.processor(text=[text], images=[pictures], return_tensors="pt")["input_ids"][0].tolist()
+    ids = reader.ids(text, [picture for picture, _ in opened]) if text is not None else None
     return ids, [reader.one(picture, raw) for picture, raw in opened]

@@ -133,10 +133,14 @@ class ImageReader:
                     parts.append(part)
             plain.append({**m, "content": parts})
         text = self.processor.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-        given = {"images": [pictures]} if pictures else {}
-        ids = self.processor(text=[text], return_tensors="pt", **given)["input_ids"][0].tolist()
         images = [self.one(picture, raw) for picture, raw in zip(pictures, files, strict=True)]
-        return plain, text, ids, images
+        return plain, text, self.ids(text, pictures), images
+
+    def ids(self, text: str, pictures: list) -> list[int]:
+        """The token ids of a rendered prompt `text` with each image marker expanded by the
+        processor into the placeholders of its picture (PIL images, in order)."""
+        given = {"images": [pictures]} if pictures else {}
+        return self.processor(text=[text], return_tensors="pt", **given)["input_ids"][0].tolist()
 
     def one(self, picture, source: bytes = b"") -> vision.Image:
         """One PIL image as the model's image processor makes it, alone (`source`: the file it
