@@ -27,15 +27,20 @@ def llava_dir(tmp_path_factory):
     return folder
 
 
-def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, tmp_path):
-    (tmp_path / "data").mkdir()
+def image_prompts(folder) -> str:
+    """Six prompts, each a picture file and a question, as a JSONL file in `folder`/data."""
+    (folder / "data").mkdir()
     rows = []
     for i in range(6):
-        picture(i).save(tmp_path / "data" / f"{i}.png")
+        picture(i).save(folder / "data" / f"{i}.png")
         content = [{"type": "image", "image": f"{i}.png"}, {"type": "text", "text": f"what is {i}?"}]
         rows.append(json.dumps({"prompt": [{"role": "user", "content": content}], "label": str(i)}))
-    (tmp_path / "data" / "train.jsonl").write_text("\n".join(rows) + "\n")
-    data = str(tmp_path / "data" / "train.jsonl")
+    (folder / "data" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return str(folder / "data" / "train.jsonl")
+
+
+def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, tmp_path):
+    data = image_prompts(tmp_path)
     # one optimizer step per rollout: the trainer scores with the weights that sampled
     over = {"data.path": data, "train.num_steps": 2, "rollout.max_new_tokens": 6, "train.global_batch_size": 16}
     # an eval set of image prompts too: read with the processor, scored on the engine
@@ -69,3 +74,21 @@ def test_a_grpo_run_trains_a_vision_language_model_on_image_prompts(llava_dir, t
     assert type(AutoModelForImageTextToText.from_pretrained(out)).__name__ == "LlavaForConditionalGeneration"
     assert ImageReader.for_model(out, tmp_path) is not None
     assert LLMEngine(out, None, dtype="float32", kv_cache_tokens=256).vision is vision.FAMILIES["llava"]
+
+
+def test_ray_trainer_ranks_and_an_engine_actor_train_it_like_one_process(ray_session, llava_dir, tmp_path):
+    """Two FSDP2 trainer ranks and one engine actor on Ray: the actor reads its folder's processor
+    and samples with the images the rollout sends it, and the first step (the same weights, the
+    same seeds) is the in-process run's."""
+    data = image_prompts(tmp_path)
+    over = {"data.path": data, "train.num_steps": 1, "rollout.max_new_tokens": 6, "train.global_batch_size": 16}
+    local = tidal.loop.train(loop_config(llava_dir, tmp_path / "local", **over))
+    layout = {"cluster.trainers": 2, "cluster.engines": 1}
+    ray = tidal.loop.train(loop_config(llava_dir, tmp_path / "ray", **over, **layout))
+    assert [h["step"] for h in ray] == [1]
+    # (not actor/tokens: the rows each rank computes, where a group split over two ranks stores its
+    # prompt twice)
+    for key in ("reward/mean", "response/length_mean", "loss/pg"):
+        assert ray[0][key] == pytest.approx(local[0][key], rel=1e-5, abs=1e-6), key
+    assert ray[0]["actor/grad_norm"] == pytest.approx(local[0]["actor/grad_norm"], rel=1e-4)
+    assert ray[0]["actor/rollout_logprob_abs_diff"] < 1e-5  # the ranks scored the actor's samples with the images
