@@ -29,6 +29,11 @@ small random CLIP tower, built here once): the example's colour questions, one 3
 each (16 image tokens), `generate` with the processor's pixel batch, tidal with each prompt's
 `vision.Image` (a group's samples share one prefill of the image).
 
+`--model qwen-vision` runs it on a Qwen2.5-VL of random weights built here once (`QWEN_VISION_TEXT`:
+MOE_CONFIG's width, heads and vocabulary with a dense MLP; a 2-layer vision tower): the arithmetic
+prompts, each with a random 112 x 112 picture (16 image tokens) after its first three tokens.
+Qwen's 3-D rotary positions: tidal's decode steps take the decode path at index + offset.
+
 `--model moe` runs the same workload on a Qwen3-MoE of random weights built here once (no
 checkpoint to download): SmolLM2's tokenizer and vocabulary, hidden 576, 16 layers, 9 query / 3
 KV heads, 8 experts of width 768, top-2, renormalised (`MOE_CONFIG`), in the model cache beside
@@ -56,7 +61,7 @@ import torch
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
 IMPLS = ("hf_generate", "tidal", "tidal_int8", "vllm")
-MODELS = ("smollm2", "moe", "hybrid", "vision")
+MODELS = ("smollm2", "moe", "hybrid", "vision", "qwen-vision")
 
 # a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
 MOE_CONFIG = {
@@ -93,6 +98,28 @@ HYBRID_CONFIG = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
 }
 MOE_SEED = 0
+# `--model qwen-vision`: a Qwen2.5-VL of random weights, its language model MOE_CONFIG's width,
+# heads and vocabulary with a dense MLP (3-D rotary: 8 + 12 + 12 of the 32 frequencies), a
+# 2-layer vision tower; the last four ids of the vocabulary are its image and video tokens
+QWEN_VISION_IDS = {"video_token_id": 49148, "image_token_id": 49149, "vision_start_token_id": 49150}
+QWEN_VISION_IDS["vision_end_token_id"] = 49151
+QWEN_VISION_TEXT = {
+    **{k: v for k, v in MOE_CONFIG.items() if "expert" not in k and k not in ("norm_topk_prob", "rope_parameters")},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0, "mrope_section": [8, 12, 12]},
+}
+QWEN_VISION_TOWER = {
+    "depth": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_heads": 2,
+    "out_hidden_size": 576,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "fullatt_block_indexes": [1],
+    "window_size": 112,
+}
+QWEN_VISION_PIXELS = 112  # a square picture: 8 x 8 patches, 16 image tokens after the 2 x 2 merge
 
 
 def random_model(name: str) -> Path:
@@ -145,12 +172,61 @@ def vision_model() -> Path:
     return out / "model"
 
 
+def qwen_vision_model() -> Path:
+    """`--model qwen-vision`: the random Qwen2.5-VL (`QWEN_VISION_TEXT`, `QWEN_VISION_TOWER`),
+    weights from `MOE_SEED`, SmolLM2's tokenizer; built on first use beside the converted SmolLM2."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    from tidal.convert import default_cache_dir, ensure_model
+    from tidal.utils import atomic_directory
+
+    out = default_cache_dir() / f"bench-qwen2-5-vl-random-seed{MOE_SEED}"
+    if (out / "config.json").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(str(ensure_model("smollm2")))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    text = {**QWEN_VISION_TEXT, **ids}
+    config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=QWEN_VISION_TOWER, **QWEN_VISION_IDS)
+    torch.manual_seed(MOE_SEED)
+    model = AutoModelForImageTextToText.from_config(config).float()
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+    return out
+
+
+def _qwen_vision_prompts(tokenizer, n_prompts: int, level: int) -> tuple[list[list[int]], list]:
+    """`--model qwen-vision`: the arithmetic prompts, each with a random picture's tokens after
+    its first three (vision start, 16 image tokens, vision end), and that picture as its
+    `vision.Image` (Qwen2-VL's image processor)."""
+    import numpy as np
+    from PIL import Image as PILImage
+    from transformers import Qwen2VLImageProcessorPil
+
+    from tidal import vision
+
+    size = QWEN_VISION_PIXELS
+    processor = Qwen2VLImageProcessorPil(min_pixels=size * size, max_pixels=size * size, patch_size=14, merge_size=2)
+    rng = np.random.default_rng(7)
+    run = [QWEN_VISION_IDS["vision_start_token_id"], *[QWEN_VISION_IDS["image_token_id"]] * 16]
+    run.append(QWEN_VISION_IDS["vision_end_token_id"])
+    prompts, images = [], []
+    for p in _prompts(tokenizer, n_prompts, level):
+        picture = PILImage.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        out = processor(images=[picture], return_tensors="pt")
+        images.append([vision.Image.of({k: out[k] for k in vision.FAMILIES["qwen2_5_vl"].inputs})])
+        prompts.append(p[:3] + run + p[3:])
+    return prompts, images
+
+
 def bench_model(name: str) -> Path:
     """The local folder of `--model`."""
     from tidal.convert import ensure_model
 
     if name == "vision":
         return vision_model()
+    if name == "qwen-vision":
+        return qwen_vision_model()
     return ensure_model("smollm2") if name == "smollm2" else random_model(name)
 
 
@@ -186,6 +262,7 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype, images=None)
     if images:  # one image per prompt: the processor's batch of them
         family = vision.family(model.config)
         pixels = vision.batch([im for ims in images for im in ims], family.inputs)
+        token = vision.image_token(model.config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad)
@@ -193,6 +270,8 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype, images=None)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    if images and family.mrope:  # which tokens are the images' (Qwen's 3-D positions)
+        pixels["mm_token_type_ids"] = (ids == token).int()
     eos = tokenizer.eos_token_id
 
     def once():
@@ -218,7 +297,10 @@ def _run_hf(model_dir, tokenizer, prompts, n, max_new, seed, dtype, images=None)
         return useful, len(gen[0])
 
     with torch.inference_mode():  # warm-up: allocator, kernels
-        first = {k: v[:1] for k, v in pixels.items()}
+        # the first prompt's images alone (Qwen's pixel rows are patches, not one per image)
+        first = vision.batch(images[0], family.inputs) if images else {}
+        if "mm_token_type_ids" in pixels:
+            first["mm_token_type_ids"] = pixels["mm_token_type_ids"][:1]
         model.generate(
             input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad, **first
         )
@@ -326,6 +408,8 @@ def child(args) -> None:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if args.model == "vision":
         prompts, images = _vision_prompts(tok, args.prompts, model_dir)
+    elif args.model == "qwen-vision":
+        prompts, images = _qwen_vision_prompts(tok, args.prompts, args.level)
     else:
         prompts, images = _prompts(tok, args.prompts, args.level), None
     if args.impl == "hf_generate":
@@ -364,7 +448,10 @@ def child(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="tidal engine vs vLLM vs transformers generate on a GRPO rollout")
     p.add_argument(
-        "--model", default="smollm2", choices=MODELS, help="SmolLM2-135M, the random Qwen3-MoE or Qwen3-Next"
+        "--model",
+        default="smollm2",
+        choices=MODELS,
+        help="SmolLM2-135M, the random Qwen3-MoE or Qwen3-Next, the llava example, the random Qwen2.5-VL",
     )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, nargs="+", default=[8], help="samples per prompt (several: a sweep)")
