@@ -82,7 +82,7 @@ def test_one_and_two_images_give_transformers_tokens_and_log_probs(family):
     assert eng.runner.decode_path_checked == (family not in ("gemma3", "qwen3_vl_moe"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_image_in_a_second_turn_continues_the_first_from_the_prefix_cache(family):
     eng = engine(family)
     a, b = image(family, 0), image(family, 1)
@@ -95,7 +95,7 @@ def test_an_image_in_a_second_turn_continues_the_first_from_the_prefix_cache(fam
     assert_matches(family, second, [a, b], again)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "smolvlm", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_group_computes_its_image_once_and_different_images_never_share(family, monkeypatch):
     eng = engine(family)
     calls = []
