@@ -2,7 +2,7 @@
 score the engine's samples with images (packed rows, a group's prompt and pictures stored once)
 and take the single process's step, the vision tower trained too. Qwen3-VL (3-D positions and
 deepstack features), llava (a CLIP tower and a projector) and Gemma 3 (images attended both
-ways; it trains padded)."""
+ways)."""
 
 import pytest
 import torch

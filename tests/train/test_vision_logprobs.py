@@ -40,9 +40,8 @@ def test_the_trainer_scores_image_samples_as_the_engine_did(family, layout):
     samples = engine_samples(family)
     assert samples[0].images is samples[GROUP - 1].images  # a group's images: one list
     a = actor(family, **LAYOUTS[layout])
-    # Gemma 3 trains padded whatever the options: its images' masks are transformers' own
-    packs = layout != "padded" and not vision.FAMILIES[family].bidirectional
-    assert a.fwd.packing == packs and a.fwd.share_prompts == (packs and layout == "packed, shared prompts")
+    packs = layout != "padded"
+    assert a.fwd.packing == packs and a.fwd.share_prompts == (layout == "packed, shared prompts")
     batch = a.fwd.collate(samples[:4])
     if a.fwd.share_prompts:  # the group's prompt and its image stored once in the row
         prompt = len(samples[0].tokens) - samples[0].response_length
@@ -109,7 +108,7 @@ def test_the_same_tokens_with_another_image_are_another_prompt_in_a_packed_row(f
     assert (wrong[GROUP, : s.response_length] - torch.tensor(s.rollout_log_probs)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3", "gemma3"])
 def test_a_packed_step_moves_the_weights_as_a_padded_one(family):
     samples = engine_samples(family)
     advantages = torch.linspace(-1, 1, len(samples))

@@ -49,9 +49,19 @@ class PackedLayout:
     length: int
     to_padded: Tensor
     to_packed: Tensor
+    # Gemma 3's images (`vision.Family.bidirectional`): per sample, the runs [a, b) of its
+    # positions whose tokens attend to each other both ways (`vision.within_images`)
+    images: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     def to(self, device: str | torch.device) -> PackedLayout:
-        return PackedLayout(self.batch, self.length, self.to_padded.to(device), self.to_packed.to(device))
+        return PackedLayout(self.batch, self.length, self.to_padded.to(device), self.to_packed.to(device), self.images)
+
+    def mask(self, window: int | None, device) -> Tensor:
+        """The padded view's mask [batch, 1, length, length] with `images`: causal within each
+        sample (within `window`), each image's tokens also seeing that image's later tokens."""
+        causal = causal_mask(self.length, self.length, 0, window, device)
+        masks = [vision.within_images(causal.clone(), 0, list(runs), window) for runs in self.images]
+        return torch.stack(masks)[:, None]
 
 
 def packed_layout(position_ids: Tensor) -> PackedLayout:
@@ -138,7 +148,9 @@ def packed_attention(
     with torch.autocast(CPU, enabled=False) if q.device.type == CPU else contextlib.nullcontext():
         if q.device.type == CPU:  # the CPU flash kernel's bf16 backward is ~3x slower than fp32's
             q, k, v = q.float(), k.float(), v.float()
-        if sliding or softcap is not None:  # each padded sample attends causally within its window
+        if lay.images is not None:  # Gemma 3's images attend both ways
+            out = attend(q, k, v, lay.mask(sliding, q.device), scale, softcap)
+        elif sliding or softcap is not None:  # each padded sample attends causally within its window
             mask = causal_mask(lay.length, lay.length, 0, sliding, q.device)
             out = attend(q, k, v, mask, scale, softcap)
         else:

@@ -258,9 +258,6 @@ def supports_packing(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_causal", True):
         return False
-    fam = vision.runs(config)
-    if fam is not None and fam.bidirectional:  # an image attends both ways: its mask is transformers'
-        return False
     return attn_implementation(model) in PACKING_ATTN_IMPLEMENTATIONS
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from tidal import recurrent
+from tidal import recurrent, vision
 from tidal.hardware import CPU, to_device
 from tidal.moe import replay, routing_shape
 from tidal.train import context
@@ -43,6 +44,12 @@ class Forward:
         self.device = torch.device(device)
         self.routing = routing
         self.packing = cfg.packing and supports_packing(model)
+        family = vision.runs(model.config) if hasattr(model, "config") else None
+        # Gemma 3's images attend both ways within a sample: only the packed attention knows where
+        self.images_both_ways = family is not None and family.bidirectional
+        self.image_token = vision.image_token(model.config) if self.images_both_ways else None
+        if self.packing and self.images_both_ways:
+            self.packing = use_packed_attention(model)
         if self.packing and recurrent.mixers(model):
             # a hybrid model's recurrent layers run a packed row's samples as a padded batch from
             # no state; they learn where samples start from the row's layout, which only the
@@ -76,7 +83,11 @@ class Forward:
         recorded experts of this rank's tokens only (the forward's tokens)."""
         if not self.packing:
             return to_device(collate(samples, self.pad_id, self.routing), self.device)
-        batch = to_device(collate_packed(samples, self.pad_id, self.share_prompts, self.routing), self.device)
+        batch = collate_packed(samples, self.pad_id, self.share_prompts, self.routing)
+        if self.images_both_ways:  # each sample's image runs, in its own positions
+            layout = batch.get("layout") or packed_layout(batch["position_ids"])
+            batch["layout"] = dataclasses.replace(layout, images=tuple(self._image_runs(s) for s in samples))
+        batch = to_device(batch, self.device)
         if self.cp_group is not None:
             layout = batch.get("layout") or packed_layout(batch["position_ids"])
             split = context.split_row(batch["position_ids"], layout, self.cp_group)
@@ -86,6 +97,13 @@ class Forward:
                     split, batch["routed_experts"], batch["routed_mask"]
                 )
         return batch
+
+    def _image_runs(self, sample: Sample) -> tuple[tuple[int, int], ...]:
+        """The runs of a sample's image placeholders in its prompt (none without images)."""
+        if not sample.images:
+            return ()
+        prompt = sample.tokens[: len(sample.tokens) - sample.response_length]
+        return tuple(vision.image_blocks(vision.placeholders(prompt, self.image_token)))
 
     def hidden(self, base_model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, R, H] hidden states at the positions that predict response tokens."""
