@@ -425,7 +425,8 @@ def merged_in_forward(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]):
 
     A trained tower's parameters all get a gradient, zero where this batch did not use them (no
     image in it, a layer past the one llava reads): FSDP2 reduces a unit's gradients in one
-    collective whose size every rank must agree on."""
+    collective whose size every rank must agree on. AdamW moves a weight with a zero gradient only
+    by `train.weight_decay` (0 by default), and one no image ever reaches changes no output."""
     inner = model.model if hasattr(model, "model") else model
     state: dict = {}
 
