@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -190,6 +191,37 @@ def test_attaching_to_a_silent_url_names_it():
     assert (
         str(err.value) == f"sglang server 0 at {url} did not answer /health within 1 s (cluster.engine_startup_timeout)"
     )
+
+
+@needs_router
+def test_a_router_port_taken_before_it_binds_it_is_replaced(tiny_model_dir, tmp_path, monkeypatch):
+    """The router's port is chosen free and bound a moment later; here another socket holds the
+    first one chosen, the router exits on it, and the launcher starts it on another."""
+    from tidal.adapters import sglang_launch
+
+    held = socket.socket()
+    held.bind((HOST, 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    calls = []
+
+    def free_port_but_one():  # two servers' ports, then the router's: the held one
+        calls.append(1)
+        return taken if len(calls) == 3 else free_port()
+
+    monkeypatch.setattr(sglang_launch, "free_port", free_port_but_one)
+    rollout = EngineConfig(kind="sglang", dtype="float32", launch_router=True)
+    cluster = ClusterConfig(engines=2, engine_startup_timeout=300)
+    try:
+        servers = launch_sglang(rollout, cluster, tiny_model_dir, tmp_path, env=standin_env())
+    finally:
+        held.close()
+    try:
+        assert servers.router_url != f"http://{HOST}:{taken}" and len(servers.processes) == 3
+        assert "Address already in use" in (tmp_path / "sglang_router.log").read_text()
+        assert httpx.get(servers.router_url + "/health").status_code == 200
+    finally:
+        servers.close()
 
 
 @needs_router

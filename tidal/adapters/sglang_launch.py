@@ -289,18 +289,40 @@ def launch_sglang(
         for proc in servers.processes:
             proc.wait_healthy(deadline, limit, headers)
         if engine.launch_router:
-            port = free_port()
-            cmd = router_command(
-                python, servers.worker_urls, port, request_timeout=engine.request_timeout, startup_timeout=limit
-            )
-            router = ServerProcess("sglang-router", f"http://{HOST}:{port}", cmd, Path(log_dir) / "sglang_router.log")
-            servers.processes.append(router.start(base))
-            router.wait_healthy(time.monotonic() + limit, limit)
-            servers.router_url = router.url
+            servers.router_url = _start_router(servers, python, engine, limit, Path(log_dir) / "sglang_router.log")
     except BaseException:
         servers.close()
         raise
     return servers
+
+
+PORT_TRIES = 3  # a router whose free port another process took before it bound it: another port
+
+
+def _start_router(servers: SGLangServers, python: str, engine: EngineConfig, limit: float, log_path: Path) -> str:
+    """Start sglang-router in front of `servers` (it joins `servers.processes`) and return its URL
+    once it answers /health. Its ports are chosen free (`free_port`) and bound by the router a
+    moment later: on a busy machine another process can take one in between, and the router
+    exits saying so; it is then started again on other ports (its output in a log of its own), up
+    to `PORT_TRIES` times."""
+    attempt = 1
+    while True:
+        port = free_port()
+        cmd = router_command(
+            python, servers.worker_urls, port, request_timeout=engine.request_timeout, startup_timeout=limit
+        )
+        path = log_path if attempt == 1 else log_path.with_suffix(f".{attempt}{log_path.suffix}")
+        router = ServerProcess("sglang-router", f"http://{HOST}:{port}", cmd, path)
+        servers.processes.append(router.start(servers.env))
+        try:
+            router.wait_healthy(time.monotonic() + limit, limit)
+            return router.url
+        except RuntimeError:
+            if attempt == PORT_TRIES or "Address already in use" not in router.tail():
+                raise
+        servers.processes.remove(router)
+        log.info("sglang-router: a port was taken before it bound it (try %d of %d)", attempt, PORT_TRIES)
+        attempt += 1
 
 
 def attach_sglang(engine: EngineConfig, cluster: Layout) -> SGLangServers:
