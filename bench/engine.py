@@ -129,22 +129,27 @@ def random_model(name: str) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tidal.convert import default_cache_dir, ensure_model
-    from tidal.utils import atomic_directory
 
     values = dict(HYBRID_CONFIG if name == "hybrid" else {"model_type": "qwen3_moe", **MOE_CONFIG})
     kind = values.pop("model_type")
     out = default_cache_dir() / f"bench-{kind.replace('_', '-')}-random-seed{MOE_SEED}"
     if (out / "config.json").exists():
         return out
-    smollm2 = ensure_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    tok = AutoTokenizer.from_pretrained(str(ensure_model("smollm2")))
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    config = AutoConfig.for_model(kind, **values, **ids)
+    return _save_random(out, AutoModelForCausalLM, AutoConfig.for_model(kind, **values, **ids), tok)
+
+
+def _save_random(out: Path, auto, config, tokenizer) -> Path:
+    """`auto`'s model of `config` with weights drawn from `MOE_SEED` by transformers' own init,
+    saved with `tokenizer` as the folder `out` (written whole or not at all)."""
+    from tidal.utils import atomic_directory
+
     torch.manual_seed(MOE_SEED)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = auto.from_config(config).float()
     with atomic_directory(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
     return out
 
 
@@ -178,7 +183,6 @@ def qwen_vision_model() -> Path:
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     from tidal.convert import default_cache_dir, ensure_model
-    from tidal.utils import atomic_directory
 
     out = default_cache_dir() / f"bench-qwen2-5-vl-random-seed{MOE_SEED}"
     if (out / "config.json").exists():
@@ -187,12 +191,7 @@ def qwen_vision_model() -> Path:
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     text = {**QWEN_VISION_TEXT, **ids}
     config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=QWEN_VISION_TOWER, **QWEN_VISION_IDS)
-    torch.manual_seed(MOE_SEED)
-    model = AutoModelForImageTextToText.from_config(config).float()
-    with atomic_directory(out) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-    return out
+    return _save_random(out, AutoModelForImageTextToText, config, tok)
 
 
 def _qwen_vision_prompts(tokenizer, n_prompts: int, level: int) -> tuple[list[list[int]], list]:

@@ -33,6 +33,10 @@ _QWEN_IDS = dict(
     vision_end_token_id=VISION_END,
     tie_word_embeddings=False,
 )
+# llava's CLIP and Gemma 3's SigLIP: 28-pixel images in 14-pixel patches, 4 patches
+_SMALL_TOWER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+)
 _IDEFICS_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
 )
@@ -58,16 +62,7 @@ def tiny_config(family: str):
             vis = {**merge, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
         return AutoConfig.for_model(family, text_config=text, vision_config=vis, **_QWEN_IDS)
     if family == "llava":
-        vis = dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-            projection_dim=32,
-        )
+        vis = {"model_type": "clip_vision_model", **_SMALL_TOWER, "projection_dim": 32}
         return AutoConfig.for_model(
             family,
             text_config={"model_type": "llama", **_TEXT},
@@ -88,19 +83,10 @@ def tiny_config(family: str):
         from families import _CONFIGS, WINDOW
 
         text = {**_TEXT, **_CONFIGS["gemma3_text"], "sliding_window": WINDOW}
-        vis = dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        )
         return AutoConfig.for_model(
             family,
             text_config={"model_type": "gemma3_text", **text},
-            vision_config=vis,
+            vision_config={"model_type": "siglip_vision_model", **_SMALL_TOWER},
             mm_tokens_per_image=4,
             boi_token_index=GEMMA_BOI,
             eoi_token_index=GEMMA_EOI,
