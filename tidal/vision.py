@@ -391,13 +391,11 @@ def _merge_rows(embeds: Tensor, index: Tensor, rows: Tensor) -> Tensor:
     return flat.index_copy(0, index, rows[:, 0].to(flat.dtype)).view_as(embeds)
 
 
-def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
-    """A vision-language model's inputs for token rows `ids` [B, L] (right-padded or packed) whose
-    text positions are `positions` [B, L], with the prompts that carry images at `prompts`:
-    `inputs_embeds` [B, L, hidden] with each image's features at its prompt's placeholders
-    (`image_rows`), a deepstack family's `deepstack_inputs`, for Qwen's families
-    `position_ids` [3, B, L] (`rope_rows`), and Gemma 3's `token_type_ids` (`token_types`).
-    Gradients reach the vision tower where its parameters require them."""
+def model_inputs(model: nn.Module, ids: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
+    """A vision-language model's embeddings for token rows `ids` [B, L] (right-padded or packed),
+    with the prompts that carry images at `prompts`: `inputs_embeds` [B, L, hidden] with each
+    image's features at its prompt's placeholders (`image_rows`), and a deepstack family's
+    `deepstack_inputs`. Gradients reach the vision tower where its parameters require them."""
     embeds = model.get_input_embeddings()(ids)
     out = {}
     merged = image_rows(model, ids, prompts)
@@ -406,6 +404,14 @@ def model_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list
         if family(model.config).deepstack:
             out.update(deepstack_inputs(merged[0], merged[1], tuple(ids.shape)))
     out["inputs_embeds"] = embeds
+    return out
+
+
+def position_inputs(model: nn.Module, ids: Tensor, positions: Tensor, prompts: list[PromptSpan]) -> dict[str, Tensor]:
+    """What a family reads of where the images are, beside the embeddings, for token rows `ids`
+    whose text positions are `positions`: Qwen's `position_ids` [3, B, L] (`rope_rows`), Gemma 3's
+    `token_type_ids` (`token_types`), nothing for the others. Reads the config only."""
+    out = {}
     rope3 = rope_rows(model, ids, positions, prompts)
     if rope3 is not None:
         out["position_ids"] = rope3

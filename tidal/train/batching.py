@@ -315,24 +315,26 @@ def _text_positions(batch: dict) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device)[None, :] * batch["attention_mask"]
 
 
-def _with_rope(batch: dict, rope: torch.Tensor | None, text: torch.Tensor) -> torch.Tensor | None:
-    """The positions to pass with Qwen's 3-D `rope` [3, B, L]: a packed row's lead with its text
-    positions ([4, 1, S]), from which transformers' mask (and `packed_attention`'s layout) learn
-    where each sample starts, as for a text row; other models' packed rows their text positions."""
-    if "position_ids" not in batch:
-        return rope
-    return text if rope is None else torch.cat([text[None], rope])
+def _image_positions(model: torch.nn.Module, batch: dict, prompts: list) -> dict[str, torch.Tensor]:
+    """A batch's `vision.position_inputs`, its positions as the forward takes them: a packed row's
+    Qwen positions lead with its text positions ([4, 1, S]), from which transformers' mask (and
+    `packed_attention`'s layout) learn where each sample starts, as for a text row; another
+    model's packed row keeps its text positions."""
+    text = _text_positions(batch)
+    out = vision.position_inputs(model, batch["input_ids"], text, prompts)
+    if "position_ids" in batch:
+        rope = out.pop("position_ids", None)
+        out["position_ids"] = text if rope is None else torch.cat([text[None], rope])
+    return out
 
 
 def model_inputs(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     """A batch's token inputs (padded, or a packed row with its `position_ids`): its ids, or with
-    images the embeddings they make and Qwen's 3-D positions (`vision.model_inputs`)."""
+    images the embeddings they make (`vision.model_inputs`) and the positions that place them."""
     if "image_prompts" not in batch:
         return {k: batch[k] for k in ("input_ids", "position_ids") if k in batch}
-    text = _text_positions(batch)
-    inputs = vision.model_inputs(model, batch["input_ids"], text, batch["image_prompts"])
-    positions = _with_rope(batch, inputs.pop("position_ids", None), text)
-    return inputs if positions is None else {**inputs, "position_ids": positions}
+    prompts = batch["image_prompts"]
+    return {**vision.model_inputs(model, batch["input_ids"], prompts), **_image_positions(model, batch, prompts)}
 
 
 def root_inputs(model: torch.nn.Module, batch: dict) -> tuple[dict[str, torch.Tensor], AbstractContextManager]:
@@ -343,14 +345,8 @@ def root_inputs(model: torch.nn.Module, batch: dict) -> tuple[dict[str, torch.Te
     if vision.runs(model.config) is None:
         return inputs, contextlib.nullcontext()
     # a micro-batch without images merges none, but its trained tower still gets (zero) gradients
-    text = _text_positions(batch)
     prompts = batch.get("image_prompts", [])
-    positions = _with_rope(batch, vision.rope_rows(model, batch["input_ids"], text, prompts), text)
-    if positions is not None:
-        inputs["position_ids"] = positions
-    types = vision.token_types(model, batch["input_ids"], prompts)
-    if types is not None:
-        inputs["token_type_ids"] = types
+    inputs.update(_image_positions(model, batch, prompts))
     return inputs, vision.merged_in_forward(model, batch["input_ids"], prompts)
 
 
