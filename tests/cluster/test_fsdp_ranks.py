@@ -82,8 +82,10 @@ def test_two_ranks_take_the_single_process_step(two_ranks, tiny_model_dir):
     samples = make_samples(8, seed=3)
     metrics = actor.train_step(samples, ADV)
     got = two_ranks["w1"]
+    # weights move ~2e-3 in these two AdamW steps; 1e-5 leaves room for AdamW's view of float-order
+    # noise where a weight's two gradients nearly cancel (one that moved 3.4e-5 differed by 6e-6)
     for name, p in actor.model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=1e-5)
     initial = single(tiny_model_dir).model.named_parameters()
     moved = sum(float((got[n] - w.detach()).abs().max()) for n, w in initial)
     assert moved > 1e-3  # the step really changed the weights
@@ -184,6 +186,8 @@ def test_a_bad_step_is_skipped_by_every_rank(tiny_model_dir, tmp_path):
     m = actor.train_step(samples, adv)
     assert m["actor/bad_steps"] == 1.0
     got = ranks[0]["after"]
+    # weights move ~2e-3 in these two AdamW steps; 1e-5 leaves room for AdamW's view of float-order
+    # noise where a weight's two gradients nearly cancel (one that moved 3.4e-5 differed by 6e-6)
     for name, p in actor.model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=1e-5)
     assert any(not torch.equal(got[n], ranks[0]["before"][n]) for n in got)

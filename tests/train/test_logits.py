@@ -27,12 +27,13 @@ def grads(hidden, head, fn):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_chunked_equals_whole_in_value_and_gradient(dtype, entropy_grad):
+@pytest.mark.parametrize("chunk", [8, 64])  # 64: the 37 tokens in one chunk
+def test_chunked_equals_whole_in_value_and_gradient(dtype, entropy_grad, chunk):
     hidden, head, labels, w_lp, w_ent = setup(dtype)
     results = {}
-    for name, chunk in (("whole", 0), ("chunked", 8)):
+    for name, size in (("whole", 0), ("chunked", chunk)):
         hidden.grad = head.weight.grad = None
-        logp, ent = token_log_probs_and_entropy(hidden, head, labels, 0.7, chunk, entropy_grad)
+        logp, ent = token_log_probs_and_entropy(hidden, head, labels, 0.7, size, entropy_grad)
         loss = (logp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0.0)
         loss.backward()
         results[name] = (logp.detach(), ent.detach(), hidden.grad.clone(), head.weight.grad.clone())
@@ -92,3 +93,21 @@ def test_the_gradients_stay_on_the_weights_device(entropy_grad):
     (logp.sum() + ent.sum()).backward()
     assert head.weight.grad.device.type == "meta" and head.weight.grad.shape == (50, 16)
     assert hidden.grad.device.type == "meta" and hidden.grad.shape == (10, 16)
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_the_graph_keeps_no_logits(chunk):
+    """What autograd keeps for the backward: the hidden states, the weight, the labels and the
+    entropies, never a [tokens, vocabulary] tensor, even when all tokens fit one chunk."""
+    hidden, head, labels, w_lp, w_ent = setup(torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = token_log_probs_and_entropy(hidden, head, labels, 0.7, chunk)
+    assert sorted(saved) == sorted([(37,), (37,), (37, 16), (300, 16)])
+    (logp * w_lp + ent * w_ent).sum().backward()
+    assert hidden.grad.shape == (37, 16)

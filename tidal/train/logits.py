@@ -2,9 +2,10 @@
 the [tokens, vocabulary] logits are never held whole.
 
 With a 49k vocabulary, the logits of 4,096 response tokens are 800 MB in fp32, and autograd keeps
-them, their log-softmax and its gradient alive together. `chunked_log_probs_and_entropy` computes
+them, their log-softmax and its gradient alive together. `token_log_probs_and_entropy` computes
 one chunk of logits at a time and keeps only the hidden states; backward computes each chunk's
-logits again (one more output-projection matmul, about a third of its forward + backward cost).
+logits again (one more output-projection matmul, about a third of its forward + backward cost),
+in place where it can: two [chunk, V] buffers at a time.
 
 For z = h W^T / tau, p = softmax(z), the sampled token y and the entropy H = -sum_v p_v log p_v:
 
@@ -20,27 +21,35 @@ from torch import Tensor
 from tidal.algo import log_probs_and_entropy, log_probs_from_logits
 
 
-def _chunk_stats(h: Tensor, weight: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-softmax [n, V] in fp32, log-probs of `labels` [n], entropies [n]) of one chunk."""
+def _chunk_log_softmax(h: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """log softmax(h W^T / temperature) [n, V] in fp32 for one chunk of hidden states."""
     z = torch.nn.functional.linear(h, weight).float()
     if temperature != 1.0:
-        z = z / temperature
-    log_p = torch.log_softmax(z, dim=-1)
-    picked = log_p.gather(-1, labels[:, None])[:, 0]
-    # clamp: a -inf log-prob (p = 0) contributes 0 * finite, not 0 * inf = NaN
-    ent = -(log_p.exp() * log_p.clamp(min=torch.finfo(log_p.dtype).min)).sum(dim=-1)
-    return log_p, picked, ent
+        z.div_(temperature)
+    return torch.log_softmax(z, dim=-1)
+
+
+def _entropy_into(log_p: Tensor, scratch: Tensor) -> Tensor:
+    """H = -sum_v p_v log p_v [n] of one chunk's log-softmax; `scratch` [n, V] ends holding
+    p * log p. The log-softmax is clamped in place: a -inf log-prob (p = 0) contributes 0 * finite,
+    not 0 * inf = NaN."""
+    torch.exp(log_p, out=scratch)
+    scratch.mul_(log_p.clamp_(min=torch.finfo(log_p.dtype).min))
+    return scratch.sum(dim=-1).neg_()
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
+    """Each chunk holds at most two [chunk, V] fp32 buffers at once, forward or backward."""
+
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int):
         logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         ent = torch.empty_like(logp)
         for s in range(0, hidden.shape[0], chunk):
-            _, logp[s : s + chunk], ent[s : s + chunk] = _chunk_stats(
-                hidden[s : s + chunk], weight, labels[s : s + chunk], temperature
-            )
+            log_p = _chunk_log_softmax(hidden[s : s + chunk], weight, temperature)
+            logp[s : s + chunk] = log_p.gather(-1, labels[s : s + chunk, None])[:, 0]
+            ent[s : s + chunk] = _entropy_into(log_p, torch.empty_like(log_p))
+            del log_p
         ctx.save_for_backward(hidden, weight, labels, ent)
         ctx.set_materialize_grads(False)  # an output nobody differentiates sends None, not zeros
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -54,24 +63,33 @@ class _ChunkedLogProbs(torch.autograd.Function):
         # on the weight's device: autograd runs this outside any default-device mode the caller set
         grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
-            log_p, _, _ = _chunk_stats(h, weight, labels[s : s + chunk], tau)
-            p = log_p.exp()
-            grad_z = torch.zeros_like(log_p)
-            if g_logp is not None:
-                g = g_logp[s : s + chunk].float()
-                grad_z -= p * g[:, None]
-                grad_z.scatter_add_(-1, labels[s : s + chunk, None], g[:, None])
+            h, rows = hidden[s : s + chunk], slice(s, s + chunk)
+            log_p = _chunk_log_softmax(h, weight, tau)
+            grad_z = log_p.exp()  # p
             if g_ent is not None:
-                log_p_finite = log_p.clamp(min=torch.finfo(log_p.dtype).min)
-                grad_z -= g_ent[s : s + chunk, None].float() * p * (log_p_finite + ent[s : s + chunk, None])
+                # dH/dz_v = -p_v (log p_v + H), built in log_p's buffer
+                term = log_p.clamp_(min=torch.finfo(log_p.dtype).min).add_(ent[rows, None]).mul_(grad_z)
+                term.mul_(g_ent[rows, None].float().neg())
+            del log_p
+            if g_logp is not None:  # d log p_y / dz = onehot(y) - p
+                g = g_logp[rows].float()
+                grad_z.mul_(g.neg()[:, None]).scatter_add_(-1, labels[rows, None], g[:, None])
+                if g_ent is not None:
+                    grad_z.add_(term)
+            elif g_ent is not None:
+                grad_z = term
+            else:
+                grad_z.zero_()
             if tau != 1.0:
-                grad_z = grad_z / tau
+                grad_z.div_(tau)
             grad_z = grad_z.to(hidden.dtype)
             if grad_h is not None:
-                grad_h[s : s + chunk] = grad_z @ weight
+                grad_h[rows] = grad_z @ weight
             if grad_w is not None:
-                grad_w += (grad_z.t() @ h).float()
+                if grad_z.dtype == torch.float32:
+                    grad_w.addmm_(grad_z.t(), h)
+                else:
+                    grad_w += (grad_z.t() @ h).float()
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
@@ -105,11 +123,12 @@ def token_log_probs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """(log p(labels), entropy) [T] of softmax(head(hidden) / temperature) for hidden [T, H].
 
-    With `chunk` > 0 and more than `chunk` tokens, the logits are computed `chunk` tokens at a time
-    and never held whole (a bias-free linear `head` only); otherwise in one piece, as
-    `tidal.algo.log_probs_and_entropy`. Both give the same values and gradients."""
+    With `chunk` > 0 and a bias-free linear `head`, the logits are computed `chunk` tokens at a
+    time, kept by no graph and computed again in the backward (so even one chunk's worth is not held
+    from the forward to the backward); otherwise in one piece, as `tidal.algo.log_probs_and_entropy`.
+    Both give the same values and gradients."""
     weight = getattr(head, "weight", None)
-    if chunk <= 0 or hidden.shape[0] <= chunk or getattr(head, "bias", None) is not None or weight is None:
+    if chunk <= 0 or getattr(head, "bias", None) is not None or weight is None:
         return log_probs_and_entropy(head(hidden), labels, temperature, entropy_grad)
     logp, ent = _ChunkedLogProbs.apply(hidden, weight, labels.long(), float(temperature), chunk)
     return logp, ent if entropy_grad else ent.detach()
