@@ -1,9 +1,9 @@
 """Peak memory of a GRPO run: tidal with the engine's weights packed for oneDNN, tidal without,
-tidal packed with `train.gradient_checkpointing` ("tidal ckpt"), and TRL's GRPOTrainer (without
-it), on one workload (CPU, float32 everywhere).
+tidal packed with `train.gradient_checkpointing` full ("tidal ckpt") and selective ("tidal sac"),
+and TRL's GRPOTrainer (without it), on one workload (CPU, float32 everywhere).
 
     python -m bench memory                        # one run of each, alternating
-    python -m bench memory --repeats 2            # tidal packed, tidal plain, tidal ckpt, TRL, ...
+    python -m bench memory --repeats 2            # tidal packed, tidal plain, tidal ckpt, tidal sac, TRL, ...
 
 Workload (see `bench.trl_runner`, the quickstart's data and reward): SmolLM2-135M-Instruct, 2
 prompts x 8 samples of at most 32 new tokens per step, one optimizer step per rollout in one
@@ -26,10 +26,11 @@ from bench.trl_runner import add_workload_args, run_child, run_note, versions, w
 
 # what each row runs: (framework, engine.pack_weights, train.gradient_checkpointing)
 CONFIGS = {
-    "tidal packed": ("tidal", 1, 0),
-    "tidal plain": ("tidal", 0, 0),
-    "tidal ckpt": ("tidal", 1, 1),
-    "trl": ("trl", 1, 0),
+    "tidal packed": ("tidal", 1, "false"),
+    "tidal plain": ("tidal", 0, "false"),
+    "tidal ckpt": ("tidal", 1, "full"),
+    "tidal sac": ("tidal", 1, "selective"),
+    "trl": ("trl", 1, "false"),
 }
 DEFAULTS = {
     "prompts": 2,

@@ -71,8 +71,9 @@ class Workload:
     # use_cpu=False); `auto` dtypes then resolve for that device (bf16 on a GPU that computes it)
     device: str = "cpu"
     pack_weights: int = 1  # tidal's engine.pack_weights: 1 on (the default), 0 off (`bench.memory`)
-    # tidal's train.gradient_checkpointing: 1 on, 0 off (the default; TRL's stays off: `bench.memory`)
-    gradient_checkpointing: int = 0
+    # tidal's train.gradient_checkpointing: false (the default) | full | selective (TRL's stays off:
+    # `bench.memory`)
+    gradient_checkpointing: str = "false"
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -91,7 +92,9 @@ class Workload:
             "train.dtype": self.tidal_dtype,
             "engine.dtype": self.rollout_dtype,
             "engine.pack_weights": bool(self.pack_weights),
-            "train.gradient_checkpointing": bool(self.gradient_checkpointing),
+            "train.gradient_checkpointing": False
+            if self.gradient_checkpointing == "false"
+            else self.gradient_checkpointing,
             "train.seed": self.seed,
             "train.num_threads": self.threads,
             "train.num_steps": steps,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import make_model, make_samples
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -19,7 +20,10 @@ def two_steps(**train) -> tuple[Actor, list[dict]]:
     return actor, [actor.train_step(samples, ADV), actor.train_step(samples, -ADV)]
 
 
-@pytest.mark.parametrize("option", [{"gradient_checkpointing": True}, {"offload_optimizer": True}])
+@pytest.mark.parametrize(
+    "option",
+    [{"gradient_checkpointing": True}, {"gradient_checkpointing": "selective"}, {"offload_optimizer": True}],
+)
 def test_a_memory_option_takes_exactly_the_same_steps(option):
     base, base_m = two_steps()
     got, got_m = two_steps(**option)
@@ -32,6 +36,41 @@ def test_a_memory_option_takes_exactly_the_same_steps(option):
         flag = "is_activation_checkpointing"
         flag = flag if hasattr(got.model, flag) else "is_gradient_checkpointing"
         assert getattr(got.model, flag) and not getattr(base.model, flag)
+
+
+class CountMatmuls(TorchDispatchMode):
+    """Counts the matrix products that run (a replayed, cached output runs none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def matmuls_in_a_step(mode) -> int:
+    cfg = TrainConfig(micro_batch_size=8, global_batch_size=8, lr=1e-3, dtype="float32", gradient_checkpointing=mode)
+    actor = Actor(make_model(seed=0), cfg, AlgoConfig(), temperature=0.8)
+    with CountMatmuls() as counter:
+        actor.train_step(make_samples(), ADV)
+    return counter.calls
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_full_recomputes_each_layers():
+    """`selective` replays the layers' matmul outputs in the backward; `full` runs them again: of
+    each of the tiny model's 2 layers' 7 products, all but the last (down, whose output no backward
+    reads: torch's recompute stops when it has every saved tensor back)."""
+    off, selective, full = (matmuls_in_a_step(m) for m in (False, "selective", True))
+    assert selective == off
+    assert full == off + 2 * 6
+
+
+def test_an_unknown_checkpointing_mode_is_refused_by_name():
+    errors = []
+    TrainConfig(gradient_checkpointing="some").check(lambda ok, msg: ok or errors.append(msg))
+    assert errors == ["train.gradient_checkpointing: false, true, full or selective, got 'some'"]
 
 
 def test_offloaded_moments_move_to_the_device_given_and_back():

@@ -189,14 +189,15 @@ def test_activation_checkpointing_recomputes_the_forward_under_replay():
     moved, _ = perturbed_qwen3(samples)
     state = {k: v.clone() for k, v in moved.state_dict().items()}
     results = []
-    for ckpt in (False, True):
+    for ckpt in (False, True, "selective"):
         m = make_moe_model("qwen3_moe")
         m.load_state_dict(state)
         results.append(step_grads(actor(m, layout="shared", gradient_checkpointing=ckpt), samples))
-    (m1, g1), (m2, g2) = results
-    assert m1["loss/pg"] == m2["loss/pg"]
-    for a, b in zip(g1, g2, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    (m1, g1), *others = results
+    for m2, g2 in others:
+        assert m1["loss/pg"] == m2["loss/pg"]
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
 
 
 def test_reference_log_probs_replay_and_the_teacher_does_not():

@@ -20,7 +20,7 @@ from torch import Tensor
 from tidal import recurrent, vision
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.options import ConfigError
-from tidal.train import context, lora, parallel
+from tidal.train import context, lora, parallel, recompute
 from tidal.train.attention import NAME as PACKED_ATTENTION
 from tidal.train.attention import implementation as attn_implementation
 from tidal.train.attention import packed_layout, use_packed_attention
@@ -69,12 +69,8 @@ class TrainedModel:
         self.lora = lora.enabled(cfg)
         if self.lora:
             lora.apply_lora(self.master, cfg, adapter, trainable)
-        if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
-            enable = getattr(self.master, "activation_checkpointing_enable", None) or getattr(
-                self.master, "gradient_checkpointing_enable", None
-            )
-            if enable is not None:
-                enable()
+        if cfg.gradient_checkpointing:
+            recompute.enable(self.master, cfg.gradient_checkpointing)
             if self.lora and hasattr(self.master, "enable_input_require_grads"):
                 # frozen embeddings: recomputed blocks must still see an input that needs a gradient
                 self.master.enable_input_require_grads()

@@ -9,6 +9,8 @@ from pathlib import Path
 from tidal.options import Need, one_of, opt
 
 TRAIN_DTYPES = ("auto", "bfloat16", "autocast", "float32")
+# train.gradient_checkpointing: off, a layer's whole forward again (true = full), or `tidal.train.recompute`'s
+CHECKPOINTING = (False, True, "full", "selective")
 
 
 @dataclass
@@ -40,7 +42,11 @@ class TrainConfig:
         "compute precision, weights and AdamW stay fp32: auto (bfloat16 where the hardware computes it natively, "
         "else float32) | bfloat16 (a bf16 copy computes) | autocast | float32",
     )
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool | str = opt(
+        False,
+        "recompute activations in backward to save memory: false | true or full (each layer's whole forward "
+        "again) | selective (keep the matmuls' and attention's outputs, recompute the cheap ops between them)",
+    )
     train_vision: bool = opt(
         False,
         "a vision-language model's vision tower and projector train too (full fine-tuning); false: they stay "
@@ -95,6 +101,10 @@ class TrainConfig:
         need(self.warmup_steps >= 0, "train.warmup_steps: must be >= 0")
         need(self.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0 (0 turns clipping off)")
         one_of(need, "train.dtype", self.dtype, TRAIN_DTYPES)
+        need(
+            self.gradient_checkpointing in CHECKPOINTING,
+            f"train.gradient_checkpointing: false, true, full or selective, got {self.gradient_checkpointing!r}",
+        )
         need(
             len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
             f"train.adam_betas: two numbers in [0, 1), got {self.adam_betas}",
