@@ -1,6 +1,7 @@
 """tidal's packed-row attention: the samples of a row attended as a right-padded batch must give
 the block-diagonal causal attention exactly, in values and gradients."""
 
+import dataclasses
 import math
 
 import pytest
@@ -99,3 +100,33 @@ def test_a_switched_model_gives_transformers_packed_results():
     assert use_packed_attention(eager)
     torch.testing.assert_close(packed_response_hidden(eager.base_model, batch), want, atol=1e-5, rtol=0)
     assert not use_packed_attention(make_model(attn_implementation="flex_attention"))
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])  # None: sdpa; soft-capping: `attend` with a mask
+def test_recompute_keeps_only_the_rows_qkv_and_gives_the_same_bits(softcap):
+    """With `PackedLayout.recompute` autograd keeps none of the padded view's tensors (here each
+    sample's copy of a shared 4-token prompt makes it 3 x 9 slots for a 13-token row), and the
+    output and gradients are the same bits as without."""
+    from tidal.train.attention import shared_prefix_layout
+
+    torch.manual_seed(2)
+    prompt, tails = [0, 1, 2, 3], [[4, 5, 6, 7, 8], [9, 10], [11, 12]]
+    lay = shared_prefix_layout([prompt + t for t in tails], [list(range(9)), [4, 5], [4, 5]], 13)
+    q, k, v = (torch.randn(1, h, 13, 8, requires_grad=True) for h in (4, 2, 2))
+    grad_out = torch.randn(1, 13, 4, 8)
+    results = {}
+    for recompute in (False, True):
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        layout = dataclasses.replace(lay, recompute=recompute)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = packed_attention(Heads(2), q, k, v, None, scaling=0.3, tidal_layout=layout, softcap=softcap)
+        results[recompute] = [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
+        padded = [s for s in shapes if len(s) == 4 and s[0] == 3 and s[2] == 9]
+        assert bool(padded) != recompute, shapes
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.equal(a, b)

@@ -9,6 +9,12 @@ real token never attends to the padding after it, and padded queries are dropped
 no gradient), attends with `is_causal` (in fp32 on CPU), and gathers the result back into the row.
 On SmolLM2's heads, a 692-token row of 8 samples: forward + backward 23.8 ms -> 8.6 ms per layer.
 
+The padded view holds a group's prompt once per sample (the row stores it once), so the padded
+q, k, v and output autograd would keep can be several times the row's: with
+`PackedLayout.recompute` the backward gathers and attends again from the row's q, k and v
+(`torch.utils.checkpoint` around the attention alone: about one attention forward more per layer,
+no matmul), which on the quickstart's groups keeps ~100 MB per 500 tokens less.
+
 `use_packed_attention(model)` switches an sdpa model to it. Sliding-window and soft-capped layers
 attend in the same padded view with their window's mask and the cap (`tidal.attend`). Calls
 without a `tidal_layout` keyword (padded batches, generation) go to transformers' sdpa with its
@@ -19,11 +25,13 @@ everything else exactly as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -52,9 +60,13 @@ class PackedLayout:
     # Gemma 3's images (`vision.Family.bidirectional`): per sample, the runs [a, b) of its
     # positions whose tokens attend to each other both ways (`vision.within_images`)
     images: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    # the backward gathers and attends again from the row's q/k/v instead of keeping the padded
+    # view's q, k, v and output (`Forward` sets it where the layers keep their activations): the
+    # padded view holds a group's shared prompt once per sample, so it can be several times the row
+    recompute: bool = False
 
     def to(self, device: str | torch.device) -> PackedLayout:
-        return PackedLayout(self.batch, self.length, self.to_padded.to(device), self.to_packed.to(device), self.images)
+        return dataclasses.replace(self, to_padded=self.to_padded.to(device), to_packed=self.to_packed.to(device))
 
     def mask(self, window: int | None, device) -> Tensor:
         """The padded view's mask [batch, 1, length, length] with `images`: causal within each
@@ -142,7 +154,24 @@ def packed_attention(
         return attend(query, key, value, mask.to(query.device).bool(), scale, softcap).transpose(1, 2), None
     if isinstance(tidal_layout, ContextSplit):
         return _context_attention(query, key, value, tidal_layout, scale, sliding, softcap)
-    lay = tidal_layout
+    args = (query, key, value, tidal_layout, dropout, scaling, scale, sliding, softcap)
+    if tidal_layout.recompute and torch.is_grad_enabled():
+        return checkpoint(_padded_attention, *args, use_reentrant=False), None
+    return _padded_attention(*args), None
+
+
+def _padded_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    lay: PackedLayout,
+    dropout: float,
+    scaling: float | None,
+    scale: float,
+    sliding: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """The row's samples attended as the padded batch `lay` describes: [1, S, H, D]."""
     q, k, v = (_to_padded(x, lay) for x in (query, key, value))
     gqa = q.shape[1] != k.shape[1]
     with torch.autocast(CPU, enabled=False) if q.device.type == CPU else contextlib.nullcontext():
@@ -159,7 +188,7 @@ def packed_attention(
             )
     h, d = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
-    return out[None].to(query.dtype), None
+    return out[None].to(query.dtype)
 
 
 def _context_attention(
