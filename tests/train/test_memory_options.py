@@ -6,6 +6,7 @@ from conftest import make_model, make_samples
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tidal.algo.options import AlgoConfig
+from tidal.train import recompute
 from tidal.train.actor import Actor
 from tidal.train.options import TrainConfig
 from tidal.train.update import MOMENTS
@@ -85,3 +86,35 @@ def test_offloaded_moments_move_to_the_device_given_and_back():
     assert all(s[k].device.type == "meta" for s in states for k in MOMENTS if k in s)
     assert all("exp_avg" in s and "exp_avg_sq" in s for s in states)
     assert [s["step"].device for s in states] == steps
+
+
+def test_norms_and_swiglu_keep_their_inputs_and_the_backward_is_the_same_bits():
+    """Without layer checkpointing, the tiny Llama's 5 RMSNorms and 2 SwiGLU MLPs keep only their
+    inputs for the backward (`recompute.inputs_only`): the loss and every gradient are the same
+    bits as the unchanged model's."""
+    plain, lean = make_model(seed=0), make_model(seed=0)
+    assert recompute.inputs_only(lean) == {"norms": 5, "mlps": 2}
+    ids = torch.tensor([[5, 9, 17, 3, 44, 8, 12]])
+    weights = torch.randn(1, 7, 320, generator=torch.Generator().manual_seed(1))
+    for m in (plain, lean):
+        (m(input_ids=ids).logits * weights).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), lean.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+class SwappedMLP(torch.nn.Module):
+    """Gate and up in each other's places: not the formula `inputs_only` computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(4, 4) for _ in range(3))
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+def test_an_mlp_of_another_formula_keeps_its_own_forward():
+    mlp = SwappedMLP()
+    assert recompute.inputs_only(mlp) == {"norms": 0, "mlps": 0}
+    assert "forward" not in vars(mlp)

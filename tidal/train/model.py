@@ -74,6 +74,8 @@ class TrainedModel:
             if self.lora and hasattr(self.master, "enable_input_require_grads"):
                 # frozen embeddings: recomputed blocks must still see an input that needs a gradient
                 self.master.enable_input_require_grads()
+        else:
+            recompute.inputs_only(self.master)  # before the bf16 copy, which copies the forwards
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
