@@ -1,7 +1,6 @@
 """tidal's packed-row attention: the samples of a row attended as a right-padded batch must give
 the block-diagonal causal attention exactly, in values and gradients."""
 
-import dataclasses
 import math
 
 import pytest
@@ -102,31 +101,34 @@ def test_a_switched_model_gives_transformers_packed_results():
     assert not use_packed_attention(make_model(attn_implementation="flex_attention"))
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])  # None: sdpa; soft-capping: `attend` with a mask
-def test_recompute_keeps_only_the_rows_qkv_and_gives_the_same_bits(softcap):
-    """With `PackedLayout.recompute` autograd keeps none of the padded view's tensors (here each
-    sample's copy of a shared 4-token prompt makes it 3 x 9 slots for a 13-token row), and the
-    output and gradients are the same bits as without."""
-    from tidal.train.attention import shared_prefix_layout
+def test_the_cpu_row_attention_keeps_only_the_rows_tensors_and_gives_autograds_bits():
+    """On a CPU, plain causal packed attention keeps for the backward none of the padded view's
+    tensors (here each sample's copy of a shared 4-token prompt makes 3 x 9 slots of a 13-token
+    row), and its output and gradients are the bits autograd gives through the padded view."""
+    from tidal.train.attention import _padded_attention, shared_prefix_layout
 
     torch.manual_seed(2)
     prompt, tails = [0, 1, 2, 3], [[4, 5, 6, 7, 8], [9, 10], [11, 12]]
     lay = shared_prefix_layout([prompt + t for t in tails], [list(range(9)), [4, 5], [4, 5]], 13)
-    q, k, v = (torch.randn(1, h, 13, 8, requires_grad=True) for h in (4, 2, 2))
     grad_out = torch.randn(1, 13, 4, 8)
-    results = {}
-    for recompute in (False, True):
-        shapes = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, h, 13, 8, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+        results = {}
+        for name in ("padded", "row"):
+            shapes = []
 
-        def pack(t, shapes=shapes):
-            shapes.append(tuple(t.shape))
-            return t
+            def pack(t, shapes=shapes):
+                shapes.append(tuple(t.shape))
+                return t
 
-        layout = dataclasses.replace(lay, recompute=recompute)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out, _ = packed_attention(Heads(2), q, k, v, None, scaling=0.3, tidal_layout=layout, softcap=softcap)
-        results[recompute] = [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
-        padded = [s for s in shapes if len(s) == 4 and s[0] == 3 and s[2] == 9]
-        assert bool(padded) != recompute, shapes
-    for a, b in zip(results[False], results[True], strict=True):
-        assert torch.equal(a, b)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if name == "row":
+                    out, _ = packed_attention(Heads(2), q, k, v, None, scaling=0.3, tidal_layout=lay)
+                else:
+                    out = _padded_attention(q, k, v, lay, 0.0, 0.3, 0.3, None, None)
+            results[name] = [out, *torch.autograd.grad(out, (q, k, v), grad_out.to(dtype))]
+            padded = [s for s in shapes if len(s) == 4 and s[0] == 3 and s[2] == 9]
+            assert bool(padded) == (name == "padded"), shapes
+        for a, b in zip(results["padded"], results["row"], strict=True):
+            assert a.dtype == b.dtype == dtype
+            assert torch.equal(a, b)

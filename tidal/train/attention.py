@@ -10,10 +10,11 @@ no gradient), attends with `is_causal` (in fp32 on CPU), and gathers the result 
 On SmolLM2's heads, a 692-token row of 8 samples: forward + backward 23.8 ms -> 8.6 ms per layer.
 
 The padded view holds a group's prompt once per sample (the row stores it once), so the padded
-q, k, v and output autograd would keep can be several times the row's: with
-`PackedLayout.recompute` the backward gathers and attends again from the row's q, k and v
-(`torch.utils.checkpoint` around the attention alone: about one attention forward more per layer,
-no matmul), which on the quickstart's groups keeps ~100 MB per 500 tokens less.
+q, k, v and output autograd would keep can be several times the row's. On a CPU, plain causal
+attention (`_RowAttention`) keeps the row's q, k, v and output and the padded view's log-sum-exp
+only; its backward gathers the padded view again and calls the same flash kernel's backward: the
+same bits, no attention run twice. On the memory bench's groups (16 samples, 529 row tokens, 1,392
+padded slots) that keeps 245 MB less over SmolLM2's 30 layers.
 
 `use_packed_attention(model)` switches an sdpa model to it. Sliding-window and soft-capped layers
 attend in the same padded view with their window's mask and the cap (`tidal.attend`). Calls
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -60,10 +60,6 @@ class PackedLayout:
     # Gemma 3's images (`vision.Family.bidirectional`): per sample, the runs [a, b) of its
     # positions whose tokens attend to each other both ways (`vision.within_images`)
     images: tuple[tuple[tuple[int, int], ...], ...] | None = None
-    # the backward gathers and attends again from the row's q/k/v instead of keeping the padded
-    # view's q, k, v and output (`Forward` sets it where the layers keep their activations): the
-    # padded view holds a group's shared prompt once per sample, so it can be several times the row
-    recompute: bool = False
 
     def to(self, device: str | torch.device) -> PackedLayout:
         return dataclasses.replace(self, to_padded=self.to_padded.to(device), to_packed=self.to_packed.to(device))
@@ -154,10 +150,62 @@ def packed_attention(
         return attend(query, key, value, mask.to(query.device).bool(), scale, softcap).transpose(1, 2), None
     if isinstance(tidal_layout, ContextSplit):
         return _context_attention(query, key, value, tidal_layout, scale, sliding, softcap)
-    args = (query, key, value, tidal_layout, dropout, scaling, scale, sliding, softcap)
-    if tidal_layout.recompute and torch.is_grad_enabled():
-        return checkpoint(_padded_attention, *args, use_reentrant=False), None
-    return _padded_attention(*args), None
+    lay = tidal_layout
+    plain = lay.images is None and not sliding and softcap is None and not dropout
+    # the flash kernel takes one head size (latent attention's values have another: sdpa's math)
+    if plain and query.device.type == CPU and query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        return _RowAttention.apply(query, key, value, lay, scaling), None
+    return _padded_attention(query, key, value, lay, dropout, scaling, scale, sliding, softcap), None
+
+
+def _to_row(out: Tensor, lay: PackedLayout) -> Tensor:
+    """[B, H, L, D] padded output → [S, H, D]: each row position's owner's slot."""
+    h, d = out.shape[1], out.shape[3]
+    return out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
+
+
+class _RowAttention(torch.autograd.Function):
+    """Causal attention of a packed row's samples as the padded batch `lay` describes, on a CPU in
+    fp32 (the flash kernel's bf16 backward is ~3x slower): sdpa's own CPU flash kernel, keeping
+    for the backward the row's q, k, v and output and the padded log-sum-exp.
+
+    The backward needs the padded output only where the output's gradient is not zero (a slot's
+    D = rowsum(dO * O) and its part of dk, dv vanish with dO): the owned slots, whose output is
+    the row's; so the row's output, gathered into every slot, gives the kernel's own gradients."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lay: PackedLayout, scaling: float | None):
+        q, k, v = (_to_padded(x, lay).float() for x in (query, key, value))
+        with torch.autocast(CPU, enabled=False):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)
+        rows = _to_row(out, lay)
+        ctx.save_for_backward(query, key, value, rows, lse)
+        ctx.lay, ctx.scaling = lay, scaling
+        return rows[None].to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        query, key, value, rows, lse = ctx.saved_tensors
+        lay = ctx.lay
+        b, n, (h, d) = lay.batch, lay.length, rows.shape[1:]
+        q, k, v = (_to_padded(x, lay).float() for x in (query, key, value))
+        out = rows.index_select(0, lay.to_padded).view(b, n, h, d).transpose(1, 2)
+        g_out = grad[0].float().new_zeros(b * n, h, d).index_add_(0, lay.to_packed, grad[0].float())
+        g_out = g_out.view(b, n, h, d).transpose(1, 2)
+        with torch.autocast(CPU, enabled=False):
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g_out, q, k, v, out, lse, 0.0, True, scale=ctx.scaling
+            )
+        return (*(_to_rows_grad(g, x, lay) for g, x in zip(grads, (query, key, value), strict=True)), None, None)
+
+
+def _to_rows_grad(grad: Tensor, x: Tensor, lay: PackedLayout) -> Tensor:
+    """The gradient of `_to_padded(x, lay).float()` back on x's row [1, heads, S, D]: padded slots
+    that copy one row position (a shared prompt's copies, padding) add up in x's dtype, as
+    autograd adds them (the cast's backward comes first)."""
+    h, d = grad.shape[1], grad.shape[3]
+    flat = grad.to(x.dtype).transpose(0, 1).reshape(h, lay.batch * lay.length, d)
+    return flat.new_zeros(h, x.shape[2], d).index_add_(1, lay.to_padded, flat)[None]
 
 
 def _padded_attention(
@@ -186,9 +234,7 @@ def _padded_attention(
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
             )
-    h, d = out.shape[1], out.shape[3]
-    out = out.transpose(1, 2).reshape(lay.batch * lay.length, h, d).index_select(0, lay.to_packed)
-    return out[None].to(query.dtype)
+    return _to_row(out, lay)[None].to(query.dtype)
 
 
 def _context_attention(

@@ -11,7 +11,7 @@ import torch
 from tidal import recurrent, vision
 from tidal.hardware import CPU, to_device
 from tidal.moe import replay, routing_shape
-from tidal.train import attention, context
+from tidal.train import context
 from tidal.train.attention import packed_layout, use_packed_attention
 from tidal.train.batching import (
     collate,
@@ -58,11 +58,6 @@ class Forward:
         # the row's samples attended as a padded batch: exact, and 2-3x faster on CPU; it also lets
         # a group's samples share one copy of their prompt in the row
         self.share_prompts = self.packing and use_packed_attention(model) and cfg.share_prompts
-        # where the layers keep their activations, the packed attention keeps only the row's q/k/v
-        # (`PackedLayout.recompute`); checkpointed layers recompute it with the rest
-        self.recompute_attention = (
-            self.packing and not cfg.gradient_checkpointing and attention.implementation(model) == attention.NAME
-        )
         self.cp_group = None  # context parallel (`TrainedModel.shard`): each row is split over its ranks
 
     def plan(self, samples: Sequence[Sample]) -> list[list[int]]:
@@ -92,9 +87,6 @@ class Forward:
         if self.images_both_ways:  # each sample's image runs, in its own positions
             layout = batch.get("layout") or packed_layout(batch["position_ids"])
             batch["layout"] = dataclasses.replace(layout, images=tuple(self._image_runs(s) for s in samples))
-        if self.recompute_attention:
-            layout = batch.get("layout") or packed_layout(batch["position_ids"])
-            batch["layout"] = dataclasses.replace(layout, recompute=True)
         batch = to_device(batch, self.device)
         if self.cp_group is not None:
             layout = batch.get("layout") or packed_layout(batch["position_ids"])
