@@ -45,7 +45,10 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
    transformers forward over prompt + completion (log_softmax of the float32 logits: the sampling
    distribution at temperature 1), in bf16 against the bf16 engine and in fp32 against an fp32
    engine. Reported: mean and max |engine - transformers| over the sampled tokens (targets: 2e-3
-   in bf16, 1e-5 in fp32).
+   in bf16, 1e-5 in fp32). Beside it, transformers against itself: the first `--self-gap-samples`
+   (4) samples' first `--self-gap-tokens` (64) tokens decoded a token at a time over transformers'
+   KV cache, against its one forward over the row: the gap two correct computations of the model
+   in that dtype have.
 4. The decode attention kernel's launch choices (`attention_sweep`): `decode_attention` at the
    Qwen3-1.7B shape (512 sequences, 8 KV heads, head dim 128, bf16) at contexts 64, 256 and 1024,
    for each (tile, warps, stages) of `ATTENTION_CONFIGS`: microseconds a call and K/V GB/s.
@@ -705,6 +708,8 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
             logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
             ref = logits.log_softmax(-1).gather(-1, ids[0, len(p) :, None])[:, 0]
             diffs.append((ref - torch.tensor(o.log_probs, device=args.device)).abs().cpu())
+    pairs = [(p, o.token_ids[: args.self_gap_tokens]) for p, o in zip(batch, outs, strict=True) if o.token_ids]
+    itself = transformers_self_gap(model, pairs[: args.self_gap_samples], args.device)
     del model
     free(args.device)
     d = torch.cat(diffs).double()
@@ -717,7 +722,34 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
         "max_abs_diff": d.max().item(),
         "target": TARGETS[dtype],
         "meets_target": d.mean().item() <= TARGETS[dtype],
+        "transformers_itself": itself,
     }
+
+
+def transformers_self_gap(model, pairs: list[tuple[list[int], list[int]]], device) -> dict:
+    """The gap between two correct computations of one model in one dtype: transformers decoding
+    each completion a token at a time over its KV cache (as `generate` does) against its one
+    forward over prompt + completion. What any engine that decodes step by step shows against a
+    trainer that scores whole rows, unless every kernel gives the same bits for a row whatever
+    else is in the call."""
+    import torch
+    from transformers import DynamicCache
+
+    diffs = []
+    with torch.inference_mode():
+        for prompt, completion in pairs:
+            ids = torch.tensor([prompt + completion], device=device)
+            whole = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            cache = DynamicCache()
+            out = model(input_ids=ids[:, : len(prompt)], past_key_values=cache, use_cache=True)
+            rows = [out.logits[0, -1]]
+            for t in range(len(prompt), ids.shape[1] - 1):
+                rows.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+            stepped = torch.stack(rows).float().log_softmax(-1)
+            picked = ids[0, len(prompt) :, None]
+            diffs.append((whole.gather(-1, picked) - stepped.gather(-1, picked)).abs()[:, 0].cpu())
+    d = torch.cat(diffs).double() if diffs else torch.zeros(1, dtype=torch.float64)
+    return {"samples": len(pairs), "tokens": sum(len(c) for _, c in pairs), "mean_abs_diff": d.mean().item()}
 
 
 # -- part 4: the decode attention kernel's launch choices -----------------------------------------
@@ -1004,6 +1036,12 @@ def print_summary(res: dict) -> None:
             f"(max {g['max_abs_diff']:.2e}) over {g['tokens']} tokens of {g['samples']} samples; "
             f"target <= {g['target']:.0e}: {verdict}"
         )
+        own = g.get("transformers_itself")
+        if own:
+            print(
+                f"         transformers against itself (one token at a time vs one forward) {own['mean_abs_diff']:.2e} "
+                f"over {own['tokens']} tokens of {own['samples']} samples"
+            )
     gr = res.get("grpo")
     if gr:
         if "skipped" in gr:
@@ -1056,6 +1094,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--logprob-samples", type=int, default=32)
     p.add_argument("--logprob-workload", default="smollm2", choices=WORKLOADS, help="whose samples part 3 compares")
+    p.add_argument("--self-gap-samples", type=int, default=4, help="part 3: samples transformers decodes step by step")
+    p.add_argument("--self-gap-tokens", type=int, default=64, help="part 3: tokens of each it decodes step by step")
     p.add_argument("--grpo-prompts", type=int, default=16)
     p.add_argument("--grpo-samples", type=int, default=8)
     p.add_argument("--grpo-max-new-tokens", type=int, default=128)
