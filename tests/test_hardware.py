@@ -186,3 +186,58 @@ def test_a_trained_model_on_the_cpu_asks_to_keep_freed_memory(monkeypatch):
     monkeypatch.setattr(trained_model, "keep_freed_memory", lambda device: asked.append(device) or True)
     trained_model.TrainedModel(make_model(), TrainConfig())
     assert asked == [torch.device("cpu")]
+
+
+def _new_openmp_threads(code: str) -> str:
+    """What a fresh process prints after running `code` with `new(fn)`: how many threads the
+    process gained while `fn()` ran (its OpenMP workers are new threads; ones that exit meanwhile
+    are not counted), and `parallel()`: one reduction torch splits over 2 threads."""
+    prelude = (
+        "import os, torch\n"
+        "from tidal import hardware\n"
+        "torch.set_num_threads(2)\n"
+        "def tids(): return set(os.listdir('/proc/self/task'))\n"
+        "def parallel(): return float(torch.ones(1 << 22).sum())\n"
+        "def new(fn):\n"
+        "    before = tids(); fn(); return len(tids() - before)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", prelude + code], env=env, cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+needs_openmp = pytest.mark.skipif(
+    hardware.libc_function("omp_pause_resource_all") is None or not Path("/proc/self/task").exists(),
+    reason="no OpenMP runtime function in this process, or no /proc",
+)
+
+
+@needs_openmp
+def test_a_thread_gives_back_its_openmp_workers_and_its_next_parallel_region_starts_new_ones():
+    code = (
+        "parallel()\n"
+        "kept = new(parallel)\n"  # the thread's team is alive: no new thread
+        "released = hardware.release_openmp_workers()\n"
+        "print(kept, released, new(parallel))\n"  # the team starts again: one new worker
+    )
+    assert _new_openmp_threads(code) == "0 True 1"
+
+
+@needs_openmp
+def test_the_engine_thread_gives_back_its_openmp_workers_whenever_it_waits_for_work():
+    """The in-process engine's thread computes in bursts (a rollout, a weight update) while the
+    loop's thread waits, and the other way round: each gives back its workers before it waits, so
+    only the thread that computes has a team (`hardware.release_openmp_workers`)."""
+    code = (
+        "from tests.fake_core import FakeCore\n"
+        "from tidal.adapters.async_engine import AsyncEngine\n"
+        "engine = AsyncEngine(FakeCore(None))\n"
+        "within = engine.call(lambda: (parallel(), new(parallel))[1])\n"  # one burst: the team stays
+        "engine.call(parallel)\n"
+        "after_waiting = engine.call(lambda: new(parallel))\n"  # it waited between the two calls
+        "engine.close()\n"
+        "print(within, after_waiting)\n"
+    )
+    assert _new_openmp_threads(code) == "0 1"

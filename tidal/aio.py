@@ -13,6 +13,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from tidal.hardware import release_openmp_workers
+
 T = TypeVar("T")
 
 __all__ = ["LoopThread"]
@@ -49,6 +51,7 @@ class LoopThread:
             coro.close()
             raise RuntimeError("LoopThread.run called from its own loop; await the coroutine instead")
         fut = self.submit(coro)
+        release_openmp_workers()  # this thread waits while the rollout's engine computes
         try:
             return fut.result(timeout)
         except cf.TimeoutError:

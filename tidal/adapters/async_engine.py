@@ -27,6 +27,7 @@ from typing import Any
 from torch import Tensor
 
 from tidal.contracts import EngineCore, EngineUnavailable, RequestOutput, SamplingParams
+from tidal.hardware import release_openmp_workers
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +291,10 @@ class AsyncEngine:
     def call(self, fn: Callable[[], Any], timeout: float | None = None, what: str = "engine call") -> Any:
         """Run `fn()` on the engine thread between two steps and return its result, from
         synchronous code; at most `timeout` seconds (then TimeoutError naming `what`)."""
+        fut = self._submit(fn)
+        release_openmp_workers()  # this thread waits while the engine's computes
         try:
-            return self._submit(fn).result(timeout)
+            return fut.result(timeout)
         except cf.TimeoutError:
             raise TimeoutError(f"{what}: the engine thread did not get to it within {timeout:g} s") from None
 
@@ -414,6 +417,9 @@ class AsyncEngine:
                 busy = has_work and not self._paused
                 if not busy:
                     self._safe(self._refresh_stats)
+                    # the training loop's thread computes next: this thread's OpenMP workers would
+                    # slow its parallel regions (`release_openmp_workers`)
+                    release_openmp_workers()
                 with self._cv:
                     if not busy:
                         self._cv.wait_for(lambda: self._commands or self._closed)
