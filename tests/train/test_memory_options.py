@@ -118,3 +118,23 @@ def test_an_mlp_of_another_formula_keeps_its_own_forward():
     mlp = SwappedMLP()
     assert recompute.inputs_only(mlp) == {"norms": 0, "mlps": 0}
     assert "forward" not in vars(mlp)
+
+
+def test_what_adamw_writes_leaves_the_checkpoints_file_and_frozen_weights_stay_mapped(tiny_model_dir):
+    """transformers hands over a safetensors checkpoint's tensors as views of the file mapped
+    copy-on-write (memory torch did not allocate, so not resizable): the trainer copies each
+    trainable weight into memory of its own, value for value; a LoRA's frozen base stays mapped."""
+    from tidal.train.model import TrainedModel, load_causal_lm
+
+    loaded = load_causal_lm(tiny_model_dir)
+    assert not any(p.untyped_storage().resizable() for p in loaded.parameters())
+    want = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+    full = TrainedModel(loaded, TrainConfig(dtype="float32"))
+    for n, p in full.master.named_parameters():
+        assert p.untyped_storage().resizable(), n
+        assert torch.equal(p, want[n]), n
+    lora = TrainedModel(load_causal_lm(tiny_model_dir), TrainConfig(dtype="float32", lora_rank=4, lora_alpha=8.0))
+    frozen = [p for p in lora.master.parameters() if not p.requires_grad]
+    assert len(frozen) == len(want)
+    assert not any(p.untyped_storage().resizable() for p in frozen)
+    assert all(p.untyped_storage().resizable() for p in lora.master.parameters() if p.requires_grad)
