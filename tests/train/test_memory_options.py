@@ -88,18 +88,46 @@ def test_offloaded_moments_move_to_the_device_given_and_back():
     assert [s["step"].device for s in states] == steps
 
 
-def test_norms_and_swiglu_keep_their_inputs_and_the_backward_is_the_same_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_swiglu_keep_their_inputs_and_the_backward_is_the_same_bits(dtype):
     """Without layer checkpointing, the tiny Llama's 5 RMSNorms and 2 SwiGLU MLPs keep only their
     inputs for the backward (`recompute.inputs_only`): the loss and every gradient are the same
     bits as the unchanged model's."""
-    plain, lean = make_model(seed=0), make_model(seed=0)
+    plain, lean = make_model(seed=0).to(dtype), make_model(seed=0).to(dtype)
     assert recompute.inputs_only(lean) == {"norms": 5, "mlps": 2}
     ids = torch.tensor([[5, 9, 17, 3, 44, 8, 12]])
-    weights = torch.randn(1, 7, 320, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(1, 7, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
     for m in (plain, lean):
         (m(input_ids=ids).logits * weights).sum().backward()
     for (name, p), q in zip(plain.named_parameters(), lean.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def _kept_numbers(fn, x: torch.Tensor, params) -> int:
+    """How many numbers autograd keeps for the backward of `fn(x)`, the parameters not counted."""
+    own = {p.untyped_storage().data_ptr() for p in params}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            kept[ptr] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x).sum()
+    y.backward()  # what the backward keeps for its own recompute is gone when it returns
+    return sum(kept.values())
+
+
+def test_a_swiglu_mlp_keeps_its_input_gate_and_up_and_not_the_product_its_down_projection_reads():
+    mlp = make_model(seed=0).model.layers[0].mlp
+    hidden, inner = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    x = torch.randn(1, 7, hidden, requires_grad=True)
+    # the layer's own forward: x, gate (for act), act(gate) and up (for the product), the product
+    assert _kept_numbers(mlp, x, mlp.parameters()) == 7 * hidden + 4 * 7 * inner
+    recompute.inputs_only(mlp)
+    assert _kept_numbers(mlp, x, mlp.parameters()) == 7 * hidden + 2 * 7 * inner
 
 
 class SwappedMLP(torch.nn.Module):

@@ -14,9 +14,9 @@ Both go through transformers' per-layer checkpointing with torch's non-reentrant
 
 Without either, the layers keep their activations, but a few cheap ops still keep only their
 inputs (`inputs_only`): each RMSNorm keeps its input (not also its normalised row), and each
-SwiGLU MLP's `act(gate) * up` keeps gate and up (not also act(gate)); the backward runs those few
-elementwise ops again from them. On SmolLM2 that is 1,152 + 1,536 of ~10.5k numbers per token and
-layer, for the cost of the ops, not of a matmul.
+SwiGLU MLP keeps gate and up, not also act(gate) nor the product act(gate) * up that its down
+projection reads; the backward runs those few elementwise ops again from them. On SmolLM2 that is
+1,152 + 3,072 of ~10.5k numbers per token and layer, for the cost of the ops, not of a matmul.
 """
 
 from __future__ import annotations
@@ -104,12 +104,46 @@ def _act_mul(act: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torc
     return act(gate) * up
 
 
+class _SwiGLUDown(torch.autograd.Function):
+    """y = down(h), h = act(gate) * up, for a bias-free `down` weight W [D, F], keeping gate and
+    up only: the backward makes h again from them (elementwise) for W's gradient, dW = dyᵀ·h, and
+    for dh = dy·W, then gate's and up's through act. Each matmul runs as autograd runs
+    `F.linear`'s (`mm` on the rows, dW as (hᵀ·dy)ᵀ), so the gradients are autograd's bits."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, act: torch.nn.Module):
+        ctx.act = act
+        ctx.save_for_backward(gate, up, weight)
+        return torch.nn.functional.linear(act(gate) * up, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            g = gate.detach().requires_grad_(ctx.needs_input_grad[0])
+            u = up.detach().requires_grad_(ctx.needs_input_grad[1])
+            h = ctx.act(g) * u
+        rows = dy.reshape(-1, dy.shape[-1])
+        dw = h.detach().reshape(-1, h.shape[-1]).t().mm(rows).t() if ctx.needs_input_grad[2] else None
+        dh = rows.mm(weight).view(h.shape)
+        wanted = [t for t in (g, u) if t.requires_grad]
+        got = iter(torch.autograd.grad(h, wanted, dh) if wanted else ())
+        dg = next(got) if g.requires_grad else None
+        du = next(got) if u.requires_grad else None
+        return dg, du, dw, None
+
+
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)), the product keeping only gate(x) and up(x) for the backward."""
+    """down(act(gate(x)) * up(x)) keeping only gate(x) and up(x) for the backward: the product
+    too where `down` is a plain bias-free linear layer (`_SwiGLUDown`), else the product's
+    input ones (recomputed through torch's checkpoint; `down` keeps the product)."""
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if torch.is_grad_enabled():
-        return self.down_proj(torch.utils.checkpoint.checkpoint(_act_mul, self.act_fn, gate, up, use_reentrant=False))
-    return self.down_proj(_act_mul(self.act_fn, gate, up))
+    if not torch.is_grad_enabled():
+        return self.down_proj(_act_mul(self.act_fn, gate, up))
+    down = self.down_proj
+    if type(down) is torch.nn.Linear and down.bias is None and type(down.weight) is torch.nn.Parameter:
+        return _SwiGLUDown.apply(gate, up, down.weight, self.act_fn)
+    return down(torch.utils.checkpoint.checkpoint(_act_mul, self.act_fn, gate, up, use_reentrant=False))
 
 
 def _swiglu(mod: torch.nn.Module, gen: torch.Generator) -> bool:
