@@ -209,8 +209,10 @@ def _new_openmp_threads(code: str) -> str:
 
 
 needs_openmp = pytest.mark.skipif(
-    hardware.libc_function("omp_pause_resource_all") is None or not Path("/proc/self/task").exists(),
-    reason="no OpenMP runtime function in this process, or no /proc",
+    hardware.libc_function("omp_pause_resource_all") is None
+    or hardware.libc_function("__kmpc_fork_call") is not None
+    or not Path("/proc/self/task").exists(),
+    reason="torch's OpenMP runtime here is not GNU's (a team per thread), or no /proc",
 )
 
 

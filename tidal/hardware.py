@@ -255,9 +255,12 @@ def release_openmp_workers() -> bool:
     loop's thread trains while the engine's waits: two teams alive, one computing. On a 2-core
     Zen 4 (fp32, 2 threads), a rollout of 16 samples on the engine's thread took 2.57-2.89 s with
     the loop thread's workers alive and 2.00-2.05 s with them released (docs/performance.md).
-    False where the process has no such runtime function (a torch built without OpenMP)."""
+    False where the process has no such runtime function (a torch built without OpenMP) and where
+    its runtime is LLVM's or Intel's (`__kmpc_fork_call`), whose pause stops every thread's team."""
     pause = libc_function("omp_pause_resource_all")
-    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+    if pause is None or libc_function("__kmpc_fork_call") is not None:
+        return False
+    return pause(OMP_PAUSE_SOFT) == 0
 
 
 KEEP_FREED_MEMORY = "TIDAL_KEEP_FREED_MEMORY"  # "0": leave glibc's malloc as it is
