@@ -88,17 +88,20 @@ def test_offloaded_moments_move_to_the_device_given_and_back():
     assert [s["step"].device for s in states] == steps
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "autocast"])
 def test_norms_and_swiglu_keep_their_inputs_and_the_backward_is_the_same_bits(dtype):
     """Without layer checkpointing, the tiny Llama's 5 RMSNorms and 2 SwiGLU MLPs keep only their
     inputs for the backward (`recompute.inputs_only`): the loss and every gradient are the same
-    bits as the unchanged model's."""
-    plain, lean = make_model(seed=0).to(dtype), make_model(seed=0).to(dtype)
+    bits as the unchanged model's (fp32 and bf16 weights, and bf16 autocast over fp32 ones)."""
+    weights_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    plain, lean = make_model(seed=0).to(weights_dtype), make_model(seed=0).to(weights_dtype)
     assert recompute.inputs_only(lean) == {"norms": 5, "mlps": 2}
     ids = torch.tensor([[5, 9, 17, 3, 44, 8, 12]])
-    weights = torch.randn(1, 7, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights = torch.randn(1, 7, 320, generator=torch.Generator().manual_seed(1)).to(weights_dtype)
     for m in (plain, lean):
-        (m(input_ids=ids).logits * weights).sum().backward()
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "autocast"):
+            loss = (m(input_ids=ids).logits * weights).sum()
+        loss.backward()
     for (name, p), q in zip(plain.named_parameters(), lean.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
 

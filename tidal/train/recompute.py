@@ -135,13 +135,16 @@ class _SwiGLUDown(torch.autograd.Function):
 
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) keeping only gate(x) and up(x) for the backward: the product
-    too where `down` is a plain bias-free linear layer (`_SwiGLUDown`), else the product's
-    input ones (recomputed through torch's checkpoint; `down` keeps the product)."""
+    too where `down` is a plain bias-free linear layer outside autocast (`_SwiGLUDown`), else the
+    product's input ones (recomputed through torch's checkpoint; `down` keeps the product)."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not torch.is_grad_enabled():
         return self.down_proj(_act_mul(self.act_fn, gate, up))
     down = self.down_proj
-    if type(down) is torch.nn.Linear and down.bias is None and type(down.weight) is torch.nn.Parameter:
+    plain = type(down) is torch.nn.Linear and down.bias is None and type(down.weight) is torch.nn.Parameter
+    # under autocast the product's matmuls cast their inputs, which a backward of its own would
+    # have to repeat; that path keeps torch's checkpoint
+    if plain and not torch.is_autocast_enabled(gate.device.type):
         return _SwiGLUDown.apply(gate, up, down.weight, self.act_fn)
     return down(torch.utils.checkpoint.checkpoint(_act_mul, self.act_fn, gate, up, use_reentrant=False))
 
