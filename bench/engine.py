@@ -15,6 +15,9 @@ bf16 where the CPU computes it natively, else fp32). The engines:
 - `tidal`: `LLMEngine.generate`: continuous batching, paged KV cache shared within each group.
 - `tidal_int8`: the same with `engine.quantization: int8` (weight-only int8 linear layers: another
   policy, whose log-probs the engine returns; `tidal.engine.quant`).
+- `tidal_invariant`: the same with `engine.batch_invariant: true` (`tidal.invariant`: each sequence
+  computed as it would be alone, so a trainer under the same numerics scores its tokens with its
+  log-probs bit for bit): the price of that guarantee.
 - `vllm`: `VLLMCore` (vLLM's in-process engine, eager, `processed_logprobs`) stepped until the
   batch is done; the same requests and seeds. Its process runs in a Python with vLLM installed:
   this one, else `.venv-vllm` (scripts/setup_vllm.sh), else `--vllm-python`.
@@ -60,7 +63,9 @@ import torch
 
 from bench.common import machine, peak_rss_mb, run_measurement, write_result
 
-IMPLS = ("hf_generate", "tidal", "tidal_int8", "vllm")
+IMPLS = ("hf_generate", "tidal", "tidal_int8", "tidal_invariant", "vllm")
+# the engine options of each tidal run
+TIDAL_OPTIONS = {"tidal": {}, "tidal_int8": {"quantization": "int8"}, "tidal_invariant": {"batch_invariant": True}}
 MODELS = ("smollm2", "moe", "hybrid", "vision", "qwen-vision")
 
 # a small Qwen3-MoE shaped like SmolLM2 where the two can agree (width, heads, vocabulary, rotary)
@@ -322,12 +327,12 @@ def _requests(prompts, n, max_new, seed) -> tuple[list[list[int]], list]:
 
 
 def _run_tidal(
-    model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens, quantization="none", images=None
+    model_dir, tokenizer, prompts, n, max_new, seed, dtype, kv_cache_tokens, options=None, images=None
 ) -> dict:
     from tidal.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens, quantization=quantization)
+    engine = LLMEngine(model_dir, tokenizer, dtype=dtype, kv_cache_tokens=kv_cache_tokens, **(options or {}))
     startup = time.perf_counter() - t0
     batch, params = _requests(prompts, n, max_new, seed)
     pictures = [ims for ims in (images or [[] for _ in prompts]) for _ in range(n)]  # a group shares its list
@@ -413,8 +418,7 @@ def child(args) -> None:
         prompts, images = _prompts(tok, args.prompts, args.level), None
     if args.impl == "hf_generate":
         res = _run_hf(model_dir, tok, prompts, args.child_samples, args.max_new_tokens, args.seed, args.dtype, images)
-    elif args.impl in ("tidal", "tidal_int8"):
-        quantization = "int8" if args.impl == "tidal_int8" else "none"
+    elif args.impl in TIDAL_OPTIONS:
         res = _run_tidal(
             model_dir,
             tok,
@@ -424,7 +428,7 @@ def child(args) -> None:
             args.seed,
             args.dtype,
             args.kv_cache_tokens,
-            quantization,
+            TIDAL_OPTIONS[args.impl],
             images,
         )
     else:

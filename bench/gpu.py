@@ -68,6 +68,7 @@ GPU, its memory, torch, CUDA, the driver).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -699,8 +700,18 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
     params = sampling_params(n_prompts, n, args.max_new_tokens, args.seed + 3, False)[: len(batch)]
     outs, _ = drive(engine, batch, params)
     model = wl.hf_model(dtype)
+    # an engine under batch-invariant numerics is compared with the trainer's scoring under the
+    # same (`train.batch_invariant`): tidal's attention function, `tidal.invariant.numerics()`
+    same_numerics = engine.cfg.batch_invariant
+    scoring = contextlib.nullcontext()
+    if same_numerics:
+        from tidal import invariant
+        from tidal.train.attention import use_packed_attention
+
+        use_packed_attention(model)
+        scoring = invariant.numerics()
     diffs = []
-    with torch.inference_mode():
+    with torch.inference_mode(), scoring:
         for p, o in zip(batch, outs, strict=True):
             if not o.token_ids:
                 continue
@@ -716,6 +727,9 @@ def logprob_gap(wl: Workload, engine, dtype: str, args) -> dict:
     return {
         "workload": wl.name,
         "dtype": dtype,
+        "reference": "transformers forward under train.batch_invariant numerics"
+        if same_numerics
+        else "transformers forward",
         "samples": len(batch),
         "tokens": d.numel(),
         "mean_abs_diff": d.mean().item(),

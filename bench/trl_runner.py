@@ -74,6 +74,8 @@ class Workload:
     # tidal's train.gradient_checkpointing: false (the default) | full | selective (TRL's stays off:
     # `bench.memory`)
     gradient_checkpointing: str = "false"
+    # 1: tidal's engine.batch_invariant and train.batch_invariant (exact on-policy log-probs, CPU)
+    batch_invariant: int = 0
 
     def tidal_overrides(self, steps: int, out_dir: str) -> dict:
         """Command-line style overrides of the quickstart config for this workload."""
@@ -92,6 +94,8 @@ class Workload:
             "train.dtype": self.tidal_dtype,
             "engine.dtype": self.rollout_dtype,
             "engine.pack_weights": bool(self.pack_weights),
+            "engine.batch_invariant": bool(self.batch_invariant),
+            "train.batch_invariant": bool(self.batch_invariant),
             "train.gradient_checkpointing": False
             if self.gradient_checkpointing == "false"
             else self.gradient_checkpointing,

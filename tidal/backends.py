@@ -116,6 +116,7 @@ _TIDAL_CORE_OPTIONS = (
     "pack_weights",
     "cuda_graphs",
     "state_snapshots",
+    "batch_invariant",
     "device",
 )
 

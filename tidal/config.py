@@ -528,6 +528,16 @@ def _check_engine_and_cluster(cfg: Config, need: Need) -> None:
     except ValueError as e:
         need(False, str(e))
     t = cfg.train
+    need(
+        not t.batch_invariant or cfg.engine.batch_invariant,
+        "train.batch_invariant: the trainer's log-probs equal the engine's only when both compute under "
+        "batch-invariant numerics; set engine.batch_invariant too",
+    )
+    need(
+        not t.batch_invariant or (c.trainers == 1 and c.device != "cuda"),
+        "train.batch_invariant: one trainer rank on a CPU (cluster.trainers 1, cluster.device cpu or auto on a "
+        "machine without a GPU): batch-invariant GPU kernels are not built",
+    )
     # an engine in this process takes its weights in-process: the trainer's own LoRA layers can be shared
     need(
         t.lora_merge or (t.lora_rank > 0 and kind.lora_layers and placement == IN_PROCESS and not cfg.uses_ray),

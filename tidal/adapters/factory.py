@@ -27,6 +27,7 @@ def core_options(engine: EngineConfig, kv_cache_tokens: int) -> dict:
         "pack_weights": engine.pack_weights,
         "cuda_graphs": engine.cuda_graphs,
         "state_snapshots": engine.state_snapshots,
+        "batch_invariant": engine.batch_invariant,
     }
 
 

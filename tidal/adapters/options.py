@@ -54,6 +54,12 @@ class EngineConfig:
         "tidal engine on a GPU: replay pure decode steps from CUDA graphs captured at start, one per batch-size "
         "bucket up to max_num_seqs (off: the same kernels launched one by one)",
     )
+    batch_invariant: bool = opt(
+        False,
+        "tidal engine on a CPU: compute each sequence as it would be computed alone (tidal.invariant), so its "
+        "tokens do not depend on the other requests of a step and its log-probs equal a trainer's with "
+        "train.batch_invariant bit for bit; no packed weights, fused or native kernels (slower)",
+    )
     state_snapshots: int = opt(
         32,
         "tidal engine, hybrid models (recurrent layers): snapshots of a sequence's recurrent states kept every 64 "
@@ -118,6 +124,16 @@ class EngineConfig:
             self.quantization in kind.quantizations,
             f"engine.quantization: engine.kind {self.kind} runs {', '.join(kind.quantizations)}; "
             f"got {self.quantization!r} (other engines quantize by their own options)",
+        )
+        need(
+            not self.batch_invariant or "batch_invariant" in kind.core_options,
+            f"engine.batch_invariant: tidal's engine computes under batch-invariant numerics; engine.kind "
+            f"{self.kind} does not",
+        )
+        need(
+            not self.batch_invariant or self.quantization == "none",
+            f"engine.batch_invariant: the trainer computes full-precision layers, so engine.quantization must be "
+            f"none, got {self.quantization!r}",
         )
         if kind.servers == "attach":
             need(bool(self.urls), f"engine.urls: engine.kind {self.kind} needs a list of server URLs")

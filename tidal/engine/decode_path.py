@@ -81,15 +81,22 @@ class DecodePath:
         # the rotary embedding in one C pass (the family's function's bits: rotate-half layout)
         w = inner.embed_tokens.weight
         head_dims = {layer.self_attn.head_dim for layer in inner.layers}
+        # not under batch-invariant numerics, which the trainer's forward shares: the family's own
         self.native_rope = (
-            w.device.type == CPU
+            not runner.batch_invariant
+            and w.device.type == CPU
             and w.dtype in native.CACHE_DTYPES
             and all(d % 16 == 0 for d in head_dims)
             and native.load() is not None
         )
         # on a GPU: q's and k's rotary embedding in one Triton kernel, where it computes what the
         # family's function computes (checked here on a sample)
-        self.fused_rope = not self.native_rope and fused_kernels.available(w.device) and self._rope_agrees(w)
+        self.fused_rope = (
+            not self.native_rope
+            and not runner.batch_invariant
+            and fused_kernels.available(w.device)
+            and self._rope_agrees(w)
+        )
         window = WINDOWS[family(model)]
         self.windows = [window(layer.self_attn) for layer in inner.layers]
         self.qk_norm = family(model) in QK_NORM

@@ -30,7 +30,7 @@ from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, 
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.quant import PACKED, QUANTIZATIONS, Quantizer, packs
-from tidal.engine.sampling import SamplingPlan, adjust_logits, sample_planned, top_logprobs
+from tidal.engine.sampling import SamplingPlan, adjust_logits, sample_planned, scored_log_probs, top_logprobs
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.sequence import SeqImages, SeqStatus, Sequence
 from tidal.engine.state_slots import StateSlots
@@ -72,6 +72,10 @@ class EngineConfig:
     # (`tidal.engine.state_slots`); 0: a prefix shared with an earlier request is computed again
     state_snapshots: int = 32
     state_snapshot_tokens: int = 64
+    # a CPU's steps under `tidal.invariant.numerics()`: a sequence's logits do not depend on the
+    # other sequences of its step, and its log-probs are a trainer's under the same numerics
+    # (`train.batch_invariant`) bit for bit; without packed weights, fused or native kernels
+    batch_invariant: bool = False
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("auto", *TORCH_DTYPES):
@@ -90,6 +94,16 @@ class EngineConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"engine quantization: one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.batch_invariant and self.quantization != "none":
+            raise ValueError(
+                f"engine batch_invariant: the trainer computes full-precision layers, so quantization must be "
+                f"none, got {self.quantization!r}"
+            )
+        if self.batch_invariant and is_cuda(torch.device(self.device)):
+            raise ValueError(
+                "engine batch_invariant: CPU only for now (a GPU's matrix products pick their kernels by "
+                "row count; batch-invariant GPU kernels are not built)"
+            )
         return self
 
 
@@ -148,11 +162,18 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, states)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(
-            self.model, num_blocks, cfg.block_size, self.device, cfg.native_attention, states.total if states else 0
+            self.model,
+            num_blocks,
+            cfg.block_size,
+            self.device,
+            cfg.native_attention,
+            states.total if states else 0,
+            cfg.batch_invariant,
         )
         kind = cfg.quantization
-        if kind == "none":
-            kind = PACKED if cfg.pack_weights and packs(self.device, dtype) else None
+        if kind == "none":  # packed copies round as oneDNN's packed kernels do: not the trainer's
+            packed = cfg.pack_weights and not cfg.batch_invariant and packs(self.device, dtype)
+            kind = PACKED if packed else None
         self.quant = Quantizer(self.model, kind) if kind else None
         if self.quant is not None:
             self.runner.extra_bindings = self.quant.storage
@@ -406,6 +427,8 @@ class LLMEngine:
             want_top = max(s.params.top_logprobs for s in seqs)
             draws = host_values([len(s.output_ids) + pending for s in seqs], torch.long, self.device)
         tok, lp = sample_planned(logits, sampling, draws)
+        if self.cfg.batch_invariant:
+            lp = scored_log_probs(logits, tok, sampling.rows, lp)
         tops = None
         if want_top:
             ids, vals = top_logprobs(logits, sampling.rows.temp, want_top)

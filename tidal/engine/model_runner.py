@@ -50,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tidal import moe, recurrent, vision
+from tidal import invariant, moe, recurrent, vision
 from tidal.attend import attend, causal_mask
 from tidal.engine import decode_path, fuse, native, paged_kernel
 from tidal.engine.cuda_graphs import DecodeGraphs
@@ -275,9 +275,14 @@ class ModelRunner:
         device: torch.device,
         native_attention: bool = True,
         state_slots: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         """`state_slots`: for a hybrid model, the slots of recurrent states to allocate (one per
-        sequence that may run, plus the snapshots: `tidal.engine.state_slots`)."""
+        sequence that may run, plus the snapshots: `tidal.engine.state_slots`). `batch_invariant`:
+        every step under `tidal.invariant.numerics()`, attention by `invariant.attend`, and none
+        of the fused kernels (they round in their own order), so a sequence's logits do not
+        depend on what else the step computes and equal a trainer's under the same numerics."""
+        self.batch_invariant = batch_invariant
         check_supported(model.config)
         self.model = model
         self.states: StatePool | None = None
@@ -293,7 +298,8 @@ class ModelRunner:
         self.vision = vision.family(model.config)
         # a vision-language model's vision tower keeps its own attention
         model.set_attn_implementation({"text_config": NAME} if self.vision else NAME)
-        fuse.fuse(model)  # RMSNorms and SwiGLU activations as one op each where they compute alike
+        if not batch_invariant:  # RMSNorms and SwiGLU activations as one op each where they compute alike
+            fuse.fuse(model)
         self.routers = moe.routers(model)
         # pure decode steps of a Llama-shaped model without transformers' plumbing (same bits,
         # checked on the first such step)
@@ -310,7 +316,8 @@ class ModelRunner:
         self._buffers: list[Tensor | None] = [None, None]  # decode's gathered keys and values
         # decode attention read from the paged cache in place (`tidal.engine.native`): built on
         # first use, CPU float32 or bfloat16 caches; else (or per layer where it cannot serve) gather + sdpa
-        self.native = native_attention and device.type == CPU and native.load() is not None
+        self.native = native_attention and not batch_invariant and device.type == CPU and native.load() is not None
+        self.attend = invariant.attend if batch_invariant else attend
         self._probe()
         # on a GPU, decode attention reads block tables on the device (`paged_kernel`, one
         # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
@@ -623,7 +630,7 @@ class ModelRunner:
                 qd = qs.reshape(b, hkv, -1, q.shape[2])  # [B, Hkv, G, D]
                 kd = self._gather(kc, single_src, 0).transpose(1, 2)
                 vd = self._gather(vc, single_src, 1).transpose(1, 2)
-                o = attend(qd, kd, vd, plan.decode_mask(window), scale, softcap).reshape(b, -1, vc.shape[2])
+                o = self.attend(qd, kd, vd, plan.decode_mask(window), scale, softcap).reshape(b, -1, vc.shape[2])
             if plan.only_single:
                 return o
         out = q.new_empty(q.shape[0], q.shape[1], vc.shape[2])
@@ -639,7 +646,7 @@ class ModelRunner:
             mask = causal_mask(end - start, len(ctx), cached, window, q.device)  # query i at cached + i
             if plan.blocks is not None and plan.blocks[i]:
                 mask = vision.within_images(mask, cached, plan.blocks[i], window)
-            out[start:end] = attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
+            out[start:end] = self.attend(qs, ks, vs, mask, scale, softcap)[0].transpose(0, 1)
         return out
 
     def _gather(self, cache: Tensor, src: Tensor, which: int) -> Tensor:
@@ -659,6 +666,12 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence]) -> Tensor:
         """Compute the uncached tokens of `seqs`, write their K/V (and an MoE model's routing),
         and return the next-token logits of each sequence [S, V] in the model's dtype."""
+        if not self.batch_invariant:
+            return self._step(seqs)
+        with invariant.numerics():
+            return self._step(seqs)
+
+    def _step(self, seqs: list[Sequence]) -> Tensor:
         if self.states is not None:  # sequences starting from a snapshot (a prefix-cache hit)
             starting = [s for s in seqs if s.state_from >= 0]
             if starting:

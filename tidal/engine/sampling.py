@@ -305,6 +305,24 @@ def sample_planned(
     return tokens, log_probs
 
 
+@torch.no_grad()
+def scored_log_probs(logits: Tensor, tokens: Tensor, rows: _RowPlan, drawn: Tensor) -> Tensor:
+    """Each row's log-prob of its token as a trainer scores it: log_softmax(float32(z) / t)[token]
+    (t the row's temperature; 1 for a greedy row), where `drawn` [B] are the log-probs the draw
+    reported (which may sum and round in another order). Rows sampled with a filter (top-k, top-p,
+    min-p) keep `drawn`, their renormalised distribution's, which no trainer's forward knows."""
+    t = torch.where(rows.temp > 0, rows.temp, torch.ones_like(rows.temp))
+    z = logits.float()
+    if rows.tempered:  # greedy rows divide by 1: the same bits
+        z = z / t[:, None]
+    scored = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None].long())[:, 0]
+    if not rows.filtered:
+        return scored
+    vocab = logits.shape[1]
+    plain = (rows.temp == 0) | (((rows.top_k == 0) | (rows.top_k >= vocab)) & (rows.top_p >= 1) & (rows.min_p <= 0))
+    return torch.where(plain, scored, drawn)
+
+
 def adjust_logits(logits: Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]) -> Tensor:
     """Apply each row's repetition, presence and frequency penalties over the tokens it has
     generated so far (`outputs[i]`), and its logit bias; rows without any are left as they are.

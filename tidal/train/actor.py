@@ -171,16 +171,17 @@ class Actor:
                 group = self.trained.cp_group
                 logp, ent = parallel.all_sum(logp, group), parallel.all_sum(ent, group)
             return logp, ent
-        with self.trained.autocast():
-            hidden, valid = self.trained.response_hidden(model, batch)
-            logits = head(hidden) if self.dtype == "autocast" else None
-        labels = batch["response_ids"][valid]
-        if logits is not None:  # the output projection computed under autocast, as TRL does
-            logp, ent = log_probs_and_entropy(logits, labels, self.temperature, entropy_grad)
-        else:
-            logp, ent = token_log_probs_and_entropy(
-                hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens, entropy_grad
-            )
+        with self.trained.numerics():
+            with self.trained.autocast():
+                hidden, valid = self.trained.response_hidden(model, batch)
+                logits = head(hidden) if self.dtype == "autocast" else None
+            labels = batch["response_ids"][valid]
+            if logits is not None:  # the output projection computed under autocast, as TRL does
+                logp, ent = log_probs_and_entropy(logits, labels, self.temperature, entropy_grad)
+            else:
+                logp, ent = token_log_probs_and_entropy(
+                    hidden, head, labels, self.temperature, self.cfg.logits_chunk_tokens, entropy_grad
+                )
         return to_grid(logp, valid), to_grid(ent, valid)
 
     @torch.no_grad()
@@ -214,7 +215,7 @@ class Actor:
                     if k < len(plan):
                         out[idx, : logp.shape[1]] = logp.float()
                     continue
-                with self.trained.autocast():
+                with self.trained.numerics(), self.trained.autocast():
                     hidden, valid = self.trained.response_hidden(model, batch)
                     labels = batch["response_ids"][valid]
                     if self.dtype == "autocast":

@@ -36,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tidal import recurrent, vision
+from tidal import invariant, recurrent, vision
 from tidal.attend import attend, causal_mask
 from tidal.hardware import CPU, on_host
 from tidal.train.context import ContextSplit, gather_keys
@@ -142,6 +142,8 @@ def packed_attention(
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if invariant.active():
+        return _invariant_attention(query, key, value, attention_mask, tidal_layout, scale, sliding, softcap), None
     if tidal_layout is None or query.shape[0] != 1:
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -235,6 +237,34 @@ def _padded_attention(
                 q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
             )
     return _to_row(out, lay)[None].to(query.dtype)
+
+
+def _invariant_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    layout: PackedLayout | ContextSplit | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """`packed_attention` under batch-invariant numerics (`train.batch_invariant`): each query over
+    its own sample's keys with `tidal.invariant.attend`, whose bits do not depend on the other
+    samples or the padding, as the engine attends (`engine.batch_invariant`). [B, S, H, D]."""
+    if isinstance(layout, ContextSplit):
+        k, v = gather_keys(key, layout), gather_keys(value, layout)
+        return invariant.attend(query, k, v, layout.mask(window)[None, None], scale, softcap).transpose(1, 2)
+    if layout is None or query.shape[0] != 1:
+        q_len, k_len = query.shape[2], key.shape[2]
+        mask = attention_mask if attention_mask is not None else causal_mask(q_len, k_len, None, window, query.device)
+        return invariant.attend(query, key, value, mask.to(query.device).bool(), scale, softcap).transpose(1, 2)
+    q, k, v = (_to_padded(x, layout) for x in (query, key, value))
+    if layout.images is not None:
+        mask = layout.mask(window, q.device)
+    else:
+        mask = causal_mask(layout.length, layout.length, 0, window, q.device)
+    return _to_row(invariant.attend(q, k, v, mask, scale, softcap), layout)[None]
 
 
 def _context_attention(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tidal import recurrent, vision
+from tidal import invariant, recurrent, vision
 from tidal.hardware import CPU, autocast_type, keep_freed_memory, resolve_dtype
 from tidal.options import ConfigError
 from tidal.train import context, lora, parallel, recompute
@@ -99,12 +99,32 @@ class TrainedModel:
         self.mixed = Bf16Compute(self.master) if self.dtype == "bfloat16" else None
         self.compute = self.mixed.model if self.mixed is not None else self.master
         self.fwd = Forward(cfg, self.compute, pad_id, self.device, routing)
+        if cfg.batch_invariant:
+            self._check_batch_invariant()
         self.sharded = False
         self.mesh = self.tp_mesh = None
         self.vocab: parallel.VocabSplit | None = None  # tensor parallel: the logits are this slice
         self.cp_group = None  # context parallel: the ranks that split each micro-batch's row
         self.frozen_models: list[torch.nn.Module] = []  # a reference and teacher sharded like it
         self.loss_scale = 1.0
+
+    def _check_batch_invariant(self) -> None:
+        """`train.batch_invariant` scores on a CPU, with tidal's attention function (which attends
+        by `tidal.invariant.attend` under those numerics)."""
+        if self.device.type != CPU:
+            raise ConfigError(
+                f"train.batch_invariant: scores on a CPU only (batch-invariant GPU kernels are not built); the "
+                f"trainer is on {self.device}"
+            )
+        if not use_packed_attention(self.compute):
+            raise ConfigError(
+                f"train.batch_invariant: {self.compute.config.model_type} attends with "
+                f"{attn_implementation(self.compute)!r}, not sdpa or eager, which tidal's attention function replaces"
+            )
+
+    def numerics(self):
+        """The context scoring runs in: `tidal.invariant.numerics()` under `train.batch_invariant`."""
+        return invariant.numerics() if self.cfg.batch_invariant else contextlib.nullcontext()
 
     def shard(self, mesh=None, tp_mesh=None, cp_group=None) -> None:
         """FSDP2 over the default process group (or `mesh`): each decoder layer and the root are
@@ -169,7 +189,7 @@ class TrainedModel:
         """A frozen model computed like this one (precision, attention), so that a reference or
         teacher equal to the policy gives exactly the policy's log-probs (KL exactly 0)."""
         model = model.to(self.device).eval().requires_grad_(False)
-        if self.fwd.packing:
+        if self.fwd.packing or self.cfg.batch_invariant:
             use_packed_attention(model)
         if self.sharded:  # FSDP2 like the policy: each rank keeps 1/N of it (bf16 by the same policy)
             if self.tp_mesh is not None:

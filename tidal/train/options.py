@@ -62,6 +62,12 @@ class TrainConfig:
         "compute the output projection and log-softmax this many response tokens at a time, so a micro-batch's "
         "[tokens, vocabulary] logits are never held whole (0 = all at once)",
     )
+    batch_invariant: bool = opt(
+        False,
+        "on a CPU, score under batch-invariant numerics (tidal.invariant: matrix products on padded rows, "
+        "attention in float64), so with engine.batch_invariant the trainer's log-probs are the engine's bit for "
+        "bit (true on-policy: the first ratio is exactly 1); slower forwards, the same gradients' formula",
+    )
     lora_rank: int = opt(
         0,
         "LoRA rank r: train low-rank adapters on the base weights, frozen (0 = full fine-tuning); "
@@ -118,6 +124,16 @@ class TrainConfig:
         need(self.max_bad_steps >= 1, f"train.max_bad_steps: must be >= 1, got {self.max_bad_steps}")
         need(self.num_threads >= 0, "train.num_threads: must be >= 0")
         need(self.logits_chunk_tokens >= 0, "train.logits_chunk_tokens: must be >= 0 (0 = all at once)")
+        need(
+            not self.batch_invariant or self.dtype != "autocast",
+            "train.batch_invariant: scores in the weights' dtype as the engine does; train.dtype autocast casts "
+            "per op (use auto, bfloat16 or float32)",
+        )
+        need(
+            not self.batch_invariant or self.lora_rank == 0,
+            "train.batch_invariant: the engine runs merged LoRA weights, which round otherwise than the "
+            "trainer's adapters; full fine-tuning only (train.lora_rank 0)",
+        )
         self._check_lora(need)
 
     def _check_lora(self, need: Need) -> None:

@@ -27,6 +27,8 @@ import types
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from tidal.invariant import recompute_contexts
+
 _aten = torch.ops.aten
 # ops whose outputs a `selective` layer keeps: the matmuls and attention kernels (the step's cost)
 SAVED_OPS = frozenset(
@@ -55,12 +57,14 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_options(mode: bool | str) -> dict | None:
+def checkpoint_options(mode: bool | str) -> dict:
     """The keyword arguments transformers' checkpointing passes to `torch.utils.checkpoint` for
-    `train.gradient_checkpointing` = `mode` (None: transformers' own, for `full`)."""
+    `train.gradient_checkpointing` = `mode`: non-reentrant (transformers' default), the layer
+    recomputed under the numerics its forward ran under (`tidal.invariant.recompute_contexts`)."""
     if mode == "selective":
-        return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
-    return None
+        selective = functools.partial(create_selective_checkpoint_contexts, policy)
+        return {"use_reentrant": False, "context_fn": functools.partial(recompute_contexts, selective)}
+    return {"use_reentrant": False, "context_fn": recompute_contexts}
 
 
 def enable(model: torch.nn.Module, mode: bool | str) -> None:

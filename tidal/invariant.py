@@ -1,0 +1,170 @@
+"""Batch-invariant numerics: a row's values do not depend on what else shares its call.
+
+An engine decodes a sequence a token at a time in batches of whatever sequences are running; a
+trainer scores the whole sample in a packed row. Both compute the same model, but their kernels
+see other shapes, and in bf16 one rounding apart in one layer grows to tenths of a nat in the
+log-probs (SmolLM2, Zen 4: 4.1e-2 mean |Δ log p|, the same as transformers' own decoding against
+its forward). Under `numerics()` the two pieces whose bits depend on the call's shape compute
+each row as it would alone:
+
+- **Matrix products** (`F.linear`): the rows are padded with zeros to a multiple of `ROWS`. The
+  CPU's GEMM kernels give a row the same bits at every position of a call whose row count is a
+  multiple of their register tile (4 to 16 rows); the odd rows of other counts, and calls of one
+  to three rows, go through other code with another summation order. The first product of each
+  weight shape checks that on this machine and raises if it does not hold (`RowsVary`).
+- **Attention** (`attend`): scores, softmax and the value sum in float64. Products of bf16
+  values are exact there and their sums over a head's width are exact in practice, so whatever
+  order a kernel sums in, the result rounds to the same bf16 (or float32) value; the float64
+  rounding left (the softmax's sum, p · v) is ~2^-53 relative, below a float32 rounding but for
+  values within that of a rounding boundary. Its backward is the float32 formula's (`tidal.attend`):
+  the gradients need no particular bits, only the forward's values do.
+
+Everything else a Llama-shaped layer runs (norms, rotary, activations, log-softmax) computes a
+row by itself already. The engine (`engine.batch_invariant`) and the trainer
+(`train.batch_invariant`) both run under `numerics()`, with the same attention and unfused ops, so
+the trainer's log-probs are the engine's, bit for bit (tests/test_invariant.py), at the cost of
+speed: the float64 attention, padded products and the engine's fused kernels off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from tidal.attend import attend as attend32
+
+ROWS = 16  # products run on a multiple of this many rows
+
+_state = threading.local()  # per thread: the engine's thread and the trainer's each set their own
+_checked: set[tuple] = set()  # (device, dtype, in, out) shapes whose products were checked
+
+
+class RowsVary(RuntimeError):
+    """This machine's matrix products give a row other bits at another position of a call."""
+
+
+def active() -> bool:
+    """Whether this thread computes under `numerics()`."""
+    return getattr(_state, "depth", 0) > 0
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` with x's rows padded with zeros to a multiple of `ROWS` (at
+    least `ROWS`), so each row's bits are those of the same kernel path whatever the row count."""
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    rows = max(ROWS, -(-m // ROWS) * ROWS)
+    if rows != m:
+        flat = torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])])
+    _check_rows(weight, bias)
+    return F.linear(flat, weight, bias)[:m].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_rows(weight: Tensor, bias: Tensor | None) -> None:
+    """Once per weight shape: a row's product at another position of a call with another multiple
+    of `ROWS` rows has the same bits."""
+    key = (weight.device, weight.dtype, *weight.shape, bias is not None)
+    if key in _checked:
+        return
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn(3 * ROWS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        whole = F.linear(x, weight, bias)
+        part = F.linear(x[ROWS - 5 : 2 * ROWS - 5], weight, bias)  # row ROWS - 5 + i at position i
+        if not torch.equal(whole[ROWS - 5 : 2 * ROWS - 5], part):
+            raise RowsVary(
+                f"batch_invariant: this machine's {weight.dtype} matrix products of shape "
+                f"[*, {weight.shape[1]}] x [{weight.shape[1]}, {weight.shape[0]}] give a row other bits at "
+                f"another position of a {ROWS}-row multiple, so the engine's and the trainer's log-probs "
+                "cannot be made equal here; turn engine.batch_invariant and train.batch_invariant off"
+            )
+    _checked.add(key)
+
+
+class _Products(TorchFunctionMode):
+    """Routes `F.linear` (every nn.Linear, LoRA's included) to `linear`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def recompute_contexts(inner=None) -> tuple:
+    """A `context_fn` for `torch.utils.checkpoint` (non-reentrant): `inner`'s contexts (none by
+    default), with the recomputation under `numerics()` where the forward ran under it. The
+    backward runs outside the forward's context, and must compute the tensors the forward
+    saved: the same shapes (padded products) and, for a selective policy, the same ops."""
+    forward, recompute = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    if not active():
+        return forward, recompute
+    return forward, _within(recompute, numerics())
+
+
+@contextlib.contextmanager
+def _within(outer, inner):
+    with outer, inner:
+        yield
+
+
+@contextlib.contextmanager
+def numerics():
+    """Compute under batch-invariant numerics on this thread (see the module docstring); nested
+    calls keep the outer one's."""
+    if active():
+        yield
+        return
+    _state.depth = 1
+    try:
+        with _Products():
+            yield
+    finally:
+        _state.depth = 0
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None) -> Tensor:
+    """`tidal.attend.attend`'s formula, softmax(cap(q·kᵀ · scale), masked) · v over grouped-query
+    heads (q [B, H, L, D], k [B, Hkv, C, D], v [B, Hkv, C, Dv], `mask` broadcast to [B, H, L, C],
+    True where a key is seen), computed in float64 and rounded to q's dtype: a query's output is
+    the same whatever else is in the call and however many masked keys it has. Gradients are the
+    float32 formula's at the same inputs."""
+    return _Attend.apply(q, k, v, mask, scale, softcap)
+
+
+def _attend64(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double(), v.double()
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = q.double() @ k.transpose(-1, -2)
+    scores = torch.tanh(scores * (scale / softcap)) * softcap if softcap is not None else scores * scale
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+class _Attend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale, ctx.softcap = scale, softcap
+        return _attend64(q, k, v, mask, scale, softcap).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, mask = ctx.saved_tensors
+        inputs = [
+            x.detach().float().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)
+        ]
+        with torch.enable_grad():
+            out = attend32(*inputs, mask, ctx.scale, ctx.softcap)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad.float()) if wanted else ())
+        per_input = tuple(
+            next(grads).to(o.dtype) if x.requires_grad else None for x, o in zip(inputs, (q, k, v), strict=True)
+        )
+        return (*per_input, None, None, None)
