@@ -2,6 +2,7 @@
 
     python -m bench grpo_step                      # 1 warm-up + 4 measured steps per framework
     python -m bench grpo_step --steps 6 --repeats 2 --trl-dtype float32
+    python -m bench grpo_step --frameworks tidal tidal_invariant   # the price of batch invariance
 
 Workload (see `bench.trl_runner`): SmolLM2-135M-Instruct, `env:arithmetic` level 1 through the
 chat template, math reward, 8 prompts x 4 samples = 32 completions of at most 48 tokens per step,
@@ -77,13 +78,13 @@ def compare(by: dict[str, dict]) -> dict:
 
 def print_table(by: dict[str, dict], cmp: dict | None) -> None:
     print(
-        f"\n{'framework':<10}{'s/step':>8}{'rollout s':>10}{'(generate)':>11}{'train s':>9}{'other s':>9}"
+        f"\n{'framework':<16}{'s/step':>8}{'rollout s':>10}{'(generate)':>11}{'train s':>9}{'other s':>9}"
         f"{'rollout tok/s':>14}{'train tok/s':>12}{'peak RSS MB':>12}{'reward':>8}"
     )
     for name, r in by.items():
         ph = r["phases_s"]
         print(
-            f"{name:<10}{r['seconds_per_step']:>8.1f}{ph['rollout']:>10.1f}{ph['generate']:>11.1f}"
+            f"{name:<16}{r['seconds_per_step']:>8.1f}{ph['rollout']:>10.1f}{ph['generate']:>11.1f}"
             f"{ph['train']:>9.1f}{ph['other']:>9.2f}{r['rollout_tokens_per_s']:>14.0f}"
             f"{r['train_tokens_per_s']:>12.0f}{r['peak_rss_mb']:>12.0f}{r['reward_mean']:>8.3f}"
         )
@@ -109,8 +110,20 @@ def main() -> None:
     )
 
     by = {fw: summarize(rs) for fw, rs in runs.items()}
-    cmp = compare(by) if set(by) == {"tidal", "trl"} else None
+    cmp = compare(by) if {"tidal", "trl"} <= set(by) else None
     print_table(by, cmp)
+    invariant = None
+    if {"tidal", "tidal_invariant"} <= set(by):  # the price of exact on-policy log-probs
+        plain, exact = by["tidal"], by["tidal_invariant"]
+        invariant = {
+            "seconds_per_step_ratio": exact["seconds_per_step"] / plain["seconds_per_step"],
+            "rollout_tokens_per_s_ratio": exact["rollout_tokens_per_s"] / plain["rollout_tokens_per_s"],
+            "train_tokens_per_s_ratio": exact["train_tokens_per_s"] / plain["train_tokens_per_s"],
+        }
+        print(
+            "tidal_invariant / tidal: seconds per step x{seconds_per_step_ratio:.2f}, rollout tokens/s "
+            "x{rollout_tokens_per_s_ratio:.2f}, train tokens/s x{train_tokens_per_s_ratio:.2f}".format(**invariant)
+        )
     settings = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "workload": asdict(w)}
     payload = {
         "machine": machine(),
@@ -118,6 +131,9 @@ def main() -> None:
         "settings": settings,
         "results": by,
         "comparison": cmp,
+        "batch_invariant": invariant,
         "runs": runs,
     }
-    print(f"wrote {write_result('grpo_step', payload)}")
+    # a run of the batch-invariant variant keeps its own file
+    name = "grpo_step-batch-invariant" if "tidal_invariant" in by else "grpo_step"
+    print(f"wrote {write_result(name, payload)}")

@@ -49,6 +49,8 @@ START_ENV = dict(os.environ)
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
 FRAMEWORKS = ("tidal", "trl")
+# tidal with engine.batch_invariant and train.batch_invariant: chosen by name, never by default
+VARIANTS = {"tidal_invariant": ("tidal", {"batch_invariant": 1})}
 
 
 @dataclass
@@ -373,16 +375,19 @@ def child_main() -> None:
 def run_child(framework: str, w: Workload, steps: int, warmup: int, timeout: float | None = None) -> dict:
     """Run one framework in a fresh process and return its RESULT (exits with its stderr on failure,
     or when it runs past `timeout` seconds)."""
-    cmd = [sys.executable, "-m", "bench.trl_runner", "--framework", framework]
+    base, options = VARIANTS.get(framework, (framework, {}))
+    w = replace(w, **options)
+    cmd = [sys.executable, "-m", "bench.trl_runner", "--framework", base]
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
     for k, v in asdict(w).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = dict(START_ENV)
-    if framework == "tidal":  # as `tidal train` runs; TRL's process keeps the environment as given
+    if base == "tidal":  # as `tidal train` runs; TRL's process keeps the environment as given
         from tidal import ALLOCATOR_ENV
 
         env = {**ALLOCATOR_ENV, **env}
     res = run_measurement(cmd, f"{framework} run", env, timeout)
+    res["framework"] = framework
     res["wall_s"] = res["process_seconds"]  # the name grpo_step/learning JSON has always used
     return res
 
@@ -391,7 +396,7 @@ def add_run_args(p: argparse.ArgumentParser, steps: int, steps_help: str) -> Non
     """The options every tidal-vs-TRL benchmark shares: steps, repeats, frameworks, the workload."""
     p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--repeats", type=int, default=1, help="runs per framework (alternating)")
-    p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    p.add_argument("--frameworks", nargs="+", choices=[*FRAMEWORKS, *VARIANTS], default=list(FRAMEWORKS))
     add_workload_args(p)
 
 

@@ -146,10 +146,10 @@ def _rollout(model_dir, dtype: str, requests: int = 12, **engine):
     return prompts, params, eng.generate_batch(prompts, params)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", sorted(invariant.FAMILIES))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_trainer_scores_the_engines_tokens_with_the_engines_log_probs_bit_for_bit(family, dtype, tmp_path):
-    model = tiny_model(family)  # mistral: a sliding window; qwen2: biases; gemma2: soft-capping, windows
+    model = tiny_model(family)  # windows, biases, q/k norms, soft-capping, partial rotary, post-norms
     model.save_pretrained(tmp_path)
     prompts, params, outs = _rollout(tmp_path, dtype, batch_invariant=True)
     for temp in (1.0, 0.7):
@@ -230,6 +230,16 @@ def test_batch_invariant_options_that_cannot_hold_are_refused_by_name(over, mess
     with pytest.raises(ConfigError) as err:
         build_config(None, {"train.model": str(tiny_model_dir), "train.output_dir": str(tmp_path), **over})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text"])
+def test_models_whose_layers_the_numerics_do_not_cover_are_refused_by_name(family, tmp_path):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"engine batch_invariant: .*; {family}'s layers compute in kernels"):
+        LLMEngine(str(tmp_path), dtype="float32", kv_cache_tokens=256, batch_invariant=True)
+    with pytest.raises(ConfigError, match=f"train.batch_invariant: .*; {family}'s layers compute in kernels"):
+        Actor(model, TrainConfig(dtype="float32", batch_invariant=True), AlgoConfig())
 
 
 def test_the_engine_refuses_batch_invariance_where_it_cannot_hold():

@@ -40,12 +40,28 @@ from tidal.attend import attend as attend32
 
 ROWS = 16  # products run on a multiple of this many rows
 
+# the model types whose engine log-probs equal the trainer's under these numerics, bf16 and fp32
+# (tests/test_invariant.py): dense decoders whose products are linear layers. An MoE model's
+# experts and a hybrid's recurrent layers compute in kernels of their own (grouped products,
+# chunked scans against step-by-step recurrences), which these numerics do not cover.
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "glm4", "olmo2"})
+
 _state = threading.local()  # per thread: the engine's thread and the trainer's each set their own
 _checked: set[tuple] = set()  # (device, dtype, in, out) shapes whose products were checked
 
 
 class RowsVary(RuntimeError):
     """This machine's matrix products give a row other bits at another position of a call."""
+
+
+def unsupported(model_type: str, option: str) -> str | None:
+    """Why `option` cannot hold for a language model of `model_type` (None where it can)."""
+    if model_type in FAMILIES:
+        return None
+    return (
+        f"{option}: exact log-probs are built for the dense decoders {', '.join(sorted(FAMILIES))}; "
+        f"{model_type}'s layers compute in kernels these numerics do not cover"
+    )
 
 
 def active() -> bool:
@@ -139,10 +155,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap:
 
 def _attend64(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
     g = q.shape[1] // k.shape[1]
-    k, v = k.double(), v.double()
+    # contiguous copies: a batched product of strided views copies them again, per call
+    k, v = (x.to(torch.float64, memory_format=torch.contiguous_format) for x in (k, v))
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scores = q.double() @ k.transpose(-1, -2)
+    scores = q.to(torch.float64, memory_format=torch.contiguous_format) @ k.transpose(-1, -2)
     scores = torch.tanh(scores * (scale / softcap)) * softcap if softcap is not None else scores * scale
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 

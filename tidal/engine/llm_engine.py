@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tidal import recurrent, vision
+from tidal import invariant, recurrent, vision
 from tidal.contracts import EngineUnavailable, GenerationOutput, RequestOutput, SamplingParams, require_weights
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
@@ -40,7 +40,7 @@ from tidal.engine.weights import (
     model_checksum,
     read_safetensors_dir,
 )
-from tidal.hardware import CPU, TORCH_DTYPES, host_values, is_cuda, release_cached, weights_dtype
+from tidal.hardware import CPU, TORCH_DTYPES, host_values, is_cuda, keep_freed_memory, release_cached, weights_dtype
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,11 @@ class LLMEngine:
         text = vision.language_config(self.model.config)
         self.vocab_size = text.vocab_size
         self.max_model_len = cfg.max_model_len or getattr(text, "max_position_embeddings", 2048)
+        why = invariant.unsupported(text.model_type, "engine batch_invariant") if cfg.batch_invariant else None
+        if why:
+            raise ValueError(why)
+        if cfg.batch_invariant:  # the float64 attention's blocks, reused instead of faulted in each call
+            keep_freed_memory(self.device)
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         # a hybrid model's running sequences each hold a slot of recurrent states, beside snapshots
         states = None

@@ -116,6 +116,9 @@ class TrainedModel:
                 f"train.batch_invariant: scores on a CPU only (batch-invariant GPU kernels are not built); the "
                 f"trainer is on {self.device}"
             )
+        why = invariant.unsupported(vision.language_config(self.compute.config).model_type, "train.batch_invariant")
+        if why:
+            raise ConfigError(why)
         if not use_packed_attention(self.compute):
             raise ConfigError(
                 f"train.batch_invariant: {self.compute.config.model_type} attends with "
