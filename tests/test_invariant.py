@@ -224,6 +224,11 @@ def test_a_bf16_grpo_run_trains_on_the_engines_log_probs_exactly(checkpointing, 
             "train.batch_invariant: the engine runs merged LoRA weights, which round otherwise than the "
             "trainer's adapters; full fine-tuning only (train.lora_rank 0)",
         ),
+        (
+            {"engine.batch_invariant": True, "train.batch_invariant": True, "cluster.trainers": 2},
+            "train.batch_invariant: one trainer rank (cluster.trainers 1); FSDP2 ranks score by a path these "
+            "numerics are not built for",
+        ),
     ],
 )
 def test_batch_invariant_options_that_cannot_hold_are_refused_by_name(over, message, tiny_model_dir, tmp_path):

@@ -534,9 +534,9 @@ def _check_engine_and_cluster(cfg: Config, need: Need) -> None:
         "batch-invariant numerics; set engine.batch_invariant too",
     )
     need(
-        not t.batch_invariant or (c.trainers == 1 and c.device != "cuda"),
-        "train.batch_invariant: one trainer rank on a CPU (cluster.trainers 1, cluster.device cpu or auto on a "
-        "machine without a GPU): batch-invariant GPU kernels are not built",
+        not t.batch_invariant or c.trainers == 1,
+        "train.batch_invariant: one trainer rank (cluster.trainers 1); FSDP2 ranks score by a path these numerics "
+        "are not built for",
     )
     # an engine in this process takes its weights in-process: the trainer's own LoRA layers can be shared
     need(

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from tidal.attend import attend as attend32
+from tidal.hardware import CPU
 
 ROWS = 16  # products run on a multiple of this many rows
 
@@ -87,7 +88,7 @@ def _check_rows(weight: Tensor, bias: Tensor | None) -> None:
     key = (weight.device, weight.dtype, *weight.shape, bias is not None)
     if key in _checked:
         return
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=CPU).manual_seed(0)
     with torch.no_grad():
         x = torch.randn(3 * ROWS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
         whole = F.linear(x, weight, bias)
