@@ -7,11 +7,12 @@ log-probs (SmolLM2, Zen 4: 4.1e-2 mean |Δ log p|, the same as transformers' own
 its forward). Under `numerics()` the two pieces whose bits depend on the call's shape compute
 each row as it would alone:
 
-- **Matrix products** (`F.linear`): the rows are padded with zeros to a multiple of `ROWS`. The
-  CPU's GEMM kernels give a row the same bits at every position of a call whose row count is a
-  multiple of their register tile (4 to 16 rows); the odd rows of other counts, and calls of one
-  to three rows, go through other code with another summation order. The first product of each
-  weight shape checks that on this machine and raises if it does not hold (`RowsVary`).
+- **Matrix products** (`F.linear`): the rows are padded with zeros to a multiple of `ROWS`. On
+  the CPUs measured (Zen 4; oneDNN, MKL and ATen limited to AVX2 too) torch's GEMM gives a row the
+  same bits at every position of a call whose row count is a multiple of 4; the odd rows of other
+  counts, and calls of one to three rows, go through other code with another summation order.
+  The first product of each weight shape checks that on the machine it runs on and raises where
+  it does not hold (`RowsVary`).
 - **Attention** (`attend`): scores, softmax and the value sum in float64. Products of bf16
   values are exact there and their sums over a head's width are exact in practice, so whatever
   order a kernel sums in, the result rounds to the same bf16 (or float32) value; the float64
