@@ -48,7 +48,9 @@ The parts, in order (one process; the GRPO runs are one subprocess per framework
    in bf16, 1e-5 in fp32). Beside it, transformers against itself: the first `--self-gap-samples`
    (4) samples' first `--self-gap-tokens` (64) tokens decoded a token at a time over transformers'
    KV cache, against its one forward over the row: the gap two correct computations of the model
-   in that dtype have.
+   in that dtype have. With `--engine-opt batch_invariant=true` the reference forward computes
+   under the trainer's `train.batch_invariant` numerics, and the JSON is named `...-batch-invariant`;
+   `--wide-numerics` runs a CPU with the GPU's form of those numerics (`tidal.invariant.wide`).
 4. The decode attention kernel's launch choices (`attention_sweep`): `decode_attention` at the
    Qwen3-1.7B shape (512 sequences, 8 KV heads, head dim 128, bf16) at contexts 64, 256 and 1024,
    for each (tile, warps, stages) of `ATTENTION_CONFIGS`: microseconds a call and K/V GB/s.
@@ -1116,6 +1118,12 @@ def main() -> None:
     p.add_argument("--grpo-micro-batch", type=int, default=32)
     p.add_argument("--grpo-steps", type=int, default=8, help="steps per framework; the first is not measured")
     p.add_argument("--budget-s", type=float, default=345.0, help="the whole bench's time; GRPO gets what is left")
+    p.add_argument(
+        "--wide-numerics",
+        action="store_true",
+        help="with --engine-opt batch_invariant=true on a CPU: the GPU's batch-invariant numerics (float64 products "
+        "and row reductions, tidal.invariant.wide) instead of padded rows, to check them where no GPU is",
+    )
     args = p.parse_args()
     args.engine_opts = parse_opts(args.engine_opt)
     if args.smoke:
@@ -1126,6 +1134,10 @@ def main() -> None:
     if args.skip_grpo and "grpo" in args.parts:
         args.parts.remove("grpo")
     budget = Budget(args.budget_s)
+    if args.wide_numerics:
+        from tidal import invariant
+
+        invariant.wide = lambda device: True
 
     import torch
     import transformers
@@ -1154,7 +1166,10 @@ def main() -> None:
         print(f"[{budget.elapsed():5.0f} s] grpo beside TRL", flush=True)
         res["grpo"] = attempt(res["errors"], "grpo", grpo, args, budget)
     res["total_s"] = budget.elapsed()
-    path = write_result("gpu", res, kind=result_kind(args.device, args.smoke))  # first: nothing is lost
+    kind = result_kind(args.device, args.smoke)
+    if args.engine_opts.get("batch_invariant"):  # beside the default's figures, not over them
+        kind += "-batch-invariant" + ("-wide" if args.wide_numerics else "")
+    path = write_result("gpu", res, kind=kind)  # first: nothing is lost
     print_summary(res)
     print(f"wrote {path}")
 

@@ -7,7 +7,8 @@
 #   there, next (with .carry2):   bash scripts/gpu_session.sh run [bench gpu options]
 # `stage` installs the wheels into /tmp/site, keeps the model's first part and runs the engine's
 # CUDA tests (kernels, graphs, quantization, devices: they need no model file); `run` joins the
-# model file and runs the bench, and copies its JSON and log to $OUT (or runs/gpu_session/). On a
+# model file and runs the bench (then its log-prob part under `engine.batch_invariant`), and copies
+# the JSONs and logs to $OUT (or runs/gpu_session/). On a
 # machine that has SmolLM2 and TRL installed, `tests` then `run` do it all without staging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ case "$step" in
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_paged_kernel.py \
-      tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py \
+      tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py tests/test_invariant.py \
       tests/test_device.py 2>&1 | tee "$out/tests.log" | tail -40 || true  # what failed is in the log
     ;;
   run)
@@ -41,6 +42,9 @@ case "$step" in
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     python3 -m bench gpu "$@" 2>&1 | tee "$out/bench.log"
+    # the log-prob gap under batch-invariant numerics (float64 products and reductions on a GPU)
+    timeout 150 python3 -m bench gpu --parts logprob --workloads smollm2 --impls tidal --prompts 4 \
+      --max-new-tokens 64 --self-gap-samples 2 --engine-opt batch_invariant=true 2>&1 | tee "$out/bench-invariant.log" || true
     cp bench/results/gpu-*.json "$out/" 2>/dev/null || true
     ;;
   *)

@@ -192,3 +192,25 @@ def test_the_run_records_the_device_and_resolves_the_dtypes_for_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg, record = resolve_precision(Config())
     assert cfg.cluster.device == "cpu" and record["cluster.device"]["reason"] == "auto: torch sees no CUDA device"
+
+
+def test_batch_invariant_numerics_make_every_tensor_on_their_device(monkeypatch):
+    """Both strategies of `tidal.invariant` (a CPU's padded rows, a GPU's float64 products and
+    reductions, routed through here): the engine's steps and the trainer's scoring."""
+    from tidal import invariant
+    from tidal.contracts import SamplingParams
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.train.actor import Actor
+
+    for wide in (False, True):
+        monkeypatch.setattr(invariant, "wide", lambda device, wide=wide: wide)
+        engine = LLMEngine(make_model(seed=1), None, dtype="bfloat16", kv_cache_tokens=512, batch_invariant=True)
+        params = [SamplingParams(max_new_tokens=5, temperature=0.9, seed=i) for i in range(2)]
+        with torch.device("meta"):
+            outs = engine.generate_batch([[5, 6, 7, 8, 9], [10, 11, 12]], params)
+        assert [len(o.token_ids) for o in outs] == [5, 5]
+        cfg = TrainConfig(micro_batch_size=4, global_batch_size=8, dtype="bfloat16", batch_invariant=True)
+        actor = Actor(make_model(seed=0), cfg, AlgoConfig(), device=hardware.CPU)
+        with torch.device("meta"):
+            old = actor.compute_log_probs(make_samples())
+        assert old.device.type == "cpu" and torch.isfinite(old).all()

@@ -146,13 +146,11 @@ def _rollout(model_dir, dtype: str, requests: int = 12, **engine):
     return prompts, params, eng.generate_batch(prompts, params)
 
 
-@pytest.mark.parametrize("family", sorted(invariant.FAMILIES))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_trainer_scores_the_engines_tokens_with_the_engines_log_probs_bit_for_bit(family, dtype, tmp_path):
-    model = tiny_model(family)  # windows, biases, q/k norms, soft-capping, partial rotary, post-norms
-    model.save_pretrained(tmp_path)
-    prompts, params, outs = _rollout(tmp_path, dtype, batch_invariant=True)
-    for temp in (1.0, 0.7):
+def _scores_bit_for_bit(model, dtype: str, rollout, temps=(1.0, 0.7), device="cpu") -> None:
+    """The trainer (`train.batch_invariant`) scores each sample of `rollout` at its temperature
+    with exactly the engine's log-probs."""
+    prompts, params, outs = rollout
+    for temp in temps:
         rows = [i for i, sp in enumerate(params) if sp.temperature == temp]
         samples = [
             Sample(
@@ -165,11 +163,19 @@ def test_the_trainer_scores_the_engines_tokens_with_the_engines_log_probs_bit_fo
             for i in rows
         ]
         train = TrainConfig(dtype=dtype, batch_invariant=True, micro_batch_size=4, global_batch_size=8)
-        actor = Actor(copy.deepcopy(model), train, AlgoConfig(), temperature=temp)
-        scored = actor.compute_log_probs(samples)
+        actor = Actor(copy.deepcopy(model), train, AlgoConfig(), temperature=temp, device=device)
+        scored = actor.compute_log_probs(samples).cpu()
         for j, s in enumerate(samples):
             want = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
             assert torch.equal(scored[j, : s.response_length], want), (temp, j)
+
+
+@pytest.mark.parametrize("family", sorted(invariant.FAMILIES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_trainer_scores_the_engines_tokens_with_the_engines_log_probs_bit_for_bit(family, dtype, tmp_path):
+    model = tiny_model(family)  # windows, biases, q/k norms, soft-capping, partial rotary, post-norms
+    model.save_pretrained(tmp_path)
+    _scores_bit_for_bit(model, dtype, _rollout(tmp_path, dtype, batch_invariant=True))
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(tmp_path):
@@ -250,3 +256,82 @@ def test_models_whose_layers_the_numerics_do_not_cover_are_refused_by_name(famil
 def test_the_engine_refuses_batch_invariance_where_it_cannot_hold():
     with pytest.raises(ValueError, match="engine batch_invariant: the trainer computes full-precision layers"):
         LLMEngine(make_model(), quantization="int8", batch_invariant=True)
+
+
+# -- the GPU's strategy (`invariant.wide`: products and row reductions in float64), run here by
+# routing the CPU through it: what a GPU computes under these numerics, checked where CI runs
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setattr(invariant, "wide", lambda device: True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_wide_product_is_the_float64_product_rounded_and_its_gradients_are_the_plain_formulas(dtype, wide):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 96, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(40, 96, generator=gen).to(dtype).requires_grad_()
+    b = torch.randn(40, generator=gen).to(dtype).requires_grad_()
+    with invariant.numerics():
+        y = F.linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (2, 7, 40)
+    assert torch.equal(y, (x.double() @ w.double().T + b.double()).to(dtype))
+    g = torch.randn(2, 7, 40, generator=gen).to(dtype)
+    y.backward(g)
+    flat_g, flat_x = g.reshape(-1, 40), x.detach().reshape(-1, 96)
+    assert torch.equal(x.grad, g @ w.detach())
+    assert torch.equal(w.grad, flat_g.T @ flat_x)
+    assert torch.equal(b.grad, flat_g.sum(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_row_reductions_are_float64_rounded_back_and_a_named_dtype_is_kept(dtype, wide):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 300, generator=gen) * 4).to(dtype)
+    weight = torch.randn(300, generator=gen).to(dtype)
+    with invariant.numerics():
+        got = {
+            "mean": x.mean(-1, keepdim=True),
+            "torch.mean": torch.mean(x, dim=-1),
+            "log_softmax": torch.log_softmax(x, dim=-1),
+            "F.log_softmax": F.log_softmax(x, dim=-1),
+            "softmax": x.softmax(-1),
+            "logsumexp": torch.logsumexp(x, dim=-1),
+            "rms_norm": F.rms_norm(x, (300,), weight, 1e-6),
+        }
+        named = torch.log_softmax(x, dim=-1, dtype=torch.float32)
+    d = x.double()
+    want = {
+        "mean": d.mean(-1, keepdim=True),
+        "torch.mean": d.mean(-1),
+        "log_softmax": d.log_softmax(-1),
+        "F.log_softmax": d.log_softmax(-1),
+        "softmax": d.softmax(-1),
+        "logsumexp": d.logsumexp(-1),
+        "rms_norm": F.rms_norm(d, (300,), weight.double(), 1e-6),
+    }
+    for name, value in got.items():
+        assert value.dtype == dtype and torch.equal(value, want[name].to(dtype)), name
+    assert torch.equal(named, torch.log_softmax(x.float(), dim=-1))  # its own dtype: not widened
+    # outside the numerics, and on a device that is not wide, the plain ops
+    assert torch.equal(x.mean(-1), x.mean(-1)) and not invariant.active()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_under_the_gpus_strategy_the_trainer_scores_the_engines_bf16_tokens_bit_for_bit(family, wide, tmp_path):
+    """bf16, where rounding to the model's dtype absorbs the float64 sums' last bits: the trainer's
+    log-probs equal the engine's (here on the CPU's kernels; on a GPU, cuBLAS's and torch's own)."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    _scores_bit_for_bit(model, "bfloat16", _rollout(tmp_path, "bfloat16", batch_invariant=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_session.sh runs it)")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_on_a_gpu_the_trainer_scores_the_engines_bf16_tokens_bit_for_bit(family, tmp_path):
+    """The float64 strategy on cuBLAS's and torch's own CUDA kernels: no graphs, no paged kernel."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    rollout = _rollout(tmp_path, "bfloat16", batch_invariant=True, device="cuda")
+    _scores_bit_for_bit(model, "bfloat16", rollout, device="cuda")

@@ -56,9 +56,10 @@ class EngineConfig:
     )
     batch_invariant: bool = opt(
         False,
-        "tidal engine on a CPU: compute each sequence as it would be computed alone (tidal.invariant), so its "
-        "tokens do not depend on the other requests of a step and its log-probs equal a trainer's with "
-        "train.batch_invariant bit for bit; no packed weights, fused or native kernels (slower)",
+        "tidal engine: compute each sequence as it would be computed alone (tidal.invariant), so its tokens do "
+        "not depend on the other requests of a step and its log-probs equal a trainer's with "
+        "train.batch_invariant (bit for bit on a CPU); no packed weights, fused or native kernels, and on a GPU "
+        "no CUDA graphs and float64 products (slower)",
     )
     state_snapshots: int = opt(
         32,

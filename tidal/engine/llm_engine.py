@@ -72,9 +72,10 @@ class EngineConfig:
     # (`tidal.engine.state_slots`); 0: a prefix shared with an earlier request is computed again
     state_snapshots: int = 32
     state_snapshot_tokens: int = 64
-    # a CPU's steps under `tidal.invariant.numerics()`: a sequence's logits do not depend on the
-    # other sequences of its step, and its log-probs are a trainer's under the same numerics
-    # (`train.batch_invariant`) bit for bit; without packed weights, fused or native kernels
+    # steps under `tidal.invariant.numerics()`: a sequence's logits do not depend on the other
+    # sequences of its step, and its log-probs are a trainer's under the same numerics
+    # (`train.batch_invariant`), bit for bit on a CPU; without packed weights, fused or native
+    # kernels, and on a GPU without CUDA graphs or the paged attention kernels
     batch_invariant: bool = False
 
     def validate(self) -> EngineConfig:
@@ -98,11 +99,6 @@ class EngineConfig:
             raise ValueError(
                 f"engine batch_invariant: the trainer computes full-precision layers, so quantization must be "
                 f"none, got {self.quantization!r}"
-            )
-        if self.batch_invariant and is_cuda(torch.device(self.device)):
-            raise ValueError(
-                "engine batch_invariant: CPU only for now (a GPU's matrix products pick their kernels by "
-                "row count; batch-invariant GPU kernels are not built)"
             )
         return self
 
@@ -432,8 +428,9 @@ class LLMEngine:
             want_top = max(s.params.top_logprobs for s in seqs)
             draws = host_values([len(s.output_ids) + pending for s in seqs], torch.long, self.device)
         tok, lp = sample_planned(logits, sampling, draws)
-        if self.cfg.batch_invariant:
-            lp = scored_log_probs(logits, tok, sampling.rows, lp)
+        if self.cfg.batch_invariant:  # the log-softmax as the trainer's scoring computes it
+            with invariant.numerics():
+                lp = scored_log_probs(logits, tok, sampling.rows, lp)
         tops = None
         if want_top:
             ids, vals = top_logprobs(logits, sampling.rows.temp, want_top)

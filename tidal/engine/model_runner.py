@@ -280,8 +280,9 @@ class ModelRunner:
         """`state_slots`: for a hybrid model, the slots of recurrent states to allocate (one per
         sequence that may run, plus the snapshots: `tidal.engine.state_slots`). `batch_invariant`:
         every step under `tidal.invariant.numerics()`, attention by `invariant.attend`, and none
-        of the fused kernels (they round in their own order), so a sequence's logits do not
-        depend on what else the step computes and equal a trainer's under the same numerics."""
+        of the fused kernels, the paged attention kernels or CUDA graphs (they round in their own
+        order), so a sequence's logits do not depend on what else the step computes and equal a
+        trainer's under the same numerics."""
         self.batch_invariant = batch_invariant
         check_supported(model.config)
         self.model = model
@@ -322,7 +323,8 @@ class ModelRunner:
         # on a GPU, decode attention reads block tables on the device (`paged_kernel`, one
         # Triton kernel per layer; its PyTorch reference where Triton is missing), and a cache
         # block past the last is the padding rows' (`DecodeGraphs`)
-        self.device_tables = is_cuda(device) and not self.latent
+        # (not under batch-invariant numerics: the kernels sum a query's keys in an order of their own)
+        self.device_tables = is_cuda(device) and not self.latent and not batch_invariant
         self.kernel = self.device_tables and self._kernels_work()  # else their PyTorch references
         self.pad_block = num_blocks
         self.graphs: DecodeGraphs | None = None
@@ -376,6 +378,8 @@ class ModelRunner:
         """Run pure decode steps of up to `max_seqs` sequences through `DecodeGraphs`: from CUDA
         graphs captured now (`capture`, on a GPU) or eagerly over the same static buffers (a CPU
         in tests). Returns why not, where the model cannot (None when it does)."""
+        if self.batch_invariant:
+            return "engine batch_invariant: decode steps attend by tidal.invariant.attend, not the graphs' paged kernel"
         if self.decode_path is None:
             kind = self.model.config.model_type
             families = ", ".join(decode_path.WINDOWS)

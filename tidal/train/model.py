@@ -109,13 +109,8 @@ class TrainedModel:
         self.loss_scale = 1.0
 
     def _check_batch_invariant(self) -> None:
-        """`train.batch_invariant` scores on a CPU, with tidal's attention function (which attends
-        by `tidal.invariant.attend` under those numerics)."""
-        if self.device.type != CPU:
-            raise ConfigError(
-                f"train.batch_invariant: scores on a CPU only (batch-invariant GPU kernels are not built); the "
-                f"trainer is on {self.device}"
-            )
+        """`train.batch_invariant` scores a family these numerics cover, with tidal's attention
+        function (which attends by `tidal.invariant.attend` under them)."""
         why = invariant.unsupported(vision.language_config(self.compute.config).model_type, "train.batch_invariant")
         if why:
             raise ConfigError(why)

@@ -64,9 +64,10 @@ class TrainConfig:
     )
     batch_invariant: bool = opt(
         False,
-        "on a CPU, score under batch-invariant numerics (tidal.invariant: matrix products on padded rows, "
-        "attention in float64), so with engine.batch_invariant the trainer's log-probs are the engine's bit for "
-        "bit (true on-policy: the first ratio is exactly 1); slower forwards, the same gradients' formula",
+        "score under batch-invariant numerics (tidal.invariant: attention in float64; matrix products on padded "
+        "rows on a CPU, in float64 with the row reductions on a GPU), so with engine.batch_invariant the "
+        "trainer's log-probs are the engine's (bit for bit on a CPU: the first ratio is exactly 1); slower "
+        "forwards, the same gradients' formula",
     )
     lora_rank: int = opt(
         0,
