@@ -21,6 +21,7 @@ BENCHES = (
     "memory",
     "state_snapshots",
     "model_parallel",
+    "host_step",
 )
 
 

@@ -261,3 +261,16 @@ def test_bad_sizes_rejected():
         BlockManager(0, 4)
     with pytest.raises(ValueError, match="block_size >= 1"):
         BlockManager(4, 0)
+
+
+def test_keys_between_is_a_slice_of_the_keys():
+    from tidal.engine.sequence import SeqImages
+
+    seq = Sequence("r", [1, 2, 3, 4, 5], SamplingParams())
+    seq.output_ids = [6, 7, 8]
+    spans = [(0, 8), (0, 5), (2, 4), (3, 7), (5, 8), (6, 7), (5, 5), (4, 6)]
+    for a, b in spans:
+        assert seq.keys_between(a, b) == seq.keys[a:b], (a, b)
+    seq.images = SeqImages([], [1, 2], None, [1, -9, -9, 4, 5])  # an image's key stands for its placeholders
+    for a, b in spans:
+        assert seq.keys_between(a, b) == seq.keys[a:b], (a, b)

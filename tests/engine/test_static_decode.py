@@ -159,6 +159,22 @@ def test_overlapped_steps_give_the_plain_steps_tokens():
     assert on.blocks.num_used == 0 and not on.has_unfinished()
 
 
+def test_overlapped_steps_stop_at_the_context_as_at_max_new_tokens():
+    """Requests whose context ends before their max_new_tokens (and others the other way round)
+    finish by length at the same token in overlapped steps as in plain ones."""
+    on, off = overlapping()
+    for e in (on, off):
+        e.max_model_len = 24
+    prompts = [[3 + i] * (4 + 3 * i) for i in range(6)]  # 4 .. 19 tokens: 20 .. 5 left
+    params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=(30, 9)[i % 2], ignore_eos=True) for i in range(6)]
+    want, got = run_all(off, prompts, params), run_all(on, prompts, params)
+    same(got, want)
+    assert [len(o.token_ids) for o in got] == [
+        min(24 - len(p), sp.max_new_tokens) for p, sp in zip(prompts, params, strict=True)
+    ]
+    assert all(o.finish_reason == "length" for o in got) and on.stats()["overlapped_steps"] > 5
+
+
 def test_abort_while_a_step_is_in_flight():
     on, off = overlapping()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

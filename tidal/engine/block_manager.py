@@ -183,7 +183,7 @@ class BlockManager:
             if self.hash[b] == -1:
                 prev = self.hash[seq.block_table[i - 1]] if i > 0 else _ROOT
                 if prev != -1:
-                    keys = seq.keys[i * bs : n]
+                    keys = seq.keys_between(i * bs, n)
                     h = block_hash(prev, keys)
                     if h not in self.cached:
                         self._register(b, h, keys)

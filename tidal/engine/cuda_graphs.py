@@ -163,7 +163,8 @@ class DecodeGraphs:
         width = 1
         for i, table in enumerate(tables):
             n = len(table)
-            width = max(width, n)
+            if n > width:
+                width = n
             had = staged[i]
             if had is not None and had[0] is table:
                 if had[1] != n:

@@ -116,6 +116,9 @@ class _Launch:
     sampling: SamplingPlan  # the rows' sampling parameters on the device
     draws: torch.Tensor  # [B] on the device: tokens each row had drawn before this step
     want_top: int  # the most top log-probs a row asks for
+    # each sequence's output length at which it stops by length: min(max_new_tokens, the context
+    # left after its prompt), so the per-sequence loops test one number
+    limits: list[int]
 
 
 class LLMEngine:
@@ -405,12 +408,21 @@ class LLMEngine:
         )
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, pending: int, fed: list[int], same_as: _Launch | None = None
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        pending: int,
+        fed: list[int],
+        same_as: _Launch | None = None,
+        limits: list[int] | None = None,
     ) -> _Launch:
         """Sample each sequence's next token from `logits` and start copying the result to the
         host (`pending`: tokens each sequence has drawn that the host has not read yet; `fed`:
         the position each fed this step; `same_as`: the step before, over the same sequences in
-        the same order, whose sampling parameters on the device this one reuses)."""
+        the same order, whose sampling parameters on the device this one reuses; `limits`:
+        `_Launch.limits` of `seqs` where the caller has them)."""
+        if limits is None:
+            limits = same_as.limits if same_as is not None else self._length_limits(seqs)
         if same_as is not None:
             sampling, want_top = same_as.sampling, same_as.want_top
             draws = same_as.draws + 1  # each row drew one more token since, on the device
@@ -441,7 +453,12 @@ class LLMEngine:
         if is_cuda(self.device):
             event = torch.cuda.Event()
             event.record()
-        return _Launch(seqs, fed, tok, host, tops, event, sampling, draws, want_top)
+        return _Launch(seqs, fed, tok, host, tops, event, sampling, draws, want_top, limits)
+
+    def _length_limits(self, seqs: list[Sequence]) -> list[int]:
+        """`_Launch.limits`: the output length at which each sequence stops by length."""
+        room = self.max_model_len
+        return [min(s.params.max_new_tokens, room - len(s.prompt_ids)) for s in seqs]
 
     def _chain(self, prev: _Launch) -> _Launch | None:
         """Launch the decode step after `prev` (still in flight) for its sequences that are still
@@ -450,14 +467,13 @@ class LLMEngine:
             return None
         # not those `prev` takes to their length limit: they finish when it is read, whatever it
         # sampled (per sequence only list arithmetic: this runs for every sequence every step)
-        keep, seqs, lens, limit = [], [], [], self.max_model_len
-        for i, s in enumerate(prev.seqs):
-            out = len(s.output_ids)
-            n = len(s.prompt_ids) + out
-            if s.status is SeqStatus.RUNNING and out + 1 < s.params.max_new_tokens and n + 1 < limit:
-                keep.append(i)
-                seqs.append(s)
-                lens.append(n)
+        running = SeqStatus.RUNNING
+        outs = [len(s.output_ids) for s in prev.seqs]
+        going = [o + 1 < lim and s.status is running for s, o, lim in zip(prev.seqs, outs, prev.limits, strict=True)]
+        every = all(going)
+        keep = range(len(going)) if every else [i for i, g in enumerate(going) if g]
+        seqs = prev.seqs if every else [prev.seqs[i] for i in keep]
+        lens = [len(seqs[j].prompt_ids) + outs[i] for j, i in enumerate(keep)]
         if not seqs or not self._can_overlap(seqs, params_checked=True):
             return None
         bs = self.cfg.block_size
@@ -468,9 +484,10 @@ class LLMEngine:
         for s, n in short:
             self.blocks.grow(s, n + 1)
         t0 = time.perf_counter()
-        ids = prev.tokens if len(keep) == len(prev.seqs) else prev.tokens[host_values(keep, torch.long, self.device)]
-        same = prev if len(keep) == len(prev.seqs) else None
-        launch = self._sample(seqs, self.runner.graphs.run(seqs, ids, lens), pending=1, fed=lens, same_as=same)
+        ids = prev.tokens if every else prev.tokens[host_values(keep, torch.long, self.device)]
+        limits = prev.limits if every else [prev.limits[i] for i in keep]
+        logits = self.runner.graphs.run(seqs, ids, lens)
+        launch = self._sample(seqs, logits, pending=1, fed=lens, same_as=prev if every else None, limits=limits)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["overlapped_steps"] += 1
@@ -483,26 +500,36 @@ class LLMEngine:
         registered for the prefix cache here (a plain step does it when it feeds them)."""
         if launch.event is not None:
             launch.event.synchronize()  # this step's copies only: the next one may still be computing
-        ids, lps = launch.host.tolist()
+        ids, lps = launch.host[0].long().tolist(), launch.host[1].tolist()
         tops = None if launch.tops is None else (launch.tops[0].tolist(), launch.tops[1].tolist())
-        fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
+        fed_next: set[int] | None = None  # made once a token fills a block (1 in block_size steps)
         bs = self.cfg.block_size
         finished = []
-        for i, seq in enumerate(launch.seqs):
-            if seq.status is not SeqStatus.RUNNING:
+        # per sequence only what every token needs: this runs for every sequence every step, and
+        # at 512 sequences it is most of the host's part of a step
+        running = SeqStatus.RUNNING
+        for i, (seq, fed, limit) in enumerate(zip(launch.seqs, launch.fed, launch.limits, strict=True)):
+            if seq.status is not running:
                 continue  # finished while this step was in flight (aborted, or its extra row)
-            fed = launch.fed[i]
             seq.num_cached = fed + 1  # everything fed this step is now in the cache
-            seq.output_ids.append(int(ids[i]))
+            out = seq.output_ids
+            tok = ids[i]
+            out.append(tok)
             seq.log_probs.append(lps[i])
             if tops is not None and seq.params.top_logprobs:
                 k = seq.params.top_logprobs
                 seq.top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k], strict=True)))
-            reason = self._stop_reason(seq)
+            # `_stop_reason` where one of its tests can pass: a stop token, the length limit, stop strings
+            reason = None
+            if tok in seq.stop_ids or len(out) >= limit or seq.params.stop:
+                reason = self._stop_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason))
-            elif (fed + 2) % bs == 0 and id(seq) in fed_next:  # the token fills its block
-                self.blocks.register_full(seq)
+            elif (fed + 2) % bs == 0:  # the token fills its block
+                if fed_next is None:
+                    fed_next = set() if next_launch is None else {id(s) for s in next_launch.seqs}
+                if id(seq) in fed_next:
+                    self.blocks.register_full(seq)
         return finished
 
     def abort(self, request_id: str | None = None) -> list[RequestOutput]:

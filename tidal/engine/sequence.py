@@ -72,6 +72,17 @@ class Sequence:
         placeholders standing as the image's content key."""
         return (self.images.keys if self.images else self.prompt_ids) + self.output_ids
 
+    def keys_between(self, start: int, end: int) -> list[int]:
+        """`keys[start:end]` without copying the rest (a block's keys, every block_size tokens of
+        every running sequence: the whole list grows with the sequence)."""
+        head = self.images.keys if self.images else self.prompt_ids
+        p = len(head)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return head[start:end]
+        return head[start:] + self.output_ids[: end - p]
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
