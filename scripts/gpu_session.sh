@@ -30,7 +30,7 @@ case "$step" in
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_paged_kernel.py \
-      tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py tests/test_invariant.py \
+      tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py tests/test_invariant.py tests/engine/test_sample_kernel.py \
       tests/test_device.py 2>&1 | tee "$out/tests.log" | tail -40 || true  # what failed is in the log
     ;;
   run)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from tidal.contracts import SamplingParams  # the request record of the engine contract
-from tidal.engine import native
+from tidal.engine import native, sample_kernel
 from tidal.hardware import CPU, host_values
 
 __all__ = ["SamplingParams", "SamplingPlan", "row_uniforms", "sample_planned", "sample_tokens"]
@@ -239,17 +239,22 @@ def sample_tokens(
 
 @torch.no_grad()
 def sample_planned(
-    logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequence[int] | None = None
+    logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequence[int] | None = None, kernel: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """`sample_tokens` with its parameters as a `SamplingPlan` made before (for these rows)."""
+    """`sample_tokens` with its parameters as a `SamplingPlan` made before (for these rows).
+    `kernel`: on a GPU, rows sampled at a temperature > 0 without filters are drawn by
+    `tidal.engine.sample_kernel` in one launch where it passed its check (False: torch's ops)."""
     batch, vocab = logits.shape
     device = logits.device
     plan = sampling.rows
     if plan.temp.shape[0] != batch:
         raise ValueError(f"the sampling plan has {plan.temp.shape[0]} rows; the logits have {batch}")
     temp, p, k, mp = plan.temp, plan.top_p, plan.top_k, plan.min_p
-    if not plan.filtered and plan.n_greedy == 0 and native.can_sample(logits):
-        return native.sample(logits, temp, _uniforms(sampling, draws, torch.arange(batch, device=device)))
+    if not plan.filtered and plan.n_greedy == 0:
+        if native.can_sample(logits):
+            return native.sample(logits, temp, _uniforms(sampling, draws, torch.arange(batch, device=device)))
+        if kernel and sample_kernel.usable(logits):
+            return _kernel_draw(logits, sampling, draws)
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
 
@@ -303,6 +308,18 @@ def sample_planned(
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])
     return tokens, log_probs
+
+
+def _kernel_draw(logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequence[int] | None) -> tuple[Tensor, Tensor]:
+    """`sample_kernel.draw` with the plan's seeds and the rows' draw indices (`_uniforms`' inputs)."""
+    batch, device = logits.shape[0], logits.device
+    all_seeded = sampling.seeds is not None and sampling.seeded is None
+    u = sampling.rows.temp if all_seeded else torch.rand(batch, device=device)  # no unseeded row reads it
+    if draws is None:
+        draw_t = torch.zeros(batch, dtype=torch.long, device=device)
+    else:
+        draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
+    return sample_kernel.draw(logits, sampling.rows.temp, u, sampling.seeds, sampling.seeded, draw_t)
 
 
 @torch.no_grad()
