@@ -30,7 +30,7 @@ def compare(device: str) -> dict:
 
     from tidal.engine import sample_kernel, sampling
 
-    out: dict = {"self_check": sample_kernel.self_check(torch.device(device))}
+    out: dict = {"self_check": sampling.kernel_check(torch.device(device))}
     gen = torch.Generator().manual_seed(1)
     for name in ("float32", "bfloat16"):
         # 1,003 and 5,000 tokens: not whole chunks; temperatures 0.5-1.5; a third of the rows

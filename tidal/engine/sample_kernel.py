@@ -17,22 +17,18 @@ the same two-level inverse CDF in token order as `sampling._inverse_cdf` and the
 (the mixing in int64 with logical shifts, as `sampling.row_uniforms` computes them), so a row's
 token depends only on its logits, temperature, seed and draw index. The sums run in another order
 than torch's: a token can differ from the torch path's only where the target falls within a
-float32 rounding of a cumulative mass. `self_check` compares the two on a sample before the
-engine uses the kernel (`sampling.sample_planned`); where Triton is missing or they disagree, the
+float32 rounding of a cumulative mass. `sampling.kernel_check` compares the two on a sample
+before `sampling.sample_planned` uses the kernel; where Triton is missing or they disagree, the
 torch ops run.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
 from tidal.engine.paged_kernel import interpreting, triton
-from tidal.hardware import CPU, is_cuda
-
-log = logging.getLogger(__name__)
+from tidal.hardware import is_cuda
 
 CHUNK = 256  # `sampling._inverse_cdf`'s chunk of tokens
 TILE = 8  # chunks a program reads at once
@@ -147,46 +143,3 @@ def draw(
             N_CHUNKS=n_chunks, CHUNK_=CHUNK, TILE=TILE, ANY_SEEDED=any_seeded, ALL_SEEDED=any_seeded and seeded is None,
         )  # fmt: skip
     return tokens, log_probs
-
-
-_checked: dict[torch.device, bool] = {}
-
-
-def usable(logits: Tensor) -> bool:
-    """Whether `sampling.sample_planned` draws these logits with the kernel: on a GPU with Triton
-    (or in the interpreter, where a test asks for it), float32 or bfloat16, once `self_check`
-    passed on this device."""
-    device = logits.device
-    if not runs_on(device) or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2:
-        return False
-    if device not in _checked:
-        why = self_check(device)
-        if why:
-            log.warning("the sampling kernel is off (torch's ops draw): %s", why)
-        _checked[device] = why is None
-    return _checked[device]
-
-
-def self_check(device: torch.device) -> str | None:
-    """Draw 64 seeded rows of a 1,003-token vocabulary with the kernel and with torch's ops:
-    None where the tokens agree and the log-probs are within 1e-5, else why not."""
-    from tidal.engine import sampling
-
-    gen = torch.Generator(device=CPU).manual_seed(0)
-    b, v = 64, 1003
-    logits = (torch.randn(b, v, generator=gen, device=CPU) * 3).to(device)
-    temp = torch.linspace(0.3, 1.7, b).to(device)
-    seeds = torch.arange(100, 100 + b, device=device)
-    draws = torch.arange(b, device=device) * 7
-    try:
-        tok, lp = draw(logits, temp, torch.zeros(b, device=device), seeds, None, draws)
-    except Exception as e:  # a Triton or driver that cannot build it: say why, keep torch's ops
-        return f"{type(e).__name__}: {e}"
-    plan = sampling.SamplingPlan(sampling._RowPlan.of(temp.tolist(), 1.0, 0, 0.0, b, v, device), seeds, None)
-    want_tok, want_lp = sampling.sample_planned(logits, plan, draws, kernel=False)
-    if not torch.equal(tok, want_tok):
-        return f"its tokens differ from torch's on {int((tok != want_tok).sum())} of {b} rows"
-    gap = float((lp - want_lp).abs().max())
-    if gap > 1e-5:
-        return f"its log-probs differ from torch's by up to {gap:.3g}"
-    return None

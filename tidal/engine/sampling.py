@@ -9,6 +9,7 @@ log-probs of the same token.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from torch import Tensor
 from tidal.contracts import SamplingParams  # the request record of the engine contract
 from tidal.engine import native, sample_kernel
 from tidal.hardware import CPU, host_values
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SamplingParams", "SamplingPlan", "row_uniforms", "sample_planned", "sample_tokens"]
 
@@ -253,7 +256,7 @@ def sample_planned(
     if not plan.filtered and plan.n_greedy == 0:
         if native.can_sample(logits):
             return native.sample(logits, temp, _uniforms(sampling, draws, torch.arange(batch, device=device)))
-        if kernel and sample_kernel.usable(logits):
+        if kernel and _kernel_usable(logits):
             return _kernel_draw(logits, sampling, draws)
     # float32 throughout: bf16/fp16 softmax and cumsum are too coarse for top-p and for log-probs.
     logits = logits.float()
@@ -308,6 +311,47 @@ def sample_planned(
     # the log-prob under the distribution drawn from (tempered, filtered, renormalised)
     log_probs[rows] = torch.log(probs.gather(-1, s_tok[:, None])[:, 0])
     return tokens, log_probs
+
+
+_kernel_checked: dict[torch.device, bool] = {}
+
+
+def _kernel_usable(logits: Tensor) -> bool:
+    """Whether `sample_planned` draws these logits with `sample_kernel`: on a GPU with Triton (or
+    in its interpreter, where a test asks for it), float32 or bfloat16, once `kernel_check`
+    passed on this device."""
+    device = logits.device
+    if not sample_kernel.runs_on(device) or logits.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if device not in _kernel_checked:
+        why = kernel_check(device)
+        if why:
+            log.warning("the sampling kernel is off (torch's ops draw): %s", why)
+        _kernel_checked[device] = why is None
+    return _kernel_checked[device]
+
+
+def kernel_check(device: torch.device) -> str | None:
+    """Draw 64 seeded rows of a 1,003-token vocabulary with `sample_kernel` and with torch's ops:
+    None where the tokens agree and the log-probs are within 1e-5, else why not."""
+    gen = torch.Generator(device=CPU).manual_seed(0)
+    b, v = 64, 1003
+    logits = (torch.randn(b, v, generator=gen, device=CPU) * 3).to(device)
+    temp = torch.linspace(0.3, 1.7, b).to(device)
+    seeds = torch.arange(100, 100 + b, device=device)
+    draws = torch.arange(b, device=device) * 7
+    try:
+        tok, lp = sample_kernel.draw(logits, temp, torch.zeros(b, device=device), seeds, None, draws)
+    except Exception as e:  # a Triton or driver that cannot build it: say why, keep torch's ops
+        return f"{type(e).__name__}: {e}"
+    plan = SamplingPlan(_RowPlan.of(temp.tolist(), 1.0, 0, 0.0, b, v, device), seeds, None)
+    want_tok, want_lp = sample_planned(logits, plan, draws, kernel=False)
+    if not torch.equal(tok, want_tok):
+        return f"its tokens differ from torch's on {int((tok != want_tok).sum())} of {b} rows"
+    gap = float((lp - want_lp).abs().max())
+    if gap > 1e-5:
+        return f"its log-probs differ from torch's by up to {gap:.3g}"
+    return None
 
 
 def _kernel_draw(logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequence[int] | None) -> tuple[Tensor, Tensor]:
