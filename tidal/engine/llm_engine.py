@@ -485,9 +485,12 @@ class LLMEngine:
             self.blocks.grow(s, n + 1)
         t0 = time.perf_counter()
         ids = prev.tokens if every else prev.tokens[host_values(keep, torch.long, self.device)]
-        limits = prev.limits if every else [prev.limits[i] for i in keep]
         logits = self.runner.graphs.run(seqs, ids, lens)
-        launch = self._sample(seqs, logits, pending=1, fed=lens, same_as=prev if every else None, limits=limits)
+        if every:  # the same rows: `prev`'s sampling plan and limits
+            launch = self._sample(seqs, logits, pending=1, fed=lens, same_as=prev)
+        else:
+            limits = [prev.limits[i] for i in keep]
+            launch = self._sample(seqs, logits, pending=1, fed=lens, limits=limits)
         self.counters["forward_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["overlapped_steps"] += 1

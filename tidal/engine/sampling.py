@@ -81,16 +81,21 @@ def _uniforms(plan: SamplingPlan, draws: Tensor | Sequence[int] | None, rows: Te
     u = torch.rand(rows.numel(), device=device)
     if plan.seeds is None:
         return u
-    if draws is None:
-        draw_t = torch.zeros(batch, dtype=torch.long, device=device)
-    else:
-        draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
-        if draw_t.shape != (batch,):
-            raise ValueError(f"draws must have one entry per row ({batch}), got shape {tuple(draw_t.shape)}")
+    draw_t = _draw_indices(draws, batch, device)
     mine = row_uniforms(plan.seeds[rows], draw_t[rows])
     if plan.seeded is None:
         return mine
     return torch.where(plan.seeded[rows], mine, u)
+
+
+def _draw_indices(draws: Tensor | Sequence[int] | None, batch: int, device: torch.device) -> Tensor:
+    """Each row's draw index as a [batch] int64 tensor on `device` (None: 0 for every row)."""
+    if draws is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
+    if draw_t.shape != (batch,):
+        raise ValueError(f"draws must have one entry per row ({batch}), got shape {tuple(draw_t.shape)}")
+    return draw_t
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor, chunk: int = 256) -> Tensor:
@@ -359,10 +364,7 @@ def _kernel_draw(logits: Tensor, sampling: SamplingPlan, draws: Tensor | Sequenc
     batch, device = logits.shape[0], logits.device
     all_seeded = sampling.seeds is not None and sampling.seeded is None
     u = sampling.rows.temp if all_seeded else torch.rand(batch, device=device)  # no unseeded row reads it
-    if draws is None:
-        draw_t = torch.zeros(batch, dtype=torch.long, device=device)
-    else:
-        draw_t = draws.to(device, torch.long) if isinstance(draws, Tensor) else host_values(draws, torch.long, device)
+    draw_t = _draw_indices(draws, batch, device)
     return sample_kernel.draw(logits, sampling.rows.temp, u, sampling.seeds, sampling.seeded, draw_t)
 
 
