@@ -885,6 +885,7 @@ def grpo(args, budget: Budget) -> dict:
             # where a step goes: sampling (with the reward) and training, per step
             "rollout_s": [s.get("rollout_s") for s in steps],
             "train_s": [s.get("train_s") for s in steps],
+            "engine": [s.get("engine") for s in steps],  # tidal's engine/* metrics of each step
             "reward_first": steps[0].get("reward_mean", math.nan),
             "reward_last": steps[-1].get("reward_mean", math.nan),
             "completion_tokens_per_step": statistics.fmean(s["completion_tokens"] for s in steps),

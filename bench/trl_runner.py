@@ -27,7 +27,8 @@ Each step record holds: `seconds` (wall time of the step), `rollout_s` (generate
 `generate_s` (sampling alone, TRL only; tidal's rollout is its generation plus a negligible reward
 call), `train_s` (advantages + forward/backward + optimizer), `other_s` (the rest: tidal's weight
 sync and bookkeeping, TRL's data loading and logging between steps), `completion_tokens`,
-`train_tokens` (prompt + completion tokens, no padding) and `reward_mean`.
+`train_tokens` (prompt + completion tokens, no padding) and `reward_mean`; tidal's also `engine`,
+its engine's `engine/*` metrics of the step (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def _tidal_record(m: dict) -> dict:
         "train_tokens": round(m["perf/train_tokens_per_s"] * train),
         "reward_mean": m["reward/mean"],
         "response_len_mean": m["response/length_mean"],
+        # what the engine did: prefill and decode tokens, prefix-cache savings, preemptions, decode
+        # steps overlapped and CUDA graph capture time (a capture after the first step: a fault)
+        "engine": {k.removeprefix("engine/"): v for k, v in m.items() if k.startswith("engine/")},
     }
 
 

@@ -292,6 +292,11 @@ def test_eval_holds_an_overlapped_rollout_and_records_the_weights_it_saw(tiny_mo
     plain = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "plain", **over))
     evald = tidal.loop.train(loop_config(tiny_model_dir, tmp_path / "eval", **over, **{**EVAL, "eval.interval": 1}))
     assert [h["step"] for h in evald] == [0, 1, 2, 3]
-    assert _stable(evald[1:]) == _stable(plain)
+    # engine/: what the worker's rollout had done by each step's read of the counters varies
+    timed = [
+        [{k: v for k, v in row.items() if not k.startswith("engine/")} for row in _stable(h)]
+        for h in (evald[1:], plain)
+    ]
+    assert timed[0] == timed[1]
     # max_staleness 0: the worker has loaded each step's weights before eval holds it
     assert [h["eval/arith/weight_version"] for h in evald] == [0, 1, 2, 3]

@@ -36,6 +36,9 @@ def _run(tmp_path, steps=4):
             "time/step": 9.0,
             "time/rollout": 6.0,
             "time/trainer_idle": 6.0,
+            "engine/prefill_tokens": 120.0,
+            "engine/cached_tokens": 360.0,
+            "engine/decode_tokens": 30.0 * k,
         }
         if k % 2 == 0:
             row.update({"eval/gsm/mean_reward": 0.2 * k, "eval/arith/mean_reward": 0.1, "eval/gsm/pass@1": 0.3})
@@ -65,13 +68,14 @@ def test_page_has_the_curves_and_sample_rows_and_no_network_references(tmp_path)
         "Policy loss",
         "Gradient norm",
         "Throughput (tokens/s)",
+        "Engine tokens",
         "Time (s)",
     ]
     assert page.count("<svg") == len(titles)
     svg_titles = re.findall(r"<text [^>]*>([^<]*)</text>", page)
     for title in titles:
         assert title in svg_titles, title
-    assert "Not logged in this run: Reward parts" in page
+    assert "Not logged in this run: Reward parts, Engine preemptions" in page
     # samples: steps 1, 3, 4 of 4 (evenly spread, first and last), escaped, newest open
     assert "3 of 4 steps with saved samples" in page
     assert [int(s) for s in re.findall(r'<details class="step" id="step-(\d+)"', page)] == [4, 3, 1]

@@ -218,6 +218,13 @@ class Engine(Protocol):
         """Drop cached prefixes (computed with older weights); False when the engine refused."""
         ...
 
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine's state and its counters since it started (tidal's engine: forward steps,
+        prefill and decode tokens, prefix-cache hits, preemptions, `LLMEngine.stats`); over
+        several servers, each numeric value summed over the servers that answered.
+        `tidal.rollout.engine_stats` turns two reads into a step's `engine/*` metrics."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -317,6 +324,10 @@ class Engines(Protocol):
     def confirmed(self, version: int) -> dict[str, float]:
         """Every engine holds `version` (a push was checked): the rollout's engine reports it from
         now on. Returns the failure counts so far (`engines/restarts`, `engines/resent_requests`)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """`Engine.get_stats` of the rollout's engine ({} where there is none)."""
         ...
 
     def sleep(self) -> None: ...

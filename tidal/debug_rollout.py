@@ -95,6 +95,9 @@ class NoEngines:
     def live_urls(self) -> list[str]:
         return []
 
+    def stats(self) -> dict:
+        return {}
+
     def sleep(self) -> None:
         pass
 

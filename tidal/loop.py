@@ -38,6 +38,7 @@ from tidal.log import MetricsLogger, print_reward_table
 from tidal.reward.sandbox import check_run, set_default_backend
 from tidal.roles import Roles, build_roles
 from tidal.rollout.collect import collect, rollout_metrics, shaped_rewards
+from tidal.rollout.engine_stats import EngineCounters
 from tidal.rollout.manager import RolloutManager, group_size
 from tidal.rollout.overlap import OverlappedRollout
 from tidal.run_dir import RunFolder, check_run_dir
@@ -155,6 +156,7 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
             try:
                 if not sft and start == 0 and evaluator.due(0):  # the initial weights' row, step 0
                     logger.log(0, evaluator.run(0, overlapped))
+                counters = None if sft else EngineCounters(roles.engines)  # engine/*: each step's work
                 for step in range(start, t_cfg.num_steps):
                     t0 = time.perf_counter()
                     if sft:
@@ -162,10 +164,13 @@ def train(cfg: Config, resume: bool = False, allow_config_change: bool = False) 
                     else:
                         metrics = rl_step(step, source, rollout, roles, cfg, overlapped, no_signal)
                     metrics["time/step"] = time.perf_counter() - t0
+                    if counters is not None:
+                        metrics.update(counters.read())
                     if not cfg.uses_ray:  # the trainer and engine of this process (CUDA only)
                         metrics.update(memory_metrics(cfg.cluster.device))
                     if not sft and evaluator.due(step + 1):  # the weights this step produced
                         metrics.update(evaluator.run(step + 1, overlapped))
+                        counters.skip()  # the evaluation's tokens are not the next step's
                     logger.log(step + 1, metrics)
                     done = step + 1
                     if cfg.debug.rollout_only:  # nothing trained, nothing to save

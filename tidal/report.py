@@ -65,6 +65,8 @@ _LAYOUT: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Policy loss", ("loss/pg", "loss/sft")),
     ("Gradient norm", ("actor/grad_norm",)),
     ("Throughput (tokens/s)", ("perf/",)),
+    ("Engine tokens", ("engine/prefill_tokens", "engine/cached_tokens", "engine/decode_tokens")),
+    ("Engine preemptions", ("engine/preemptions",)),
     ("Time (s)", ("time/",)),
 )
 

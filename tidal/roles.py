@@ -61,6 +61,9 @@ class InProcessEngines:
     def confirmed(self, version: int) -> dict[str, float]:
         return {}  # the engine reports the version it loaded itself
 
+    def stats(self) -> dict:
+        return self.loop.run(self.engine.get_stats(), self.timeout, "engine stats")
+
     def sleep(self) -> None:
         pass  # it shares the trainer's weights already
 
@@ -150,6 +153,9 @@ class ServerEngines:
         failure counts so far (servers restarted, requests sent again to another server)."""
         self.engine.note_version(version)
         return {"engines/restarts": float(self.restarts), "engines/resent_requests": float(self.engine.router.resent)}
+
+    def stats(self) -> dict:
+        return self._run(self.engine.get_stats(), "stats")
 
     def sleep(self) -> None:
         pass  # servers that are not Ray actors keep their memory (cluster.colocate refuses them)

@@ -91,6 +91,11 @@ def test_trainer_ranks_and_engines_on_ray_train_like_one_process(
     for key in ("reward/mean", "response/length_mean", "loss/pg", "actor/tokens", "actor/skipped_samples"):
         assert first[key] == pytest.approx(local[key], rel=1e-5, abs=1e-6), key
     assert first["actor/grad_norm"] == pytest.approx(local["actor/grad_norm"], rel=1e-4)
+    # the engine actors' counters over HTTP, summed over them: the same tokens fed back one at a
+    # time, and every prompt token computed or taken from a cache, as by the one engine
+    assert first["engine/decode_tokens"] == local["engine/decode_tokens"]
+    spared = ("engine/prefill_tokens", "engine/cached_tokens")
+    assert sum(first[k] for k in spared) == sum(local[k] for k in spared)
     for h in history:  # every push moved the whole model, checked by the engines' checksums
         assert h["sync/bytes"] > 0 and h["time/sync"] > 0 and h["time/engine_idle"] >= h["time/sync"]
     ckpt = tmp_path / "checkpoints" / "step_2"

@@ -706,6 +706,20 @@ class HttpEngine:
     async def get_weight_versions(self) -> list[int]:
         return await self.control.broadcast("get_weight_version")
 
+    async def get_stats(self) -> dict[str, float]:
+        """Each numeric value of the servers' `/get_server_info`, summed over the servers in
+        service that answer it (one that does not is left out here: the rollout or the next
+        weight push finds it)."""
+        clients = [self.control.clients[i] for i in self.control.live]
+        infos = await asyncio.gather(*(c.get_server_info() for c in clients), return_exceptions=True)
+        total: dict[str, float] = {}
+        for info in infos:
+            if isinstance(info, dict):
+                for k, v in info.items():
+                    if isinstance(v, int | float) and not isinstance(v, bool):
+                        total[k] = total.get(k, 0) + v
+        return total
+
     def note_version(self, version: int) -> None:
         """The weight sync confirmed every server at `version`."""
         self._version = version

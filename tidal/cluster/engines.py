@@ -273,6 +273,9 @@ class EngineGroup:
     def _run(self, coro, what: str):
         return self.loop.run(coro, self.timeout, f"engines: {what}")
 
+    def stats(self) -> dict:
+        return self._run(self.engine.get_stats(), "stats")
+
     def health(self) -> bool:
         return self._run(self.engine.health(), "health")
 

@@ -631,6 +631,7 @@ class LLMEngine:
             "kv_blocks_peak": self.blocks.peak_used,
             "kv_bytes_per_block": self.runner.kv_bytes() // self.blocks.num_blocks,
             "prefix_hit_blocks": self.blocks.hits,
+            "prefix_hit_tokens": self.blocks.hits * self.cfg.block_size,  # prompt tokens not computed
             # a hybrid model's recurrent states: running sequences' and snapshots (`tidal.engine.states`)
             "state_bytes": self.runner.states.nbytes() if self.runner.states is not None else 0,
             "preemptions": self.scheduler.num_preemptions,
