@@ -1081,6 +1081,16 @@ def print_summary(res: dict) -> None:
                     print(f"         {fw:<10} {r.get('skipped') or 'failed (see errors)'}")
             if "trl_over_tidal" in gr:
                 print(f"         TRL/tidal seconds per step: x{gr['trl_over_tidal']:.2f}")
+            engine = [e for e in gr.get("tidal", {}).get("engine") or [] if e]
+            if engine:  # tidal's engine over the steps: did decode overlap, were graphs captured again
+                total = {k: sum(e.get(k, 0.0) for e in engine) for k in engine[0]}
+                later = sum(e.get("cuda_graph_capture_s", 0.0) for e in engine[1:])
+                print(
+                    f"         tidal's engine: {total['steps']:.0f} steps, {total.get('overlapped_steps', 0):.0f} "
+                    f"overlapped; prefill {total['prefill_tokens']:.0f}, cached {total['cached_tokens']:.0f}, "
+                    f"decode {total['decode_tokens']:.0f} tokens; {total['preemptions']:.0f} preemptions; "
+                    f"graph capture after step 1: {later:.2f} s"
+                )
     if res["errors"]:
         print(f"\nerrors in: {', '.join(res['errors'])}")
     print(f"\ntotal {res['total_s']:.0f} s")
