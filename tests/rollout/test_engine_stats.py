@@ -9,7 +9,7 @@ from conftest import loop_config
 
 import tidal.loop
 from tidal.adapters.client import HttpEngine
-from tidal.rollout.engine_stats import engine_metrics
+from tidal.rollout.engine_stats import EngineCounters, engine_metrics
 from tidal.samples_log import read_samples
 
 
@@ -89,3 +89,24 @@ def test_servers_stats_are_summed_over_those_that_answer():
     assert asyncio.run(engine.get_stats()) == {"steps": 3, "decode_tokens": 10, "kv_usage": 0.25}
     engine.control.down.clear()
     assert asyncio.run(engine.get_stats()) == {"steps": 7, "decode_tokens": 30, "kv_usage": 0.75}
+
+
+def test_an_engine_that_does_not_answer_costs_the_step_its_metrics_not_the_run(caplog):
+    class Engines:
+        answers = [
+            {"steps": 2},
+            TimeoutError("engine stats: the engine thread did not get to it within 60 s"),
+            {"steps": 9},
+        ]
+
+        def stats(self):
+            got = self.answers.pop(0)
+            if isinstance(got, Exception):
+                raise got
+            return got
+
+    counters = EngineCounters(Engines())
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        assert counters.read() == {}
+    assert "no answer this step" in caplog.text and "within 60 s" in caplog.text
+    assert counters.read() == {"engine/steps": 7.0}  # since the last read that answered

@@ -49,15 +49,28 @@ def engine_metrics(before: Mapping[str, float], now: Mapping[str, float]) -> dic
 
 class EngineCounters:
     """The `engine/*` metrics of each step: `read()` after a step, `skip()` after engine work that
-    is not a step's (an evaluation). Warns once per run when sequences were preempted."""
+    is not a step's (an evaluation). Warns once per run when sequences were preempted.
+
+    The counters are a diagnosis, not the run's: an engine that does not answer in time (its
+    thread inside one long step, a server that hangs) costs the step its `engine/*` keys and a
+    warning, and the next read counts from the last one that answered."""
 
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
-        self.last = dict(engines.stats())
+        self.last = self._stats() or {}
         self.warned = False
 
+    def _stats(self) -> dict | None:
+        try:
+            return dict(self.engines.stats())
+        except (TimeoutError, RuntimeError) as e:  # RuntimeError: EngineError, an engine thread that ended
+            log.warning("engine stats: no answer this step, its engine/* metrics are left out (%s)", e)
+            return None
+
     def read(self) -> dict[str, float]:
-        now = dict(self.engines.stats())
+        now = self._stats()
+        if now is None:
+            return {}
         out = engine_metrics(self.last, now)
         self.last = now
         preempted = out.get("engine/preemptions", 0)
@@ -72,4 +85,6 @@ class EngineCounters:
         return out
 
     def skip(self) -> None:
-        self.last = dict(self.engines.stats())
+        now = self._stats()
+        if now is not None:
+            self.last = now
