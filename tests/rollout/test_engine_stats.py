@@ -110,3 +110,9 @@ def test_an_engine_that_does_not_answer_costs_the_step_its_metrics_not_the_run(c
         assert counters.read() == {}
     assert "no answer this step" in caplog.text and "within 60 s" in caplog.text
     assert counters.read() == {"engine/steps": 7.0}  # since the last read that answered
+
+    # no answer at the start either: the first read that answers starts the count
+    Engines.answers = [RuntimeError("engine closed"), {"steps": 5}, {"steps": 6}]
+    counters = EngineCounters(Engines())
+    assert counters.read() == {}
+    assert counters.read() == {"engine/steps": 1.0}

@@ -1,4 +1,4 @@
-"""The engines' own counters as a step's `engine/*` metrics (docs/metrics.md, "The engine").
+"""The engines' own counters as a step's `engine/*` metrics (docs/metrics.md, "The engine's work").
 
 An engine counts what it did since it started (`Engine.get_stats`: tidal's `LLMEngine.stats`,
 over HTTP each server's `/get_server_info`, summed). The loop reads them after each step and logs
@@ -53,11 +53,12 @@ class EngineCounters:
 
     The counters are a diagnosis, not the run's: an engine that does not answer in time (its
     thread inside one long step, a server that hangs) costs the step its `engine/*` keys and a
-    warning, and the next read counts from the last one that answered."""
+    warning, and the next read counts from the last one that answered (with none before it, it
+    only starts the count)."""
 
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
-        self.last = self._stats() or {}
+        self.last = self._stats()
         self.warned = False
 
     def _stats(self) -> dict | None:
@@ -70,6 +71,9 @@ class EngineCounters:
     def read(self) -> dict[str, float]:
         now = self._stats()
         if now is None:
+            return {}
+        if self.last is None:  # the first read that answered: the count starts here
+            self.last = now
             return {}
         out = engine_metrics(self.last, now)
         self.last = now
