@@ -22,6 +22,7 @@ BENCHES = (
     "state_snapshots",
     "model_parallel",
     "host_step",
+    "decode_check",
 )
 
 

@@ -7,7 +7,8 @@
 #   there, next (with .carry2):   bash scripts/gpu_session.sh run [bench gpu options]
 # `stage` installs the wheels into /tmp/site, keeps the model's first part and runs the engine's
 # CUDA tests (kernels, graphs, quantization, devices: they need no model file); `run` joins the
-# model file and runs the bench (then its log-prob part under `engine.batch_invariant`), and copies
+# model file and runs the bench (then its log-prob part under `engine.batch_invariant`, and
+# `bench decode_check`), and copies
 # the JSONs and logs to $OUT (or runs/gpu_session/). On a
 # machine that has SmolLM2 and TRL installed, `tests` then `run` do it all without staging.
 set -euo pipefail
@@ -47,7 +48,9 @@ case "$step" in
     # the log-prob gap under batch-invariant numerics (float64 products and reductions on a GPU)
     timeout 150 python3 -m bench gpu --parts logprob --workloads smollm2 --impls tidal --prompts 4 \
       --max-new-tokens 64 --self-gap-samples 2 --engine-opt batch_invariant=true 2>&1 | tee "$out/bench-invariant.log" || true
-    cp bench/results/gpu-*.json "$out/" 2>/dev/null || true
+    # how far the decode path is from transformers' forward on this GPU (its first-step check)
+    timeout 90 python3 -m bench decode_check --device cuda --rows 8,64 2>&1 | tee "$out/decode-check.log" || true
+    cp bench/results/gpu-*.json bench/results/decode_check-*.json "$out/" 2>/dev/null || true
     ;;
   *)
     echo "usage: bash scripts/gpu_session.sh stage|tests|run [bench gpu options]" >&2

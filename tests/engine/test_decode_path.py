@@ -5,6 +5,7 @@ and stay off for other families or when the check fails."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from families import WINDOW, tiny_model
 
 from tidal.contracts import SamplingParams
+from tidal.engine import decode_path, fused_kernels
 from tidal.engine.decode_path import DecodePath
 from tidal.engine.llm_engine import LLMEngine
 
@@ -62,7 +64,8 @@ def test_a_failed_check_turns_it_off(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.engine.model_runner"):
         got = on.generate_batch(PROMPTS, sampled(6))
     assert on.runner.decode_path is None
-    assert "the decode path's logits differ from transformers' (max 0.001): kept off" in caplog.text
+    why = "max |difference| 0.001; on this device they must be equal"
+    assert f"the decode path's logits differ from transformers' ({why}): kept off" in caplog.text
     want = off.generate_batch(PROMPTS, sampled(6))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.log_probs for o in got] == [o.log_probs for o in want]
@@ -94,5 +97,88 @@ def test_modules_replaced_after_start_reach_it():
         engine.model.model.layers[1].self_attn.o_proj = copy.deepcopy(new)
     on.runner.decode_path.native_rope = False
     got, want = on.generate_batch(PROMPTS, sampled()), off.generate_batch(PROMPTS, sampled())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.log_probs for o in got] == [o.log_probs for o in want]
+
+
+def test_the_checks_arithmetic():
+    """`agrees`: equal bits always pass; on a GPU (not exact) the relative error of the batch,
+    ‖fast − ref‖ / ‖ref‖, against 6·eps of the logits' dtype."""
+    assert decode_path.rounding_tolerance(torch.bfloat16) == 6 * 2**-7  # 0.046875
+    assert decode_path.rounding_tolerance(torch.float16) == 6 * 2**-10
+    assert decode_path.rounding_tolerance(torch.float32) == 1e-4  # 6·2^-23 is below the floor
+    ref = torch.ones(4, 10, dtype=torch.bfloat16)  # ‖ref‖ = √40
+    assert decode_path.agrees(ref, ref.clone(), exact=True) == (True, "the same bits")
+    near, far = ref.clone(), ref.clone()
+    near[2, 3], far[2, 3] = 1.25, 1.5  # relative errors 0.25/√40 = 0.0395 and 0.5/√40 = 0.0791
+    assert decode_path.relative_error(near, ref) == pytest.approx(0.25 / 40**0.5)
+    why = "max |difference| 0.25; on this device they must be equal"
+    assert decode_path.agrees(near, ref, exact=True) == (False, why)
+    assert decode_path.agrees(near, ref, exact=False) == (
+        True,
+        "max |difference| 0.25, relative error 0.0395 (rounding allows 0.0469)",
+    )
+    assert decode_path.agrees(far, ref, exact=False)[0] is False
+    # the same difference in float32 logits is far past rounding
+    assert decode_path.agrees(near.float(), ref.float(), exact=False)[0] is False
+
+
+def _rotary_rounded_once(q, k, cos, sin):
+    """The rotary embedding with its products and sum in float32, rounded once at the end: one
+    rounding apart from the family's ops, which round each product (as a GPU's fused kernel can be)."""
+
+    def rotate(x):
+        x32, half = x.float(), x.shape[-1] // 2
+        turned = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+        return (x32 * cos.float()[:, None] + turned * sin.float()[:, None]).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_on_a_gpu_one_rounding_apart_keeps_it_and_a_wrong_step_does_not(family, monkeypatch):
+    """Under the GPU's rule (within rounding), a decode path one rounding apart from transformers in
+    bf16 is kept, though its largest logit moved by more than 1% (the rule before this one turned
+    it off); one whose rotary positions are one off is turned off, and the tokens are then
+    transformers'. Under the CPU's rule, the rounding is enough to turn it off."""
+    monkeypatch.setattr(fused_kernels, "rotary", _rotary_rounded_once)
+    seen = []
+    agree = decode_path.agrees
+
+    def spy(fast, ref, exact):
+        seen.append((fast, ref))
+        return agree(fast, ref, exact)
+
+    monkeypatch.setattr(decode_path, "agrees", spy)
+
+    shift = [0]  # added to the positions the decode path's rotary embedding reads
+    real = DecodePath.__call__
+
+    def shifted(self, plan):
+        return real(self, dataclasses.replace(plan, positions=plan.positions + shift[0]))
+
+    monkeypatch.setattr(DecodePath, "__call__", shifted)
+
+    def run(exact: bool, by: int) -> tuple[LLMEngine, list]:
+        on, _ = engines(family, "bfloat16")
+        on.runner.decode_path.fused_rope, on.runner.decode_path.native_rope = by == 0, False
+        on.runner.exact_decode_check = exact
+        shift[0] = by
+        return on, on.generate_batch(PROMPTS, sampled(6))
+
+    rounded, _ = run(exact=False, by=0)
+    fast, ref = seen.pop()
+    assert not torch.equal(fast, ref)
+    assert (fast.float() - ref.float()).abs().max() > 0.01 * ref.float().abs().max()
+    assert 0 < decode_path.relative_error(fast, ref) <= decode_path.rounding_tolerance(torch.bfloat16)
+    assert rounded.runner.decode_path is not None and rounded.runner.decode_path_checked
+    assert run(exact=True, by=0)[0].runner.decode_path is None
+    seen.clear()
+    wrong, got = run(exact=False, by=1)
+    fast, ref = seen.pop()
+    assert decode_path.relative_error(fast, ref) > 4 * decode_path.rounding_tolerance(torch.bfloat16)
+    assert wrong.runner.decode_path is None
+    _, off = engines(family, "bfloat16")
+    want = off.generate_batch(PROMPTS, sampled(6))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.log_probs for o in got] == [o.log_probs for o in want]
