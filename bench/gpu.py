@@ -1167,20 +1167,23 @@ def main() -> None:
         "logprob": {},
         "errors": {},
     }
+    kind = result_kind(args.device, args.smoke)
+    if args.engine_opts.get("batch_invariant"):  # beside the default's figures, not over them
+        kind += "-batch-invariant" + ("-wide" if args.wide_numerics else "")
+    # written again after each part: a run stopped by a time limit keeps the parts it finished
     for name in args.workloads:
         run_workload(name, args, budget, res)
-    res["ratios"] = ratios(res["rollout"])
+        res["ratios"] = ratios(res["rollout"])
+        write_result("gpu", res, kind=kind)
     if "attention" in args.parts:
         print(f"[{budget.elapsed():5.0f} s] the decode attention kernel's launch choices", flush=True)
         res["attention"] = attempt(res["errors"], "attention", attention_sweep, args)
+        write_result("gpu", res, kind=kind)
     if "grpo" in args.parts:
         print(f"[{budget.elapsed():5.0f} s] grpo beside TRL", flush=True)
         res["grpo"] = attempt(res["errors"], "grpo", grpo, args, budget)
     res["total_s"] = budget.elapsed()
-    kind = result_kind(args.device, args.smoke)
-    if args.engine_opts.get("batch_invariant"):  # beside the default's figures, not over them
-        kind += "-batch-invariant" + ("-wide" if args.wide_numerics else "")
-    path = write_result("gpu", res, kind=kind)  # first: nothing is lost
+    path = write_result("gpu", res, kind=kind)  # before the summary: nothing is lost
     print_summary(res)
     print(f"wrote {path}")
 

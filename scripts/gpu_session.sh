@@ -44,13 +44,25 @@ case "$step" in
     out=${OUT:-runs/gpu_session}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    python3 -m bench gpu "$@" 2>&1 | tee "$out/bench.log"
+    # each part's JSON goes to $OUT as soon as it is written: a call cut short by the device's time
+    # limit keeps what was measured before
+    touch "$out/started"  # the results written since (not the ones the checkout holds)
+    keep() {
+      find bench/results \( -name 'gpu-*.json' -o -name 'decode_check-*.json' \) -newer "$out/started" \
+        -exec cp {} "$out/" \; 2>/dev/null || true
+    }
+    (while sleep 10; do keep; done) &  # the bench rewrites its JSON after each part
+    keeper=$!
+    trap 'kill $keeper 2>/dev/null || true' EXIT
+    python3 -m bench gpu "$@" 2>&1 | tee "$out/bench.log" || true  # the other parts run whatever it did
+    keep
     # the log-prob gap under batch-invariant numerics (float64 products and reductions on a GPU)
     timeout 150 python3 -m bench gpu --parts logprob --workloads smollm2 --impls tidal --prompts 4 \
       --max-new-tokens 64 --self-gap-samples 2 --engine-opt batch_invariant=true 2>&1 | tee "$out/bench-invariant.log" || true
+    keep
     # how far the decode path is from transformers' forward on this GPU (its first-step check)
-    timeout 90 python3 -m bench decode_check --device cuda --rows 8,64 2>&1 | tee "$out/decode-check.log" || true
-    cp bench/results/gpu-*.json bench/results/decode_check-*.json "$out/" 2>/dev/null || true
+    timeout 60 python3 -m bench decode_check --device cuda --rows 8,64 2>&1 | tee "$out/decode-check.log" || true
+    keep
     ;;
   *)
     echo "usage: bash scripts/gpu_session.sh stage|tests|run [bench gpu options]" >&2
