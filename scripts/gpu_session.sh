@@ -11,6 +11,9 @@
 # `bench decode_check`), and copies
 # the JSONs and logs to $OUT (or runs/gpu_session/). On a
 # machine that has SmolLM2 and TRL installed, `tests` then `run` do it all without staging.
+# A 15-minute device lease fits both calls: the machine's start (a minute or two), `stage` (give the
+# call timeout_s 250: the tests stop at 200 s), then at once `run --budget-s 300` (timeout_s: what
+# is left, up to 560; the bench's parts that finished reach $OUT even if the call is cut).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site
@@ -30,7 +33,7 @@ case "$step" in
     out=${OUT:-runs/gpu_session}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_paged_kernel.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_paged_kernel.py \
       tests/engine/test_fused_kernels.py tests/engine/test_static_decode.py tests/engine/test_quant.py \
       tests/test_invariant.py::test_on_a_gpu_the_trainer_scores_the_engines_bf16_tokens_bit_for_bit \
       tests/engine/test_sample_kernel.py::test_the_kernel_draws_the_torch_paths_tokens_on_cuda \
