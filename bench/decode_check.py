@@ -92,30 +92,25 @@ def _model(name: str):
     return tiny_model(name[len("tiny-") :]), None, prompts
 
 
-def main() -> None:
+def measure(model: str, dtype: str, device: str, row_counts: list[int]) -> list[dict]:
+    """One row per (row count, case): the first-step check's inputs compared both ways."""
     import torch
 
     from tidal.contracts import SamplingParams
     from tidal.engine.decode_path import relative_error, rounding_tolerance
     from tidal.engine.llm_engine import LLMEngine
 
-    p = argparse.ArgumentParser(prog="python -m bench decode_check")
-    p.add_argument("--model", default="smollm2", help="smollm2, or tiny-<family> (llama, qwen3, ...)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--rows", default="1,8,64")
-    args = p.parse_args()
-    path, tok, prompts = _model(args.model)
+    path, tok, prompts = _model(model)
     rows = []
-    for n in [int(x) for x in args.rows.split(",")]:
+    for n in row_counts:
         for case in CASES:
             seen: list = []
             with _case(case, seen):
-                engine = LLMEngine(path, tok, dtype=args.dtype, device=args.device, kv_cache_tokens=16384)
+                engine = LLMEngine(path, tok, dtype=dtype, device=device, kv_cache_tokens=16384)
                 engine.runner.exact_decode_check = False  # the GPU's rule, on any device
                 params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i, ignore_eos=True) for i in range(n)]
                 engine.generate_batch(prompts[:n], params)
-            fast, ref, dtype = seen[0]
+            fast, ref, logits_dtype = seen[0]
             err = relative_error(fast, ref)
             row = {
                 "rows": n,
@@ -123,7 +118,7 @@ def main() -> None:
                 "same_bits": bool(torch.equal(fast, ref)),
                 "max_diff_over_max_logit": float((fast - ref).abs().max() / ref.abs().max()),
                 "relative_error": err,
-                "tolerance": rounding_tolerance(dtype),
+                "tolerance": rounding_tolerance(logits_dtype),
             }
             row["passes_1pct_rule"] = row["max_diff_over_max_logit"] <= 0.01
             row["passes"] = row["same_bits"] or err <= row["tolerance"]
@@ -134,6 +129,17 @@ def main() -> None:
                 f"relative error {err:.4f} ({'pass' if row['passes'] else 'FAIL'} at {row['tolerance']:.4f})",
                 flush=True,
             )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench decode_check")
+    p.add_argument("--model", default="smollm2", help="smollm2, or tiny-<family> (llama, qwen3, ...)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", default="1,8,64")
+    args = p.parse_args()
+    rows = measure(args.model, args.dtype, args.device, [int(x) for x in args.rows.split(",")])
     settings = {"model": args.model, "dtype": args.dtype, "device": args.device}
     payload = {"machine": machine(), "settings": settings, "rows": rows}
     out = write_result(f"decode_check-{args.model}-{args.dtype}", payload, kind=result_kind(args.device, smoke=False))

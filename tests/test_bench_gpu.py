@@ -62,3 +62,18 @@ def test_trace_steps_without_cuda_events():
 def test_engine_options_are_typed():
     opts = parse_opts(["native_attention=false", "max_num_batched_tokens=4096", "x=0.5", "quantization=fp8"])
     assert opts == {"native_attention": False, "max_num_batched_tokens": 4096, "x": 0.5, "quantization": "fp8"}
+
+
+def test_decode_check_lets_rounding_pass_and_catches_the_faults():
+    """`bench decode_check` on a tiny llama in bf16 (the GPU's rule, run on the CPU): as built the
+    two paths give the same bits; rounded once, they differ by more than 1% of the largest logit
+    yet pass; both faults fail."""
+    from bench.decode_check import measure
+
+    rows = {r["case"]: r for r in measure("tiny-llama", "bfloat16", "cpu", [4])}
+    assert rows["as built"]["same_bits"] and rows["as built"]["passes"]
+    rounded = rows["rotary rounded once"]
+    assert not rounded["same_bits"] and not rounded["passes_1pct_rule"] and rounded["passes"]
+    assert rounded["tolerance"] == 6 * 2**-7
+    for fault in ("positions + 1", "context one short"):
+        assert not rows[fault]["passes"] and rows[fault]["relative_error"] > 4 * rows[fault]["tolerance"]
