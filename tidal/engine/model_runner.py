@@ -704,8 +704,9 @@ class ModelRunner:
         """Whether the decode path computed transformers' logits (`decode_path.agrees`: the same
         bits where `exact_decode_check`, else within rounding)."""
         ok, how = decode_path.agrees(fast, logits, self.exact_decode_check)
-        if ok:
-            log.info("the decode path's logits agree with transformers': %s", how)
+        if ok:  # said where they are not the same bits (a GPU's rounding); else only on request
+            level = logging.DEBUG if torch.equal(fast, logits) else logging.INFO
+            log.log(level, "the decode path agrees with transformers' forward: %s", how)
         else:
             log.warning("the decode path's logits differ from transformers' (%s): kept off", how)
         return ok
