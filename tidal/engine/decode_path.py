@@ -72,8 +72,8 @@ def agrees(fast: Tensor, ref: Tensor, exact: bool) -> tuple[bool, str]:
     maximum over the batch cannot tell the two apart in 16-bit types: one rounding apart in the
     rotary embedding moves real SmolLM2's bf16 logits (8 to 64 rows) by 1.5-1.9% of the largest
     logit and by 0.005-0.019 in relative error, where a position off by one or a context one token
-    short gives 0.10-0.21 (measured on a CPU, `tests/engine/test_decode_path.py` holds tiny
-    models' cases)."""
+    short gives 0.10-0.21 (on a CPU, `python -m bench decode_check`; `tests/engine/test_decode_path.py`
+    holds tiny models' cases)."""
     if torch.equal(fast, ref):
         return True, "the same bits"
     diff = float((fast.float() - ref.float()).abs().max())
