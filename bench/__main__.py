@@ -23,6 +23,7 @@ BENCHES = (
     "model_parallel",
     "host_step",
     "decode_check",
+    "weight_push",
 )
 
 

@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=defaults.max_weights_body_bytes,
         help="largest /update_weights_from_tensor body: one chunk of a trainer's http or delta weight push, "
-        f"32 MiB of tensors as base64, about 45 MB (default: {defaults.max_weights_body_bytes})",
+        f"32 MiB of tensors and their header (default: {defaults.max_weights_body_bytes})",
     )
     s.add_argument(
         "--max-tokenising-bytes",

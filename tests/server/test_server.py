@@ -7,8 +7,10 @@ Token k of a request is `expected_tokens(prompt, n)[k]`, its log-prob `-(k + 1) 
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 import time
+from collections.abc import Awaitable
 
 import httpx
 import pytest
@@ -16,7 +18,7 @@ import torch
 from fake_core import FakeCore, expected_logprobs, expected_tokens
 
 from tidal.adapters.async_engine import AsyncEngine, EngineClosed
-from tidal.adapters.client import encode_tensors
+from tidal.adapters.client import WEIGHTS_CONTENT_TYPE, encode_tensors
 from tidal.contracts import SamplingParams
 from tidal.server.app import build_app
 
@@ -440,13 +442,24 @@ def test_pause_holds_requests_until_continue(tokenizer):
     with_app(core, fn)
 
 
-def test_update_weights_from_tensor_round_trip(tokenizer):
+def post_weights(http: httpx.AsyncClient, form: str, blob: bytes, **options) -> Awaitable[httpx.Response]:
+    """One `/update_weights_from_tensor` call in `form`: `raw` (the blob as the body, the options
+    in the query string, as tidal's trainer sends it) or `json` (base64 in `tensors`)."""
+    if form == "json":
+        return http.post("/update_weights_from_tensor", json={"tensors": base64.b64encode(blob).decode(), **options})
+    query = {k: "null" if v is None else str(v).lower() for k, v in options.items() if v is not None}
+    headers = {"content-type": WEIGHTS_CONTENT_TYPE}
+    return http.post("/update_weights_from_tensor", content=blob, params=query, headers=headers)
+
+
+@pytest.mark.parametrize("form", ["raw", "json"])
+def test_update_weights_from_tensor_round_trip(tokenizer, form):
     core = FakeCore(tokenizer)
     tensors = {"a.weight": torch.randn(3, 4), "b.bias": torch.arange(5).to(torch.bfloat16), "c": torch.tensor([7])}
 
     async def fn(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
         (blob,) = encode_tensors(tensors.items())
-        r = await http.post("/update_weights_from_tensor", json={"tensors": blob, "weight_version": 5})
+        r = await post_weights(http, form, blob, weight_version=5)
         assert r.status_code == 200 and r.json()["success"] is True and r.json()["weight_version"] == 5
         ((named, version),) = core.received
         assert version == 5 and named.keys() == tensors.keys()
@@ -457,9 +470,35 @@ def test_update_weights_from_tensor_round_trip(tokenizer):
         out = (await http.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})).json()
         assert out["meta_info"]["weight_version"] == 5
         # a chunk without a version keeps the current one (passed explicitly), and need not flush
-        body = {"tensors": blob, "weight_version": None, "flush_cache": False}
-        assert (await http.post("/update_weights_from_tensor", json=body)).json()["weight_version"] == 5
+        r = await post_weights(http, form, blob, weight_version=None, flush_cache=False)
+        assert r.json()["weight_version"] == 5
         assert core.received[-1][1] == 5 and core.flushes == 1
+
+    with_app(core, fn)
+
+
+def test_a_raw_weight_chunk_with_a_bad_option_or_body_is_refused_naming_it(tokenizer):
+    """The raw form's options come from the query string: one that is not what its field takes,
+    a blob given twice, or a body that is no safetensors blob is a 400 naming the field, and
+    nothing reaches the engine."""
+    core = FakeCore(tokenizer)
+    (blob,) = encode_tensors([("a.weight", torch.ones(2))])
+
+    async def fn(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
+        cases = [
+            ({"weight_version": "seven"}, blob, "weight_version: must be an int >= 0, got 'seven'"),
+            ({"weight_version": "-1"}, blob, "weight_version: must be an int >= 0, got -1"),
+            ({"stage": "maybe"}, blob, "stage: Input should be a valid boolean"),
+            ({"tensors": "AAAA"}, blob, "tensors: give the blob as the body or as a JSON body's `tensors`, not both"),
+            ({}, b"not safetensors", "tensors: not a safetensors blob (application/octet-stream) ("),
+        ]
+        for query, body, message in cases:
+            headers = {"content-type": WEIGHTS_CONTENT_TYPE}
+            r = await http.post("/update_weights_from_tensor", content=body, params=query, headers=headers)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (query, r.text)
+        assert core.received == []
+        r = await post_weights(http, "raw", blob, weight_version=1, stage=False)
+        assert r.status_code == 200 and core.received[-1][1] == 1
 
     with_app(core, fn)
 

@@ -5,6 +5,7 @@ tokenizer) as such a client would, and waits on conditions, never on timing."""
 
 from __future__ import annotations
 
+import base64
 import re
 import threading
 import time
@@ -164,6 +165,11 @@ def test_logit_bias_outside_the_vocabulary_is_refused(served, route, token):
 
 
 # ---------------------------------------------------------------------- non-finite weights
+def b64(blob: bytes) -> str:
+    """A chunk as a JSON body's `tensors` take it (the form for clients that only send JSON)."""
+    return base64.b64encode(blob).decode("ascii")
+
+
 def greedy_ids(url: str) -> list[int]:
     body = {"input_ids": [5, 9, 33], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     return generate(url, body).json()["output_ids"]
@@ -200,21 +206,23 @@ def test_non_finite_weights_are_refused_and_the_served_weights_kept(served, tmp_
     one_inf["model.norm.weight"] = state["model.norm.weight"].clone()
     one_inf["model.norm.weight"][7] = float("inf")
     (blob,) = encode_tensors(one_inf.items())
-    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": blob, "weight_version": 4}, timeout=120)
+    body = {"tensors": b64(blob), "weight_version": 4}
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json=body, timeout=120)
     assert r.status_code == 400 and r.json()["success"] is False, r.text
     assert r.json()["error"]["message"] == (
         "tensors: update_weights: model.norm.weight holds 1 NaN or infinite value(s) of 64; weights must be finite"
     )
     # a chunk staged for a later update is checked as it arrives
     (chunk,) = encode_tensors([("model.norm.weight", one_inf["model.norm.weight"])])
-    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": chunk, "stage": True}, timeout=120)
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": b64(chunk), "stage": True}, timeout=120)
     assert r.status_code == 400 and "model.norm.weight holds 1 NaN or infinite value(s)" in r.text
 
     assert served_weights(served.url) == weights  # same version, same bytes
     assert greedy_ids(served.url) == before
     # the same weights, finite, load
     (blob,) = encode_tensors(state.items())
-    r = httpx.post(f"{served.url}/update_weights_from_tensor", json={"tensors": blob, "weight_version": 5}, timeout=120)
+    body = {"tensors": b64(blob), "weight_version": 5}
+    r = httpx.post(f"{served.url}/update_weights_from_tensor", json=body, timeout=120)
     assert r.status_code == 200 and served_weights(served.url)["weight_version"] == 5
 
 
@@ -436,10 +444,11 @@ def model_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def blob(named: dict[str, torch.Tensor]) -> str:
+    """`named` in one chunk, as base64 for a JSON body's `tensors`."""
     from tidal.adapters.client import encode_tensors
 
     (one,) = encode_tensors(named.items())
-    return one
+    return b64(one)
 
 
 def push(url: str, named: dict[str, torch.Tensor], version: int | None, **fields) -> httpx.Response:

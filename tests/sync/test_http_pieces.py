@@ -14,7 +14,14 @@ import torch
 from conftest import make_model, make_tokenizer
 
 from tidal.adapters.async_engine import AsyncEngine
-from tidal.adapters.client import DEFAULT_CHUNK_BYTES, EngineClient, body_bytes, decode_tensors, encode_tensors
+from tidal.adapters.client import (
+    DEFAULT_CHUNK_BYTES,
+    WEIGHTS_CONTENT_TYPE,
+    EngineClient,
+    body_bytes,
+    decode_tensors,
+    encode_tensors,
+)
 from tidal.aio import LoopThread
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum
@@ -25,9 +32,7 @@ from tidal.sync.remote import HttpSync
 
 EMBED = "model.embed_tokens.weight"  # 320 x 64 fp32 in the tiny model: 81,920 bytes
 CHUNK = 20_000  # bytes of tensors a request: the embedding in 5 pieces, each MLP matrix (32 KiB) in 2
-LIMIT = (
-    32 * 2**10
-)  # the server's limit on a weight body: a 20,000-byte chunk as base64 fits, the embedding whole does not
+LIMIT = 32 * 2**10  # the server's limit on a weight body: a 20,000-byte chunk fits, the embedding whole does not
 
 
 class Trainer:
@@ -55,8 +60,11 @@ class Served:
         """The version and checksum the server reports."""
         return httpx.get(self.url + "/get_weight_version?checksum=true", timeout=60).json()
 
-    def post(self, blob: str, **body) -> httpx.Response:
-        return httpx.post(self.url + "/update_weights_from_tensor", json={"tensors": blob, **body}, timeout=60)
+    def post(self, blob: bytes, **options) -> httpx.Response:
+        """One chunk as the trainer sends it: the blob as the body, `options` in the query string."""
+        query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()}
+        kw = {"content": blob, "params": query, "headers": {"content-type": WEIGHTS_CONTENT_TYPE}}
+        return httpx.post(self.url + "/update_weights_from_tensor", timeout=60, **kw)
 
     def close(self) -> None:
         self.server.stop()
@@ -161,8 +169,33 @@ def test_a_push_missing_a_piece_or_repeating_one_is_refused_naming_the_tensor(se
     assert served.state() == {"weight_version": 3, "weight_checksum": model_checksum(other)}
 
 
+def test_a_chunk_streamed_without_its_length_loads_and_one_over_the_limit_is_refused(served):
+    """A body sent in pieces with no Content-Length (chunked) is read up to the server's limit:
+    a whole push so sent loads bit for bit, and a body that grows past the limit is a 413 naming
+    the flag, with nothing loaded."""
+    other = make_model(seed=7)
+    blobs = list(encode_tensors(other.named_parameters(), CHUNK))
+
+    def streamed(blob: bytes, **options) -> httpx.Response:
+        query = {k: str(v).lower() for k, v in options.items()}
+        pieces = (blob[i : i + 1000] for i in range(0, len(blob), 1000))  # a generator: no length to send
+        headers = {"content-type": WEIGHTS_CONTENT_TYPE}
+        return httpx.post(served.url + "/update_weights_from_tensor", content=pieces, params=query, headers=headers)
+
+    too_big = blobs[0] * 2  # past the 32 KiB limit only once it has been read in part
+    assert len(blobs[0]) <= LIMIT < len(too_big)
+    r = streamed(too_big, stage=True)
+    assert r.status_code == 413 and r.json()["error"]["message"] == (
+        f"body: more than {LIMIT} bytes (tidal serve --max-weights-body-bytes)"
+    )
+    for blob in blobs[:-1]:
+        assert streamed(blob, stage=True).status_code == 200
+    assert streamed(blobs[-1], weight_version=4).status_code == 200
+    assert served.state() == {"weight_version": 4, "weight_checksum": model_checksum(other)}
+
+
 def test_a_server_limit_below_the_push_chunks_is_refused_before_anything_is_sent(requests):
-    small = Served(16 * 2**10)  # a 20,000-byte chunk is about 27 KB as base64
+    small = Served(16 * 2**10)  # a chunk of up to 20,000 bytes of tensors and its header does not fit
     try:
         with LoopThread() as loop:
             sync = make_sync(small, Trainer(make_model(seed=5)), loop, delta=False)
@@ -171,8 +204,8 @@ def test_a_server_limit_below_the_push_chunks_is_refused_before_anything_is_sent
             sync.close()
         msg = str(err.value)
         assert msg.startswith(f"weight sync to engine {small.url} (engine 0) over http: chunk ")
-        assert "(at most 20000 bytes of tensors, as base64) and the engine takes weight bodies of at most 16384 " in msg
-        assert "bytes: start it with `tidal serve --max-weights-body-bytes " in msg
+        assert "(at most 20000 bytes of tensors and their header) and the engine takes weight bodies of at most " in msg
+        assert "16384 bytes: start it with `tidal serve --max-weights-body-bytes " in msg
         assert msg.endswith("` or more (nothing of this push was sent)")
         assert requests == [] and small.state()["weight_version"] == 0
     finally:

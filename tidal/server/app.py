@@ -86,7 +86,7 @@ class Guard:
             response = error_for(scope["path"], 413, why)
             return await response(scope, receive, send)
         if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body, more = b"", True
+            body, more = bytearray(), True  # grown in place: `bytes +=` would copy it whole for every piece
             while more:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -102,7 +102,7 @@ class Guard:
                 nonlocal replayed
                 if not replayed:
                     replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
                 return await receive()
 
             return await self.app(scope, replay, send)

@@ -28,8 +28,9 @@ class ServerConfig:
 
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
-    # a weight update's chunk (tidal's wire format: base64 of up to 32 MiB of tensors, a larger tensor
-    # in pieces, `tidal.adapters.client`); `tidal serve --max-weights-body-bytes`
+    # a weight update's chunk (tidal's wire format: a safetensors blob of up to 32 MiB of tensors, a
+    # larger tensor in pieces, `tidal.adapters.client`; 4/3 of that as JSON's base64);
+    # `tidal serve --max-weights-body-bytes`
     max_weights_body_bytes: int = 64 * 2**20
     max_n: int = 16
     max_batch: int = 256

@@ -18,10 +18,12 @@ control routes a trainer drives (health, abort, pause/continue, weight updates, 
     POST /continue_generation
     POST /update_weights_from_disk   {"model_path", "weight_version"?, "flush_cache"?, "abort_all_requests"?,
                                      "allow_older"?}
-    POST /update_weights_from_tensor tidal's format: {"tensors": base64 safetensors blob, "weight_version":
-                                     int | null, "flush_cache", "stage", "allow_older"?}; staged chunks load
-                                     with the next unstaged one; a tensor larger than a chunk comes in
-                                     pieces (`tidal.adapters.client`). SGLang's own format
+    POST /update_weights_from_tensor tidal's format: a safetensors blob as the body (application/octet-stream),
+                                     ?weight_version=N&flush_cache=true&stage=false[&partial=true]
+                                     [&allow_older=true]; or JSON {"tensors": the blob as base64,
+                                     "weight_version": int | null, "flush_cache", "stage", "allow_older"?};
+                                     staged chunks load with the next unstaged one; a tensor larger than a
+                                     chunk comes in pieces (`tidal.adapters.client`). SGLang's own format
                                      (`serialized_named_tensors`) carries in-process tensor handles and is
                                      refused with a 400 saying so.
     POST /release_memory_occupation, /resume_memory_occupation    free / take back KV cache and weights

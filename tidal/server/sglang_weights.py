@@ -11,14 +11,17 @@ asleep (`POST /resume_memory_occupation` first).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from tidal.adapters.client import decode_tensors
+from tidal.adapters.client import WEIGHTS_CONTENT_TYPE, decode_tensors
 from tidal.chat.body import Body
 from tidal.chat.errors import ApiError, BadRequest
 from tidal.chat.http_errors import error_response
@@ -130,36 +133,68 @@ async def _load_disk(body: DiskWeightsBody, s: State) -> JSONResponse:
     return JSONResponse({"success": True, "message": msg, "weight_version": engine.weight_version})
 
 
-def _tensor_blob(body: TensorWeightsBody) -> str:
-    """The base64 blob of an `/update_weights_from_tensor` body (tidal's format only)."""
+async def _tensor_request(request: Request) -> tuple[TensorWeightsBody, bytes | None]:
+    """An `/update_weights_from_tensor` call's options, and its body when that is the blob, in
+    either form (`tidal.adapters.client`): the safetensors blob as the body
+    (`WEIGHTS_CONTENT_TYPE`) with the options in the query string, or a JSON body with the blob as
+    base64 in `tensors` (None returned for the body). A bad option or body raises what FastAPI
+    raises for a bad body (a 400 naming the field)."""
+    raw = await request.body()
+    binary = request.headers.get("content-type", "").partition(";")[0].strip().lower() == WEIGHTS_CONTENT_TYPE
+    try:
+        if binary:
+            # query values are text: `weight_version=7`, `stage=true` are read as the int and the bool
+            return TensorWeightsBody.model_validate(dict(request.query_params), strict=False), raw
+        # a JSON body of up to --max-weights-body-bytes: parsed off the event loop
+        return await asyncio.to_thread(TensorWeightsBody.model_validate_json, raw), None
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _tensor_blob(body: TensorWeightsBody, raw: bytes | None) -> bytes | str:
+    """The call's blob: the body itself, or JSON's base64 `tensors` (decoded with the tensors, off
+    the event loop)."""
+    if raw is not None:
+        if body.tensors is not None or body.serialized_named_tensors is not None:
+            raise BadRequest("tensors: give the blob as the body or as a JSON body's `tensors`, not both", "tensors")
+        return raw
     if body.serialized_named_tensors is not None:
         raise BadRequest(
             "serialized_named_tensors: SGLang's format carries in-process tensor handles, which no other "
-            "process can open; send tidal's `tensors` (a base64 safetensors blob, see tidal.adapters.client)"
+            "process can open; send tidal's (a safetensors blob, see tidal.adapters.client)"
         )
     if body.tensors is None:
-        raise BadRequest("tensors: required (a base64 safetensors blob)")
+        raise BadRequest(
+            f"tensors: required (a base64 safetensors blob), or send the blob as the body ({WEIGHTS_CONTENT_TYPE})"
+        )
     return body.tensors
 
 
+def _decode_blob(blob: bytes | str) -> list:
+    """The tensors of a blob, raw or (JSON's `tensors`) base64."""
+    return decode_tensors(base64.b64decode(blob, validate=True) if isinstance(blob, str) else blob)
+
+
 @routes.post("/update_weights_from_tensor")
-async def update_weights_from_tensor(body: TensorWeightsBody, s: State) -> JSONResponse:
+async def update_weights_from_tensor(request: Request, s: State) -> JSONResponse:
     """Load (or stage, for the next call) tensors in tidal's wire format, all or nothing: a
     refused call drops the chunks staged before it too."""
-    return await _answered(lambda: _load_tensors(body, s), s.engine.drop_staged)
+    body, raw = await _tensor_request(request)
+    return await _answered(lambda: _load_tensors(body, raw, s), s.engine.drop_staged)
 
 
-async def _load_tensors(body: TensorWeightsBody, s: State) -> JSONResponse:
+async def _load_tensors(body: TensorWeightsBody, raw: bytes | None, s: State) -> JSONResponse:
     engine = s.engine
-    blob = _tensor_blob(body)
+    blob = _tensor_blob(body, raw)
     version = weight_version(body.weight_version)
     _check_awake(s)
     check = not_older(version, body.allow_older)
     check(engine.weight_version)  # refused before the blob is decoded; the engine thread checks again
     try:
-        named = await asyncio.to_thread(decode_tensors, blob)  # ~1 s per GB: off the event loop
+        named = await asyncio.to_thread(_decode_blob, blob)  # off the event loop
     except Exception as e:
-        raise BadRequest(f"tensors: not a base64 safetensors blob ({type(e).__name__}: {e})") from None
+        what = "a base64 safetensors blob" if isinstance(blob, str) else f"a safetensors blob ({WEIGHTS_CONTENT_TYPE})"
+        raise BadRequest(f"tensors: not {what} ({type(e).__name__}: {e})") from None
     try:
         if body.stage:
             await engine.stage_weights(named)

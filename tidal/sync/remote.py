@@ -236,7 +236,7 @@ class HttpSync(_RemoteSync):
         send = send or named[:1]  # nothing changed: one tensor still carries the new version
         partial = len(send) < len(named)
         blobs = list(encode_tensors(send, self.chunk_bytes))
-        sizes = [len(b) for b in blobs]  # bytes on the wire (base64)
+        sizes = [body_bytes(b) for b in blobs]  # bytes on the wire
         # the last request has the engine load every staged chunk: it gets time for all of them
         loads = [*sizes[:-1], sum(sizes)]
         model_bytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -295,7 +295,7 @@ class HttpSync(_RemoteSync):
             c.base_url,
             self.transport,
             f"chunk {i + 1} of {len(blobs)} is a body of up to {sizes[i]} bytes (at most {self.chunk_bytes} bytes "
-            f"of tensors, as base64) and the engine takes weight bodies of at most {limit} bytes: start it with "
+            f"of tensors and their header) and the engine takes weight bodies of at most {limit} bytes: start it with "
             f"`tidal serve --max-weights-body-bytes {sizes[i]}` or more (nothing of this push was sent)",
             index=self._index(c),
         )
