@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from xdist_groups import pytest_collection_modifyitems  # noqa: F401  (a hook: pytest finds it here)
 
 # Sync rewards run in a pool of `forkserver` processes (tidal.reward.pool; 8 by default), and
 # each new worker imported torch and this module afresh: ~15 s of a loaded 2-core machine per loop

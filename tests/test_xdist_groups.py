@@ -1,4 +1,5 @@
-"""The suite's xdist groups group: pytest-xdist 3.8 puts a test's group in its node id, which
+"""The suite's xdist groups group (`tests/test_cli_inputs.py`'s runs share one worker, so one
+process imports tidal for them all): pytest-xdist 3.8 puts a test's group in its node id, which
 pytest 9.2 no longer lets it change, and then `--dist loadgroup` spreads a group over the workers
 without a word (pyproject.toml keeps pytest below 9.2)."""
 
@@ -8,25 +9,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parent
 
 
-def test_the_tests_on_ray_session_run_in_one_worker(tmp_path):
-    (tmp_path / "conftest.py").write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(TESTS)!r})\n"
-        "import pytest\n"
-        "from xdist_groups import pytest_collection_modifyitems  # noqa: F401\n"
-        "@pytest.fixture\n"
-        "def ray_session():\n"
-        "    return None\n"
+def test_the_tests_of_one_group_run_in_one_worker(tmp_path):
+    tests = "".join(f"@pytest.mark.xdist_group('forks')\ndef test_grouped_{i}():\n    pass\n" for i in range(4))
+    (tmp_path / "test_groups.py").write_text(
+        f"import pytest\n{tests}def test_other_1():\n    pass\ndef test_other_2():\n    pass\n"
     )
-    body = "".join(f"def test_ray_{i}(ray_session):\n    pass\n" for i in range(4))
-    (tmp_path / "test_groups.py").write_text(body + "def test_other_1():\n    pass\ndef test_other_2():\n    pass\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    args = ["-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v", "-rN", "-o", "addopts="]
+    args = ["-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v", "-o", "addopts="]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", *args, str(tmp_path / "test_groups.py")],
         cwd=tmp_path,
@@ -37,5 +28,6 @@ def test_the_tests_on_ray_session_run_in_one_worker(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     ran = {name: worker for worker, name in re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED \S*::(\S+)", out.stdout)}
-    assert sorted(ran) == ["test_other_1", "test_other_2", *(f"test_ray_{i}@ray" for i in range(4))], out.stdout
-    assert len({ran[f"test_ray_{i}@ray"] for i in range(4)}) == 1, ran
+    grouped = [f"test_grouped_{i}@forks" for i in range(4)]
+    assert sorted(ran) == [*grouped, "test_other_1", "test_other_2"], out.stdout
+    assert len({ran[name] for name in grouped}) == 1, ran
