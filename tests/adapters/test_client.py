@@ -288,3 +288,18 @@ def test_a_tensor_larger_than_a_chunk_is_encoded_in_pieces_of_at_most_a_chunk():
     assert torch.equal(pieces.view(30, 7), big) and torch.equal(got["c.half"], half)
     for blob in encode_tensors(named, chunk_bytes=250):  # the body is the blob: 250 bytes and a header
         assert len(blob) < 250 + 400 and body_bytes(blob) == len(blob)
+
+
+def test_a_weight_chunks_options_go_in_the_query_as_the_server_reads_them():
+    """A staged chunk names no version; the last names it and the flags; the rare flags only when set."""
+    from tidal.adapters.client import weights_query
+
+    assert weights_query(None, False, True) == {"flush_cache": "false", "stage": "true"}
+    assert weights_query(7, True, False) == {"weight_version": "7", "flush_cache": "true", "stage": "false"}
+    assert weights_query(0, True, False, partial=True, allow_older=True) == {
+        "weight_version": "0",
+        "flush_cache": "true",
+        "stage": "false",
+        "partial": "true",
+        "allow_older": "true",
+    }

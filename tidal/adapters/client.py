@@ -18,10 +18,11 @@ blob, `safetensors.torch.save({name: cpu_tensor, ...})`, sent as it is
 fields as a JSON body with the blob as base64 in `tensors`, for clients that can only send JSON;
 that form adds about 0.6 s of one core per 32 MiB chunk (base64 and JSON, both ways), where
 writing the blob takes 0.06 s: a push of SmolLM2 in fp32 takes 11 s as JSON, 1.9 s raw
-(`python -m bench weight_push`). A push is sent in
-several such requests (chunks) of at most `chunk_bytes` raw tensor bytes each: all but the last
-are staged (`stage=true`, no version); the last carries the weight version, asks for a cache
-flush and has the server load everything at once.
+(`python -m bench weight_push`).
+
+A push is sent in several such requests (chunks) of at most `chunk_bytes` raw tensor bytes each:
+all but the last are staged (`stage=true`, no version); the last carries the weight version,
+asks for a cache flush and has the server load everything at once.
 
 A tensor larger than `chunk_bytes` is split into pieces: runs of its flattened (row-major)
 elements, each of at most `chunk_bytes` (`chunk_bytes // element_size` elements), that go into
