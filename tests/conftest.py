@@ -369,6 +369,10 @@ def ray_session():
 
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # A worker process that has not registered within Ray's 60 s is killed and started again; on 2
+    # cores loaded by both test parts, an actor's worker can miss that every time, and its first
+    # call waits out the test's bound (the vLLM part's Ray actor did, twice in CI, 17 s alone).
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
     # a folder of this session's own (short: Ray's socket paths must fit in 107 bytes), so a Ray
     # started by another test process at the same time (pytest-xdist, the vLLM tests) never shares it
     temp_dir = tempfile.mkdtemp(prefix="tidal-ray-")
