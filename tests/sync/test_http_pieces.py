@@ -180,7 +180,8 @@ def test_a_chunk_streamed_without_its_length_loads_and_one_over_the_limit_is_ref
         query = {k: str(v).lower() for k, v in options.items()}
         pieces = (blob[i : i + 1000] for i in range(0, len(blob), 1000))  # a generator: no length to send
         headers = {"content-type": WEIGHTS_CONTENT_TYPE}
-        return httpx.post(served.url + "/update_weights_from_tensor", content=pieces, params=query, headers=headers)
+        url = served.url + "/update_weights_from_tensor"
+        return httpx.post(url, content=pieces, params=query, headers=headers, timeout=60)
 
     too_big = blobs[0] * 2  # past the 32 KiB limit only once it has been read in part
     assert len(blobs[0]) <= LIMIT < len(too_big)
