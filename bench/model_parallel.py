@@ -23,7 +23,6 @@ import argparse
 import json
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -103,9 +102,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, layout: str, args: d
 def child(args) -> None:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tidal.net import host_store
+
+    store = host_store("127.0.0.1", 600)  # the ranks meet here, as at the store `TrainerGroup` serves
+    port = store.port
     out = tempfile.mktemp()
     work = {k: getattr(args, k) for k in ("samples", "prompt", "response", "steps")}
     mp.spawn(_rank, args=(2, port, args.model_dir, args.child, work, out), nprocs=2, join=True)

@@ -195,18 +195,25 @@ def hf_greedy(model, prompt, n):
     return toks[: toks.index(2) + 1] if 2 in toks else toks
 
 
+def rank_store():
+    """(a TCP store served from this process, its tcp:// url) for spawned `TrainerRank`s to meet at:
+    they join it as clients, as they join the store `TrainerGroup` serves. Keep the store while
+    the ranks run."""
+    from tidal.net import host_store
+
+    store = host_store("127.0.0.1", 600)
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
 def spawn_ranks(main, world: int, out: str, *args) -> list:
     """Run `main(rank, world, init, out, *args)` in `world` spawned processes that meet at `init`
-    (a free local port); each saves its results with `torch.save` to f"{out}.{rank}". Returns the
+    (`rank_store`); each saves its results with `torch.save` to f"{out}.{rank}". Returns the
     results in rank order."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(main, args=(world, f"tcp://127.0.0.1:{port}", out, *args), nprocs=world, join=True)
+    store, init = rank_store()
+    mp.spawn(main, args=(world, init, out, *args), nprocs=world, join=True)
+    del store  # served until every rank has ended
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 

@@ -1,9 +1,10 @@
-"""This machine's address and a free TCP port, for process groups and servers that other
-processes (Ray actors, engine servers) must reach."""
+"""This machine's address, a free TCP port, and a TCP store served from here, for process groups
+and servers that other processes (Ray actors, engine servers) must reach."""
 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 
 def free_port() -> int:
@@ -29,3 +30,31 @@ def node_ip() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def host_store(host: str, timeout_s: float) -> Any:
+    """A torch.distributed TCP store served from this process on a port the kernel picks as it binds
+    (`.port`), for ranks in other processes to meet at `host`:`.port` as clients.
+
+    A port chosen free here and bound later by a rank in another process is free only until then:
+    under load, another process's server or outgoing connection can take it meanwhile, and the
+    rank fails to start ("address already in use"). Binding before anyone is told the port leaves
+    no such moment. Keep the store while its ranks use it: dropping it stops the server."""
+    import datetime
+
+    import torch.distributed as dist
+
+    limit = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, None, True, timeout=limit, wait_for_workers=False)
+
+
+def join_store(url: str, timeout_s: float) -> Any:
+    """A client of the TCP store at `url` (tcp://host:port, served by `host_store`), waiting up to
+    `timeout_s` seconds for it to answer and then for each key asked of it."""
+    import datetime
+    from urllib.parse import urlparse
+
+    import torch.distributed as dist
+
+    where = urlparse(url)
+    return dist.TCPStore(where.hostname, where.port, None, False, timeout=datetime.timedelta(seconds=timeout_s))

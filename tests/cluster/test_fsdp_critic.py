@@ -3,12 +3,10 @@ holding the critic beside its actor, compute the values one process computes, ta
 update (loss, gradient norm, values after), and their checkpoint state resumes in one process;
 the same with the two ranks splitting each row's tokens (context parallel)."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_samples
+from conftest import make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.critic import Critic
@@ -19,12 +17,6 @@ TRAIN = TrainConfig(
     global_batch_size=4, max_tokens_per_micro_batch=24, packing=True, lr=1e-3, dtype="float32", max_grad_norm=1.0
 )
 ALGO = AlgoConfig(advantage="ppo", critic_lr=1e-2)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batch():
@@ -56,7 +48,9 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str, cp: i
 def two_ranks(tiny_model_dir, tmp_path_factory, request):
     cp = request.param
     out = str(tmp_path_factory.mktemp("fsdp_critic") / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out, cp), nprocs=2, join=True)
+    store, init = rank_store()
+    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out, cp), nprocs=2, join=True)
+    del store
     result = torch.load(out, weights_only=False)
     result["sums"] = Sums()
     for r in range(2 // cp):  # as `RankCritic.train_step` adds them up: one rank of each dp group

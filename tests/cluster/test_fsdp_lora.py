@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_samples
+from conftest import make_samples, rank_store
 from safetensors.torch import load_file
-from test_fsdp_ranks import ADV, TRAIN, _port
+from test_fsdp_ranks import ADV, TRAIN
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -39,7 +39,9 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp_lora") / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out), nprocs=2, join=True)
+    store, init = rank_store()
+    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    del store
     sums = [torch.load(f"{out}.sums{r}", weights_only=False) for r in range(2)]
     return {**torch.load(out, weights_only=False), "adapter": f"{out}.adapter", "rank_sums": sums}
 

@@ -1,13 +1,12 @@
 """Trainer ranks with FSDP2 over gloo take exactly the step one process takes, and their
 checkpoint state resumes on another number of ranks (two processes, a tiny model)."""
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_samples
+from conftest import make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -24,12 +23,6 @@ TRAIN = TrainConfig(
 )
 ALGO = AlgoConfig()
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
@@ -65,8 +58,9 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
-    init = f"tcp://127.0.0.1:{_port()}"
+    store, init = rank_store()
     mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    del store
     result = torch.load(out, weights_only=False)
     result["folder"] = Path(f"{out}.model")
     result["logp_parts"] = [torch.load(f"{out}.logp{r}") for r in range(2)]
@@ -175,7 +169,9 @@ def test_a_bad_step_is_skipped_by_every_rank(tiny_model_dir, tmp_path):
     """Both ranks skip the same optimizer step (the first of two: samples 0-3 hold none of the NaN,
     4-7 do), so they take the good one and stay in step."""
     out = str(tmp_path / "bad")
-    mp.spawn(_bad_step_main, args=(2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), out), nprocs=2, join=True)
+    store, init = rank_store()
+    mp.spawn(_bad_step_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    del store
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     assert [r["extra"]["actor/bad_steps"] for r in ranks] == [1.0, 1.0]
     # the single process's first step alone (samples 0-3) gives the same weights

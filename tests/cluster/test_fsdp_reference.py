@@ -2,12 +2,10 @@
 ranks holds half of their weights, and their log-probs (and the KL loss of a step) are one
 process's."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_model, make_samples
+from conftest import make_model, make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -17,12 +15,6 @@ TRAIN = TrainConfig(
     global_batch_size=4, max_tokens_per_micro_batch=24, packing=True, lr=1e-2, dtype="float32", max_grad_norm=1.0
 )
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def algo(teacher: str) -> AlgoConfig:
@@ -55,8 +47,9 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     teacher = tmp / "teacher"
     make_model(seed=1).save_pretrained(teacher)
     out = str(tmp / "rank")
-    args = (2, f"tcp://127.0.0.1:{_port()}", str(tiny_model_dir), str(teacher), out)
-    mp.spawn(_rank_main, args=args, nprocs=2, join=True)
+    store, init = rank_store()
+    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), str(teacher), out), nprocs=2, join=True)
+    del store
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)], str(teacher)
 
 

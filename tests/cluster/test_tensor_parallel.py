@@ -222,9 +222,10 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_one_process(run_ranks, tiny_model_dir
 def _vocab_main(rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
+    from tidal.net import join_store
     from tidal.train.parallel import VocabSplit, vocab_log_probs_and_entropy
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_store(init, 120), rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(6, 40, generator=gen)
     labels = torch.tensor([0, 19, 20, 39, 7, 33])  # on either side of the split

@@ -18,7 +18,7 @@ from conftest import make_model, make_tokenizer
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.weights import model_checksum, weights_checksum
-from tidal.net import free_port
+from tidal.net import free_port, host_store
 from tidal.server.app import BackgroundServer, build_app
 from tidal.sync.group import WeightGroup, join_weight_group
 
@@ -45,12 +45,13 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def form_group(url: str, name: str) -> WeightGroup:
-    """Rank 0 here, the server rank 1: both sides must be joining at once."""
-    port = free_port()
+    """Rank 0 here (serving the group's store, as `tidal.sync.distributed` does), the server rank 1:
+    both sides must be joining at once."""
+    store = host_store("127.0.0.1", 60)
     with ThreadPoolExecutor(1) as pool:
-        body = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=name)
+        body = dict(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, group_name=name)
         answer = pool.submit(post, url, "/init_weights_update_group", {**body, "backend": "gloo"})
-        group = join_weight_group("127.0.0.1", port, 0, 2, name, "gloo", timeout=60)
+        group = join_weight_group("127.0.0.1", store.port, 0, 2, name, "gloo", timeout=60, store=store)
         resp = answer.result()
     assert resp.status_code == 200, resp.text
     assert resp.json()["success"] is True
@@ -75,7 +76,8 @@ def send(url: str, group: WeightGroup, named: list[tuple[str, torch.Tensor]], **
 
 def test_group_is_formed_the_way_sglang_forms_it():
     """A rank that joins as SGLang's init_custom_process_group does (rendezvous, a PrefixStore
-    named after the group, torch's group helper) meets tidal's rank 0: same store keys."""
+    named after the group, torch's group helper) meets tidal's rank 0, which serves the store
+    (`host_store`): same store keys."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -84,7 +86,8 @@ def test_group_is_formed_the_way_sglang_forms_it():
         rendezvous,
     )
 
-    name, port = group_name(), free_port()
+    name, store = group_name(), host_store("127.0.0.1", 60)
+    port = store.port
     timeout = datetime.timedelta(seconds=60)
     got = {}
 
@@ -102,7 +105,7 @@ def test_group_is_formed_the_way_sglang_forms_it():
 
     thread = threading.Thread(target=sglang_rank)
     thread.start()
-    group = join_weight_group("127.0.0.1", port, 0, 2, name, "gloo", timeout=60)
+    group = join_weight_group("127.0.0.1", port, 0, 2, name, "gloo", timeout=60, store=store)
     group.broadcast(torch.arange(5.0))
     thread.join(60)
     group.close()

@@ -77,6 +77,15 @@ def _waiting_in(error: BaseException) -> str | None:
     return f"{inner[-1][2]}{place}"
 
 
+def actor_death(error: BaseException) -> str:
+    """What Ray says ended a dead actor's process, in one line: `SYSTEM_ERROR: Worker unexpectedly
+    exits with a connection error code 2` (killed: by SIGKILL, the kernel's OOM killer or a
+    crash), `NODE_OUT_OF_MEMORY: Task was killed due to the node running low on memory`; "" when
+    Ray's message has no exit type (its wording changed, or the error is not an actor's death)."""
+    found = re.search(r"Worker exit type: (\S+) Worker exit detail: (.+?)(?:\.\s|\.?$)", str(error), re.S)
+    return f"{found[1]}: {found[2].strip()}" if found else ""
+
+
 def _reason(error: BaseException) -> str:
     """The first sentence of the error a rank raised, without gloo's source location."""
     cause = getattr(error, "cause", None) or error
@@ -98,14 +107,15 @@ def describe_failure(
     import ray
 
     states = {r: process_state(where[r]) for r in pending}
-    dead = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
+    # a rank whose constructor raised is reported by Ray as a dead actor: it failed, with its error
+    dead = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError) and not e.actor_init_failed]
     dead += [r for r in pending if states[r] == "gone"]
     stopped = [r for r in pending if states[r] == "stopped"]
     waiting = {r: _waiting_in(e) for r, e in errors.items() if r not in dead}
     waiting = {r: w for r, w in waiting.items() if w is not None}
     own = [r for r in errors if r not in dead and r not in waiting]
     silent = [r for r in pending if states[r] is None]
-    culprits: list[tuple[int, str]] = [(r, f"died during {what} (its process is gone)") for r in sorted(dead)]
+    culprits: list[tuple[int, str]] = [(r, f"died during {what} ({_gone(errors.get(r))})") for r in sorted(dead)]
     culprits += [
         (r, f"stopped during {what} (its process is stopped: SIGSTOP, a debugger or job control)") for r in stopped
     ]
@@ -128,6 +138,12 @@ def describe_failure(
         if r not in named:
             parts.append(f"rank {r} had not finished yet")
     return "; ".join(parts), culprits[0][0]
+
+
+def _gone(error: BaseException | None) -> str:
+    """`its process is gone`, and why where Ray said (`actor_death`)."""
+    why = actor_death(error) if error is not None else ""
+    return f"its process is gone; Ray: {why}" if why else "its process is gone"
 
 
 def wait_for_ranks(

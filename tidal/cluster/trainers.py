@@ -83,7 +83,9 @@ class TrainerRank:
         tp_size: int = 1,
         cp_size: int = 1,
     ) -> None:
-        """`critic`: also hold PPO's critic, from `reference` (the run's initial model).
+        """`init_method`: tcp://host:port of the TCP store the ranks meet at, which their caller
+        serves (`TrainerGroup`; `tidal.net.host_store`). `critic`: also hold PPO's critic, from
+        `reference` (the run's initial model).
         `tp_size`: ranks that split each layer (`tidal.train.parallel`); `cp_size`: ranks that
         split each micro-batch's tokens (`tidal.train.context`). The ranks form a dp x cp x tp
         mesh (dp = world / (cp_size x tp_size)), FSDP2 over its dp and cp dimensions."""
@@ -102,14 +104,12 @@ class TrainerRank:
         choice = resolve_device(device)
         self.device = bind_device(choice.device)
         if world > 1:
-            from urllib.parse import urlparse
+            from tidal.net import join_store
 
-            # The ranks meet over a store of their own, which waits for a slow starter as long as
-            # the start-up may take; `timeout_s` then bounds each collective, so a peer that died
-            # or stopped is found in that time (and named by `TrainerGroup`).
-            url = urlparse(init_method)
-            start = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
-            store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=start)
+            # The ranks meet over the store `TrainerGroup` serves, which waits for a slow starter as
+            # long as the start-up may take; `timeout_s` then bounds each collective, so a peer that
+            # died or stopped is found in that time (and named by `TrainerGroup`).
+            store = join_store(init_method, max(timeout_s, STARTUP_TIMEOUT_S))
             dist.init_process_group(
                 dist_backend(self.device),
                 store=store,
@@ -339,12 +339,14 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from tidal.cluster.ray_setup import actor_gpus
-        from tidal.net import free_port, node_ip
+        from tidal.net import host_store, node_ip
 
         self.timeout = cluster.sync_timeout
         self.tp_size, self.cp_size = cluster.tp_size, cluster.cp_size
         world = cluster.trainers
-        init = f"tcp://{node_ip()}:{free_port()}"
+        # the ranks' store is served from here, bound before they are told its port (`host_store`)
+        self._store = host_store(node_ip(), max(cluster.sync_timeout, STARTUP_TIMEOUT_S)) if world > 1 else None
+        init = f"tcp://{node_ip()}:{self._store.port if self._store else 0}"
         remote = ray.remote(TrainerRank)
         self.ranks = [
             remote.options(
@@ -452,6 +454,7 @@ class TrainerGroup:
 
         for a in self.ranks:
             ray.kill(a)
+        self._store = None
 
 
 class RankCritic:

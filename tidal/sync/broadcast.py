@@ -3,9 +3,10 @@ engine (ranks 1..E); gloo on CPU, NCCL on GPU. Tensors travel in buckets of abou
 each one flat buffer in the engine's dtype; the engines load the whole set at once when the last
 bucket has arrived, and report the version and checksum they hold.
 
-The group is separate from the trainers' FSDP2 group (a process group over its own TCP store),
-so engines never join the trainers' collectives. Its backend follows the device the ranks and
-engines compute on (`tidal.hardware.dist_backend`): gloo for CPU tensors, NCCL for CUDA ones.
+The group is separate from the trainers' FSDP2 group (a process group over a TCP store of its
+own, which the driver serves), so engines never join the trainers' collectives. Its backend
+follows the device the ranks and engines compute on (`tidal.hardware.dist_backend`): gloo for
+CPU tensors, NCCL for CUDA ones.
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ BUCKET_BYTES = 64 * 2**20
 
 
 def join_group(init_method: str, rank: int, world: int, timeout_s: float, device: str | torch.device = CPU):
-    """A process group of `world` ranks over a TCP store at `init_method` (tcp://host:port; rank 0
-    hosts it) for tensors on `device`; blocks until every rank has joined, at most `timeout_s`."""
+    """A process group of `world` ranks over the TCP store at `init_method` (tcp://host:port, served
+    by the driver's `BroadcastSync`) for tensors on `device`; blocks until every rank has joined,
+    at most `timeout_s`."""
+    from tidal.net import join_store
+
     url = urlparse(init_method)
+    store = join_store(init_method, timeout_s)
     if is_cuda(device):
         from tidal.sync.group import join_weight_group
 
         # torch's group helper builds NCCL groups; the store's port names the group apart from
         # the one it replaces after an engine restart
         name = f"tidal_broadcast_{url.port}"
-        return join_weight_group(url.hostname, url.port, rank, world, name, "nccl", 2 * timeout_s + 30).pg
-    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = 2 * timeout_s + 30
+        return join_weight_group(url.hostname, url.port, rank, world, name, "nccl", timeout, store=store).pg
     # gloo's own deadline is later than the sync's, so a stuck peer is found (and named) by the
     # caller's deadline rather than by a bare gloo error on whoever waited for it
     return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=2 * timeout_s + 30))
@@ -132,12 +137,15 @@ class BroadcastSync:
     def _join(self) -> None:
         """A new process group of trainer rank 0 and the engines there are now (also after an
         engine was restarted or dropped: the old group still counts the dead one)."""
-        from tidal.net import free_port, node_ip
+        from tidal.net import host_store, node_ip
 
         engines = self.engines
         self.names = [f"{u} (engine {i})" for i, u in enumerate(engines.urls)]
         world = 1 + len(engines.actors)
-        init = f"tcp://{node_ip()}:{free_port()}"
+        # served from here, bound before the ranks are told its port (`host_store`); a new one
+        # for each group, kept until the next replaces it
+        self._store = host_store(node_ip(), self.timeout)
+        init = f"tcp://{node_ip()}:{self._store.port}"
         refs = [self.trainers.ranks[0].join_weight_group.remote(init, world, self.timeout)]
         refs += [a.join_weight_group.remote(init, i + 1, world, self.timeout) for i, a in enumerate(engines.actors)]
         self._wait(refs, [self.trainers.rank_name(0), *self.names], "joining the weight-sync group")
@@ -222,4 +230,4 @@ class BroadcastSync:
         pass  # the engine actors keep what they hold: they are other processes
 
     def close(self) -> None:
-        pass
+        self._store = None  # stops serving the group's store

@@ -32,7 +32,7 @@ import torch
 from tidal.adapters.client import TIDAL_SERVER, EngineClient, EngineError
 from tidal.aio import LoopThread
 from tidal.contracts import Trainer
-from tidal.net import free_port, node_ip
+from tidal.net import host_store, node_ip
 from tidal.sync.base import PushBound, SyncError, check_engine
 from tidal.sync.group import WeightGroup, join_weight_group
 from tidal.sync.remote import _RemoteSync
@@ -219,7 +219,11 @@ class DistributedSync(_RemoteSync):
 
     async def _connect(self) -> None:
         """Form the group: this process is rank 0, each server's ranks follow in order."""
-        address, port = self._master(), free_port()
+        address = self._master()
+        # served here and bound before the servers are told its port (`host_store`): a port chosen
+        # free and bound a moment later can be taken meanwhile
+        store = host_store(address, self._left())
+        port = store.port
         offsets, world = {}, 1
         for c in self.active:
             offsets[c.base_url] = world
@@ -241,7 +245,7 @@ class DistributedSync(_RemoteSync):
             for c in self.active
         }
         joined = _in_thread(
-            lambda: join_weight_group(address, port, 0, world, self.group_name, self.backend, left),
+            lambda: join_weight_group(address, port, 0, world, self.group_name, self.backend, left, store=store),
             "tidal-weight-group",
         )
         await self._together(calls, joined, f"joining the weight group at {address}:{port}")

@@ -2,7 +2,7 @@
 (`/init_weights_update_group`, `/update_weights_from_distributed`).
 
 The group is built the way SGLang builds its own (`init_custom_process_group` in SGLang's
-`srt/utils`): a TCP store at `master_address:master_port` (rank 0, the trainer, hosts it), a
+`srt/utils`): a TCP store at `master_address:master_port` (rank 0, the trainer, serves it), a
 `PrefixStore` named after the group, and the backend's process group over that store. Ranks:
 the trainer is 0; a server's ranks are `rank_offset + tp_rank`. A trainer that forms its group
 with `join_weight_group` therefore meets a real SGLang server (NCCL on GPUs) and a `tidal serve`
@@ -32,7 +32,7 @@ class WeightGroup:
     world_size: int
     backend: str
     pg: Any
-    store: Any = field(repr=False, default=None)  # kept alive: rank 0 hosts the TCP store
+    store: Any = field(repr=False, default=None)  # kept alive: rank 0 may serve the TCP store
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` from rank 0 (received in place on the other ranks)."""
@@ -61,9 +61,12 @@ def join_weight_group(
     group_name: str,
     backend: str = "gloo",
     timeout: float = 300.0,
+    store: Any = None,
 ) -> WeightGroup:
     """Join (rank 0: create) the group; blocks until all `world_size` ranks have joined, at most
-    `timeout` seconds, which also bounds every later operation on the group."""
+    `timeout` seconds, which also bounds every later operation on the group. `store`: a TCP store
+    this process already serves or reaches at `master_address:master_port` (`tidal.net.host_store`,
+    `join_store`), used instead of a rendezvous there, in which rank 0 would bind that port."""
     from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 
     if not group_name:
@@ -72,7 +75,8 @@ def join_weight_group(
         raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
     limit = datetime.timedelta(seconds=timeout)
     host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=limit))
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=limit))
     store.set_timeout(limit)
     prefixed = PrefixStore(group_name, store)
     if backend == "gloo":
