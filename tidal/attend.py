@@ -19,7 +19,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    # at least float32: a bf16 softmax loses the small weights; float64 inputs stay float64
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype) @ v
 
 
 def causal_mask(queries: int, keys: int, first: int | None = None, window: int | None = None, device=None) -> Tensor:
