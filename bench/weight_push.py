@@ -22,38 +22,39 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import torch
 
 from bench.common import machine, machine_kind, write_result
+from tidal.server.app import LISTENING
 
 FORMS = ("json", "raw")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(dtype: str, port: int) -> subprocess.Popen:
-    """`tidal serve smollm2` on `port`, returned once /health answers."""
-    cmd = [sys.executable, "-m", "tidal.cli", "serve", "smollm2", "--dtype", dtype, "--port", str(port)]
+def start_server(dtype: str, log) -> tuple[subprocess.Popen, str]:
+    """`tidal serve smollm2` on a free port, its output in the file `log`: (the process, its URL),
+    returned once /health answers."""
+    cmd = [sys.executable, "-m", "tidal.cli", "serve", "smollm2", "--dtype", dtype, "--port", "0"]
     cmd += ["--kv-cache-tokens", "2048"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
+    url = None
     while time.monotonic() < deadline:
+        log.seek(0)
+        text = log.read().decode(errors="replace")
         if proc.poll() is not None:
-            sys.exit(f"tidal serve exited ({proc.returncode}):\n{proc.stderr.read()[-4000:]}")
+            sys.exit(f"tidal serve exited ({proc.returncode}):\n{text[-4000:]}")
+        said = [line for line in text.splitlines() if line.startswith(LISTENING)]
+        url = url or (said[0][len(LISTENING) :].strip() if said else None)
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
+            if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -111,11 +112,11 @@ def main() -> None:
     b64_s = time.perf_counter() - b64_s
     del blobs
 
-    port = free_port()
-    proc = start_server(args.dtype, port)
+    log = tempfile.TemporaryFile()
+    proc, url = start_server(args.dtype, log)
     times: dict[str, list[float]] = {f: [] for f in FORMS}
     try:
-        sync = HttpSync(Trainer(), [EngineClient(f"http://127.0.0.1:{port}", 600)], timeout=600)
+        sync = HttpSync(Trainer(), [EngineClient(url, 600)], timeout=600)
         version = 0
         for r in range(args.rounds + 1):
             for form in FORMS if r % 2 == 0 else FORMS[::-1]:  # A B B A: neither form always goes first

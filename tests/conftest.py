@@ -217,6 +217,35 @@ def spawn_ranks(main, world: int, out: str, *args) -> list:
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
+def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 300.0):
+    """`python -m tidal.cli serve ARGS --port 0`, its stdout and stderr in the file `log`:
+    (the process, the URL it printed once it bound a free port). No port is chosen here, so none
+    can be taken by another test's server between choosing and binding it. Its routes may answer
+    a moment later (poll /health)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tidal.server.app import LISTENING
+
+    log = Path(log)
+    cmd = [sys.executable, "-m", "tidal.cli", "serve", *args, "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(LISTENING):
+                return proc, line[len(LISTENING) :].strip()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = f"exited ({proc.returncode})" if proc.returncode is not None else f"did not bind in {timeout:g} s"
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(60)
+            raise RuntimeError(f"tidal serve {why}: {log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+
+
 def record_step_grads(actor) -> dict:
     """A dict that holds, after each optimizer step of `actor`, the gradients that step applied
     (clipped; DTensors gathered whole, a collective every rank runs as it steps): the train step

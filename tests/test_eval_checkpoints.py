@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import hf_greedy, loop_config
+from conftest import hf_greedy, loop_config, start_serve
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tidal.loop
@@ -21,7 +21,6 @@ from tidal.cli import main
 from tidal.config import build_config
 from tidal.eval import eval_config, run_values
 from tidal.model_source import ModelError, locate_model, model_folder
-from tidal.net import free_port
 from tidal.train.checkpoint import export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,12 +218,10 @@ def test_serve_loads_a_lora_run_and_leaves_no_merged_copy_behind(lora_run, tmp_p
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(run, tmp_path / "merged")).eval()
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    url = f"http://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "tidal.cli", "serve", str(run), "--port", url.rsplit(":", 1)[1], "--dtype", "float32"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
     env.pop("TIDAL_API_KEY", None)
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    proc, url = start_serve([str(run), "--dtype", "float32"], log, env)
     try:
         deadline = time.monotonic() + 300
         while True:

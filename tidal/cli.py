@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    s.add_argument("--port", type=int, default=30000, help="port (default: 30000; 0: a free one, printed once bound)")
     s.add_argument(
         "--dtype",
         default="auto",

@@ -516,3 +516,22 @@ def test_update_weights_from_disk(tokenizer, tmp_path):
         assert (await http.get("/get_weight_version")).json() == {"weight_version": 2}
 
     with_app(core, fn)
+
+
+def test_url_of_names_the_bound_port_and_brackets_ipv6():
+    """`tidal serve --port 0` prints this URL: the port the OS chose, an IPv6 host in brackets."""
+    import socket
+
+    from tidal.server.app import url_of
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert url_of(s) == f"http://127.0.0.1:{s.getsockname()[1]}" and s.getsockname()[1] > 0
+    if not socket.has_ipv6:
+        return
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError:  # no IPv6 loopback on this machine
+            return
+        assert url_of(s) == f"http://[::1]:{s.getsockname()[1]}"

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, start_serve
 
 from tidal.adapters.async_engine import AsyncEngine
 from tidal.engine.llm_engine import LLMEngine
@@ -311,38 +311,12 @@ class ServeProcess:
     """`tidal serve` in a subprocess on 127.0.0.1, its address space capped (so a regression fails
     the test instead of exhausting the machine), and its peak RSS readable."""
 
-    def __init__(self, model_dir, *options: str, headroom_gb: float = 4.0) -> None:
+    def __init__(self, model_dir, log, *options: str, headroom_gb: float = 4.0) -> None:
         import resource
-        import socket
-        import subprocess
-        import sys
 
-        self.model_dir = str(model_dir)
-        for attempt in range(3):
-            # a free port now may be taken before the server binds it (other test workers start
-            # servers too): the server that answers must be this one, else try another port
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            cmd = [
-                sys.executable,
-                "-m",
-                "tidal.cli",
-                "serve",
-                self.model_dir,
-                "--port",
-                str(port),
-                "--dtype",
-                "float32",
-            ]
-            self.proc = subprocess.Popen([*cmd, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            self.url = f"http://127.0.0.1:{port}"
-            try:
-                wait_for(self._healthy, "tidal serve answers /health")
-                break
-            except AssertionError as e:
-                if attempt == 2 or "address already in use" not in str(e):
-                    raise
+        self.log = log
+        self.proc, self.url = start_serve([str(model_dir), "--dtype", "float32", *options], log)
+        wait_for(self._healthy, "tidal serve answers /health")
         cap = self.status("VmSize") + int(headroom_gb * 2**30)
         resource.prlimit(self.proc.pid, resource.RLIMIT_AS, (cap, cap))
         assert generate(self.url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
@@ -351,12 +325,9 @@ class ServeProcess:
         self.base = self.status("VmHWM")
 
     def _healthy(self) -> bool:
-        assert self.proc.poll() is None, f"tidal serve exited: {self.proc.stderr.read().decode()[-3000:]}"
+        assert self.proc.poll() is None, f"tidal serve exited: {self.log.read_text()[-3000:]}"
         try:
-            if httpx.get(f"{self.url}/health", timeout=10).status_code != 200:
-                return False
-            # another worker's server on the port would serve its own model folder
-            return httpx.get(f"{self.url}/get_model_info", timeout=10).json()["model_path"] == self.model_dir
+            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -367,7 +338,7 @@ class ServeProcess:
         return int(line.split()[1]) * 1024
 
     def peak_growth(self) -> int:
-        assert self.proc.poll() is None, f"tidal serve died: {self.proc.stderr.read().decode()[-3000:]}"
+        assert self.proc.poll() is None, f"tidal serve died: {self.log.read_text()[-3000:]}"
         return self.status("VmHWM") - self.base
 
     def post_concurrently(self, route: str, body: dict, clients: int) -> list[httpx.Response]:
@@ -397,11 +368,11 @@ def big_bodies(size: int) -> dict[str, tuple[str, dict]]:
     }
 
 
-def test_the_probe_huge_texts_are_refused_unread_and_memory_stays_flat(tiny_model_dir):
+def test_the_probe_huge_texts_are_refused_unread_and_memory_stays_flat(tiny_model_dir, tmp_path):
     """The probe: six 7.8 MB texts at once (under the 8 MiB body limit) took the server from
     0.4 to 8.1 GB RSS while tokenised whole, then refused. Now each is refused before tokenising;
     the server's peak RSS grows by the bodies only (66 MB measured; 512 MB allowed)."""
-    s = ServeProcess(tiny_model_dir)
+    s = ServeProcess(tiny_model_dir, tmp_path / "serve.log")
     try:
         for route, (field, body) in big_bodies(7_800_000).items():
             for r in s.post_concurrently(route, body, 6 if route == "/generate" else 3):
@@ -413,12 +384,12 @@ def test_the_probe_huge_texts_are_refused_unread_and_memory_stays_flat(tiny_mode
         s.close()
 
 
-def test_texts_that_may_fit_are_tokenised_within_the_budget(tiny_model_dir):
+def test_texts_that_may_fit_are_tokenised_within_the_budget(tiny_model_dir, tmp_path):
     """Texts the size check cannot refuse (a context of 4M tokens) are tokenised at most 2.1 MB at
     a time: four 2 MB texts at once grow the peak RSS by one encoding (~0.5 GB measured, 1.2 GB
     allowed; unbounded, six such texts took 2.3-2.7 GB and kept 1.8 GB)."""
     options = ["--max-model-len", "4000000", "--max-request-tokens", "100000000", "--max-tokenising-bytes", "2100000"]
-    s = ServeProcess(tiny_model_dir, *options)
+    s = ServeProcess(tiny_model_dir, tmp_path / "serve.log", *options)
     try:
         field, body = big_bodies(2_000_000)["/generate"]
         for r in s.post_concurrently("/generate", body, 4):

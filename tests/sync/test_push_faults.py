@@ -8,29 +8,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import loop_config
-
-from tidal.net import free_port
+from conftest import loop_config, start_serve
 
 
 class ServeProcess:
     """`tidal serve MODEL` in a process of its own; `stop()` / `cont()` send SIGSTOP / SIGCONT."""
 
     def __init__(self, model_dir: Path, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "tidal.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", port]
-        cmd += ["--dtype", "float32", "--kv-cache-tokens", "512", "--max-num-seqs", "8"]
+        args = [str(model_dir), "--host", "127.0.0.1", "--dtype", "float32", "--kv-cache-tokens", "512"]
+        args += ["--max-num-seqs", "8"]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's tidal
         env.pop("TIDAL_API_KEY", None)
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        self.proc, self.url = start_serve(args, log, env)
         self.stopped = False
 
     def wait_healthy(self, timeout: float = 300.0) -> None:

@@ -29,6 +29,10 @@ from tidal.server.state import Served
 
 log = logging.getLogger("tidal.server")
 
+# The line `serve` prints to stdout once its port is bound, before the model's routes answer: with
+# port 0 it is how a caller learns the port, with no window in which another process could take it.
+LISTENING = "tidal serve: listening on "
+
 OPEN_ROUTES = ("/health",)
 WEIGHT_ROUTES = ("/update_weights_from_tensor",)  # chunks of weights: a limit of their own
 
@@ -189,7 +193,8 @@ def serve(
     log_level: str = "info",
     **engine_kwargs: Any,
 ) -> None:
-    """Load a core engine for `model_dir` and serve it until interrupted.
+    """Load a core engine for `model_dir` and serve it until interrupted. Once the port is bound
+    (`port=0`: a free one), prints `LISTENING` + its URL to stdout.
 
     The core is `core` if given, else `core_factory(model_dir, **engine_kwargs)`, by default
     `LLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir), **engine_kwargs)`."""
@@ -204,9 +209,18 @@ def serve(
         with _sigterm_unwinds():
             images = ImageReader.for_model(model_dir, Path.cwd())  # a vision-language model's
             app = build_app(engine, model_name or str(model_dir), cfg, images)
-            uvicorn.run(app, host=host, port=port, log_level=log_level)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+            sock = server.config.bind_socket()  # exits naming the address where it cannot bind
+            print(f"{LISTENING}{url_of(sock)}", flush=True)
+            server.run(sockets=[sock])
     finally:
         engine.close()
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket ([HOST] for IPv6), the port the one it was given."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 @contextlib.contextmanager
