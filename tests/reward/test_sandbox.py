@@ -169,7 +169,8 @@ def test_fork_bomb_is_refused_and_nothing_survives(backend):
     forked, errno_ = map(int, r.stdout.split())
     assert errno_ == 11  # EAGAIN: the process limit refused the fork
     assert forked == 7  # 8 processes in all, the program itself included
-    assert r.wall_time < 5.0  # the program ended; its sleeping children did not hold the run
+    # "error", not "timeout": the program ended; its sleeping children did not hold the run until
+    # its 10 s deadline (no bound on the wall time here: a loaded CI machine starts processes slowly)
     _assert_clean(r, marker)
 
 
@@ -195,8 +196,8 @@ def test_daemonised_child_is_killed_too(backend):
         print("parent done")
     """
     r = run_code(textwrap.dedent(code), argv=_argv(marker), backend=backend)
+    # "ok", not "timeout": the child's sleep did not hold the run until its 10 s deadline
     assert (r.status, r.stdout) == ("ok", "parent done\n")
-    assert r.wall_time < 3.0
     _assert_clean(r, marker)
 
 
@@ -204,7 +205,6 @@ def test_output_flood_is_cut_and_killed(backend):
     r = run_code("while True: print('x' * 999)", max_output_bytes=5000, timeout=10, backend=backend)
     assert (r.status, r.exit_code, r.reason) == ("output_limit", None, "output exceeded 5000 bytes")
     assert r.stdout == ("x" * 999 + "\n") * 5 and r.stdout_truncated and not r.stderr_truncated
-    assert r.wall_time < 5.0
 
 
 def test_output_within_limit_is_kept_whole(backend):
@@ -635,11 +635,15 @@ def test_rlimits_kills_children_that_left_the_session(escape, cgroup, monkeypatc
     if not cgroup:
         monkeypatch.setattr(sandbox, "_pids_cgroup_root", lambda: None)
     marker = _marker()
+    # the escaped child tells its pid through a pipe the parent waits on, so the parent ends after
+    # the escape whatever the machine's load (a sleep here once lost the race under CI's)
     code = f"""
         import os, sys, time
+        told, tell = os.pipe()
         def escape():
             os.setsid()
-            print(os.getpid(), flush=True)
+            os.write(tell, f"{{os.getpid()}}\\n".encode())
+            os.close(tell)
             os.close(1)
             os.close(2)
             time.sleep(600)
@@ -650,7 +654,8 @@ def test_rlimits_kills_children_that_left_the_session(escape, cgroup, monkeypatc
                     escape()
                 os._exit(0)  # the middle process exits: its child is orphaned
             escape()
-        time.sleep(0.5)
+        os.close(tell)
+        print(os.read(told, 64).decode(), end="", flush=True)
         print("parent done", flush=True)
     """
     r = run_code(textwrap.dedent(code), argv=_argv(marker), backend="rlimits", timeout=30)
