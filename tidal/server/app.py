@@ -213,6 +213,8 @@ def serve(
             sock = server.config.bind_socket()  # exits naming the address where it cannot bind
             print(f"{LISTENING}{url_of(sock)}", flush=True)
             server.run(sockets=[sock])
+            if not server.started:  # as uvicorn.run ends: the app's start-up failed, uvicorn said why
+                raise SystemExit(3)
     finally:
         engine.close()
 
