@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from bench.common import machine, machine_kind, write_result
-from tidal.server.app import LISTENING
+from tidal.server.app import listening_url
 
 FORMS = ("json", "raw")
 
@@ -50,8 +50,7 @@ def start_server(dtype: str, log) -> tuple[subprocess.Popen, str]:
         text = log.read().decode(errors="replace")
         if proc.poll() is not None:
             sys.exit(f"tidal serve exited ({proc.returncode}):\n{text[-4000:]}")
-        said = [line for line in text.splitlines() if line.startswith(LISTENING)]
-        url = url or (said[0][len(LISTENING) :].strip() if said else None)
+        url = url or listening_url(text)
         try:
             if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return proc, url

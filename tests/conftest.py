@@ -227,16 +227,16 @@ def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 
     import time
     from pathlib import Path
 
-    from tidal.server.app import LISTENING
+    from tidal.server.app import listening_url
 
     log = Path(log)
     cmd = [sys.executable, "-m", "tidal.cli", "serve", *args, "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while True:
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(LISTENING):
-                return proc, line[len(LISTENING) :].strip()
+        url = listening_url(log.read_text(errors="replace"))
+        if url:
+            return proc, url
         if proc.poll() is not None or time.monotonic() > deadline:
             why = f"exited ({proc.returncode})" if proc.returncode is not None else f"did not bind in {timeout:g} s"
             if proc.poll() is None:

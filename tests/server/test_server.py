@@ -522,11 +522,14 @@ def test_url_of_names_the_bound_port_and_brackets_ipv6():
     """`tidal serve --port 0` prints this URL: the port the OS chose, an IPv6 host in brackets."""
     import socket
 
-    from tidal.server.app import url_of
+    from tidal.server.app import LISTENING, listening_url, url_of
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         assert url_of(s) == f"http://127.0.0.1:{s.getsockname()[1]}" and s.getsockname()[1] > 0
+        # what a caller reads back from the server's output, logs before and after it
+        output = f"INFO loading\n{LISTENING}{url_of(s)}\nINFO started\n"
+        assert listening_url(output) == url_of(s) and listening_url("INFO loading\n") is None
     if not socket.has_ipv6:
         return
     with socket.socket(socket.AF_INET6) as s:

@@ -126,7 +126,7 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.url = f"http://{self.host}:{self.port}"
+        self.url = url_of(self.sock)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -223,6 +223,12 @@ def url_of(sock: socket.socket) -> str:
     """http://HOST:PORT of a bound socket ([HOST] for IPv6), the port the one it was given."""
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
+def listening_url(output: str) -> str | None:
+    """The URL in the `LISTENING` line of a `tidal serve`'s output; None before it is printed."""
+    said = [line for line in output.splitlines() if line.startswith(LISTENING)]
+    return said[0][len(LISTENING) :].strip() if said else None
 
 
 @contextlib.contextmanager
