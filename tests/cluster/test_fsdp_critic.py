@@ -5,8 +5,7 @@ the same with the two ranks splitting each row's tokens (context parallel)."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import make_samples, rank_store
+from conftest import fork_ranks, make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.critic import Critic
@@ -49,7 +48,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory, request):
     cp = request.param
     out = str(tmp_path_factory.mktemp("fsdp_critic") / "rank0.pt")
     store, init = rank_store()
-    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out, cp), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, (2, init, str(tiny_model_dir), out, cp))
     del store
     result = torch.load(out, weights_only=False)
     result["sums"] = Sums()

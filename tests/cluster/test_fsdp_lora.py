@@ -5,8 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import make_samples, rank_store
+from conftest import fork_ranks, make_samples, rank_store
 from safetensors.torch import load_file
 from test_fsdp_ranks import ADV, TRAIN
 
@@ -40,7 +39,7 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp_lora") / "rank0.pt")
     store, init = rank_store()
-    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, (2, init, str(tiny_model_dir), out))
     del store
     sums = [torch.load(f"{out}.sums{r}", weights_only=False) for r in range(2)]
     return {**torch.load(out, weights_only=False), "adapter": f"{out}.adapter", "rank_sums": sums}

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import make_samples, rank_store
+from conftest import fork_ranks, make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -59,7 +58,7 @@ def _rank_main(rank: int, world: int, init: str, model_dir: str, out: str) -> No
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
     store, init = rank_store()
-    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, (2, init, str(tiny_model_dir), out))
     del store
     result = torch.load(out, weights_only=False)
     result["folder"] = Path(f"{out}.model")
@@ -170,7 +169,7 @@ def test_a_bad_step_is_skipped_by_every_rank(tiny_model_dir, tmp_path):
     4-7 do), so they take the good one and stay in step."""
     out = str(tmp_path / "bad")
     store, init = rank_store()
-    mp.spawn(_bad_step_main, args=(2, init, str(tiny_model_dir), out), nprocs=2, join=True)
+    fork_ranks(_bad_step_main, 2, (2, init, str(tiny_model_dir), out))
     del store
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     assert [r["extra"]["actor/bad_steps"] for r in ranks] == [1.0, 1.0]

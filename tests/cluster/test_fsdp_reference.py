@@ -4,8 +4,7 @@ process's."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import make_model, make_samples, rank_store
+from conftest import fork_ranks, make_model, make_samples, rank_store
 
 from tidal.algo.options import AlgoConfig
 from tidal.train.actor import Actor
@@ -48,7 +47,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     make_model(seed=1).save_pretrained(teacher)
     out = str(tmp / "rank")
     store, init = rank_store()
-    mp.spawn(_rank_main, args=(2, init, str(tiny_model_dir), str(teacher), out), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, (2, init, str(tiny_model_dir), str(teacher), out))
     del store
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)], str(teacher)
 
